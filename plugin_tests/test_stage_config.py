@@ -1,0 +1,176 @@
+"""Pipeline config schema + loader: every error names file, stage and field."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from vllm_omni_plugin.config import (
+    PipelineConfig,
+    StageConfigError,
+    load_pipeline_config,
+    parse_pipeline_config,
+)
+from vllm_omni_plugin.processors import available_processors, get_plugin_manager, hookimpl
+
+REPO = Path(__file__).resolve().parents[1]
+NEEDED = ("thinker2talker", "talker2code2wav")
+
+BASE = {"stages": [
+    {"stage_id": 0, "name": "thinker", "kind": "ar",
+     "final_output": True, "final_output_type": "text"},
+    {"stage_id": 1, "name": "talker", "kind": "ar",
+     "inputs": [0], "input_processor": "thinker2talker"},
+    {"stage_id": 2, "name": "code2wav", "kind": "generation", "inputs": [1],
+     "input_processor": "talker2code2wav", "final_output": True, "final_output_type": "audio"},
+]}
+
+
+@pytest.fixture(autouse=True)
+def processors():
+    """Make sure the processors the configs name exist (fakes if no built-in yet)."""
+    get_plugin_manager.cache_clear()
+    missing = {n: (lambda *a: None) for n in NEEDED if n not in available_processors()}
+    if missing:
+        class Fake:
+            @hookimpl
+            def omni_register_stage_input_processors(self):
+                return missing
+
+        get_plugin_manager().register(Fake(), name="test-fake-processors")
+    yield
+    get_plugin_manager.cache_clear()
+
+
+def write(tmp_path: Path, data) -> Path:
+    p = tmp_path / "pipe.yaml"
+    p.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return p
+
+
+def load_error(tmp_path: Path, data) -> StageConfigError:
+    p = write(tmp_path, data)
+    with pytest.raises(StageConfigError) as ei:
+        load_pipeline_config(p)
+    assert ei.value.path == str(p)
+    assert str(ei.value).startswith(f"{p}: ")
+    return ei.value
+
+
+def mutate(**stage_updates) -> dict:
+    """BASE with ``stage_updates={index: {field: value}}`` applied (value None: delete)."""
+    d = copy.deepcopy(BASE)
+    for idx, upd in stage_updates.items():
+        for k, v in upd.items():
+            if v is None:
+                d["stages"][int(idx[1:])].pop(k)
+            else:
+                d["stages"][int(idx[1:])][k] = v
+    return d
+
+
+def test_qwen3_omni_config_loads():
+    cfg = load_pipeline_config(REPO / "stage_configs" / "qwen3_omni_moe.yaml")
+    assert cfg.model_type == "qwen3_omni_moe"
+    assert [s.name for s in cfg.topological_order()] == ["thinker", "talker", "code2wav"]
+    assert cfg.entry_stage.name == "thinker"
+    assert [s.stage_id for s in cfg.downstream(0)] == [1] and cfg.downstream(2) == []
+    assert [s.final_output_type for s in cfg.final_stages] == ["text", "audio"]
+    talker = cfg.stage(1)
+    assert talker.engine_args["hf_overrides"]["architectures"] == [
+        "OmniPluginQwen3OmniTalker"]
+    assert talker.default_sampling_params == {"temperature": 0.0, "max_tokens": 2048}
+    assert cfg.stage(2).kind == "generation" and cfg.stage(2).runtime.num_replicas == 1
+    with pytest.raises(KeyError):
+        cfg.stage(9)
+
+
+def test_topological_order_of_a_diamond(tmp_path):
+    d = mutate(s2={"inputs": [1, 3]})
+    d["stages"].append({"stage_id": 3, "name": "side", "kind": "ar", "inputs": [0],
+                        "input_processor": "thinker2talker", "runtime": {"devices": [0, 1]}})
+    cfg = load_pipeline_config(write(tmp_path, d))
+    assert [s.stage_id for s in cfg.topological_order()] == [0, 1, 3, 2]
+    assert [s.stage_id for s in cfg.downstream(0)] == [1, 3]
+    assert cfg.stage(3).runtime.devices == "0,1"
+
+
+@pytest.mark.parametrize("data, stage, field, fragment", [
+    (mutate(s1={"input_processor": "thinker2talkr"}), "stage 1 ('talker')", "input_processor",
+     "unknown processor 'thinker2talkr'; available: "),
+    (mutate(s1={"inputs": [5]}), "stage 1 ('talker')", "inputs", "input stage 5 does not exist"),
+    (mutate(s1={"inputs": [1]}), "stage 1 ('talker')", "inputs", "cannot list itself"),
+    (mutate(s1={"inputs": [0, 2]}), "stage 1 ('talker')", "inputs", "cycle: 1 -> 2 -> 1"),
+    (mutate(s2={"stage_id": 0}), "stage 0 ('code2wav')", "stage_id", "duplicate stage_id 0"),
+    (mutate(s1={"runtime": {"num_replicas": "two"}}), "stage 1 ('talker')",
+     "runtime.num_replicas", "valid integer"),
+    (mutate(s1={"runtime": {"devices": "gpu0"}}), "stage 1 ('talker')", "runtime.devices",
+     "device indices"),
+    (mutate(s1={"inputs": ["zero"]}), "stage 1 ('talker')", "inputs[0]", "got 'zero'"),
+    (mutate(s1={"kind": "llm"}), "stage 1 ('talker')", "kind", "'ar', 'generation'"),
+    (mutate(s1={"inputs": None, "input_processor": None}), "stage 1 ('talker')", "inputs",
+     "exactly one entry stage"),
+    (mutate(s1={"input_processor": None}), "stage 1 ('talker')", "input_processor", "required"),
+    (mutate(s0={"input_processor": "thinker2talker"}), "stage 0 ('thinker')",
+     "input_processor", "must be unset"),
+    (mutate(s2={"final_output_type": None}), "stage 2 ('code2wav')", "final_output_type",
+     "required"),
+    (mutate(s1={"imputs": [0]}), "stage 1 ('talker')", "imputs", "did you mean 'inputs'"),
+    (mutate(s1={"stage_id": None}), "stages[1]", "stage_id", "Field required"),
+])
+def test_validation_errors_name_file_stage_field(tmp_path, data, stage, field, fragment):
+    err = load_error(tmp_path, data)
+    assert f": {stage}: field '{field}': " in str(err)
+    assert fragment in str(err)
+    assert err.field == field
+
+
+def test_no_final_output(tmp_path):
+    d = mutate(s0={"final_output": False, "final_output_type": None},
+               s2={"final_output": False, "final_output_type": None})
+    err = load_error(tmp_path, d)
+    assert err.field == "final_output" and "no stage has 'final_output: true'" in str(err)
+
+
+def test_unknown_engine_arg_and_sampling_param(tmp_path):
+    d = mutate(s1={"engine_args": {"max_modle_len": 4096, "enforce_eager": True},
+                   "default_sampling_params": {"temprature": 0.0}})
+    err = load_error(tmp_path, d)
+    msgs = [str(err)] + [str(e) for e in err.more]
+    assert len(msgs) == 2, msgs
+    eng = next(m for m in msgs if "engine_args" in m)
+    assert "stage 1 ('talker'): field 'engine_args': unknown key 'max_modle_len'" in eng
+    assert "did you mean 'max_model_len'" in eng
+    samp = next(m for m in msgs if "default_sampling_params" in m)
+    assert "unknown key 'temprature' (did you mean 'temperature'" in samp
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("stages:\n  - stage_id: 0\n   name: x\n", "line 3, column 4: malformed YAML"),
+    ("stages: [\n", "line 2"),
+    ("stages: []\nstages: []\n", "line 2, column 1: malformed YAML: while constructing a "
+     "mapping, found duplicate key 'stages'"),
+    ("- 1\n", "top level must be a mapping"),
+    ("", "top level must be a mapping"),
+    ("stages: []\n", "field 'stages': List should have at least 1 item"),
+    ("stages: []\nmodel_typ: x\n", "field 'model_typ': unknown field (did you mean 'model_type'"),
+])
+def test_file_level_errors(tmp_path, text, fragment):
+    assert fragment in str(load_error(tmp_path, text))
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(StageConfigError, match="nope.yaml: file not found"):
+        load_pipeline_config(tmp_path / "nope.yaml")
+
+
+def test_direct_construction_and_no_processor_check():
+    with pytest.raises(ValidationError, match="cycle: 1 -> 2 -> 1"):
+        PipelineConfig.model_validate(mutate(s1={"inputs": [0, 2]}))
+    cfg = parse_pipeline_config(mutate(s1={"input_processor": "later"}), check_processors=False)
+    with pytest.raises(StageConfigError, match="x.yaml: stage 1 .*: unknown processor 'later'"):
+        cfg.check_processors(["a"], path="x.yaml")

@@ -1,0 +1,43 @@
+"""vllm-omni-plugin: multi-stage omni models on upstream vLLM.
+
+vLLM calls :func:`register` (entry point ``vllm.general_plugins``) in every
+process. It is idempotent, cheap, and never raises into vLLM.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0.dev0"
+
+_registered = False
+_warned = False
+
+
+def register() -> None:
+    """Register the stage models and apply the serve patches (idempotent)."""
+    global _registered, _warned
+    if _registered:
+        return
+    from vllm_omni_plugin import envs
+    from vllm_omni_plugin.compat import version
+    from vllm_omni_plugin.logger import init_logger
+
+    logger = init_logger(__name__)
+    try:
+        installed = version.vllm_version()
+        if not version.is_supported(installed) and not envs.allow_unsupported_vllm():
+            if not _warned:
+                _warned = True
+                logger.warning(
+                    "vllm-omni-plugin %s supports vLLM %s but vLLM %s is installed; the plugin "
+                    "is disabled. Install a supported vLLM, or set %s=1 to try anyway.",
+                    __version__, version.SUPPORTED_RANGE, installed, envs.ALLOW_UNSUPPORTED_VLLM,
+                )
+            return
+        from vllm_omni_plugin.compat import apply_all
+        from vllm_omni_plugin.models import register_models
+
+        register_models()
+        apply_all()
+        _registered = True
+    except Exception:  # never crash vLLM from a plugin
+        logger.exception("vllm-omni-plugin failed to register; omni mode is unavailable")

@@ -1,0 +1,26 @@
+"""Everything that depends on vLLM's internals: feature detection and patches.
+
+Each patch lives in its own module with ``apply()``, which is idempotent
+(a marker attribute on the patched function) and states why it exists, the
+upstream reason and when to remove it. :func:`apply_all` applies them in order
+and returns the names of those applied, for the environment report.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+PATCH_MODULES = (
+    "vllm_omni_plugin.compat.serve_args",
+    "vllm_omni_plugin.compat.engine_client",
+)
+
+MARKER = "__vllm_omni_plugin_patched__"
+
+
+def apply_all() -> list[str]:
+    applied = []
+    for name in PATCH_MODULES:
+        if importlib.import_module(name).apply():
+            applied.append(name.rsplit(".", 1)[1])
+    return applied

@@ -1,0 +1,39 @@
+"""Patch: vLLM's API server gets the omni engine client in omni mode.
+
+Why: ``vllm serve`` builds its ``EngineClient`` with ``AsyncLLM.from_vllm_config``
+and offers no hook to choose another class. In omni mode (the engine's
+``additional_config`` carries the plugin's settings) the wrapper constructs
+:class:`~vllm_omni_plugin.engine.omni_client.OmniEngineClient`, an ``AsyncLLM``
+subclass, with the same arguments; otherwise it calls vLLM's method unchanged.
+Upstream reason: ``from_vllm_config`` is the only constructor the API server
+uses (same signature 0.25-0.33).
+Remove when: vLLM lets a plugin supply the engine client class.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from vllm_omni_plugin.compat import MARKER
+
+
+def apply() -> bool:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    if getattr(AsyncLLM.from_vllm_config, MARKER, False):
+        return False
+    original = AsyncLLM.from_vllm_config.__func__
+
+    @functools.wraps(original)
+    def from_vllm_config(cls, vllm_config, *args, **kwargs):
+        from vllm_omni_plugin.config.settings import is_omni
+
+        if is_omni(vllm_config) and cls is AsyncLLM:
+            from vllm_omni_plugin.engine.omni_client import OmniEngineClient
+
+            cls = OmniEngineClient
+        return original(cls, vllm_config, *args, **kwargs)
+
+    setattr(from_vllm_config, MARKER, True)
+    AsyncLLM.from_vllm_config = classmethod(from_vllm_config)
+    return True

@@ -1,0 +1,281 @@
+"""Pydantic models of a multi-stage pipeline config (``stage_configs/*.yaml``).
+
+Stages form a DAG: ``inputs`` lists the stage ids whose outputs feed a stage.
+Per-stage checks run in :class:`StageConfig`; cross-stage checks (ids, graph)
+in :class:`PipelineConfig`. Both raise :class:`StageConfigError` (wrapped in a
+pydantic ``ValidationError`` when models are built directly; the loader
+unwraps it). vLLM is imported only when ``engine_args`` or
+``default_sampling_params`` are non-empty.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import heapq
+from collections.abc import Iterable
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class StageConfigError(ValueError):
+    """Invalid pipeline config.
+
+    ``str(err)`` is ``"<path>: stage <id> ('<name>'): field '<field>': <message>"``,
+    omitting parts that are unknown.
+
+    Attributes:
+        path: config file (``str``) or ``None``.
+        stage_id: offending stage's id, or ``None``.
+        stage_name: offending stage's name, or ``None``.
+        stage_index: position in ``stages`` when the id is unknown, or ``None``.
+        field: dotted field path (e.g. ``"runtime.num_replicas"``) or ``None``.
+        message: the bare problem description.
+        more: further errors found in the same pass (``list[StageConfigError]``).
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, stage_id: int | None = None,
+                 stage_name: str | None = None, stage_index: int | None = None,
+                 field: str | None = None):
+        super().__init__(message)
+        self.message, self.path, self.field = message, path, field
+        self.stage_id, self.stage_name, self.stage_index = stage_id, stage_name, stage_index
+        self.more: list[StageConfigError] = []
+
+    def __str__(self) -> str:
+        parts = [] if self.path is None else [str(self.path)]
+        if self.stage_id is not None:
+            name = f" ({self.stage_name!r})" if self.stage_name else ""
+            parts.append(f"stage {self.stage_id}{name}")
+        elif self.stage_index is not None:
+            parts.append(f"stages[{self.stage_index}]")
+        if self.field:
+            parts.append(f"field {self.field!r}")
+        return ": ".join([*parts, self.message]) + "".join(f"\n{e}" for e in self.more)
+
+
+def suggest(name: str, choices: Iterable[str]) -> str:
+    """Return ``" (did you mean 'x'?)"`` for close matches of ``name``, else ``""``."""
+    close = difflib.get_close_matches(name, list(choices), n=3)
+    return f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+
+
+@functools.cache
+def engine_arg_names() -> frozenset[str]:
+    """Field names of ``vllm.engine.arg_utils.EngineArgs`` (imports vLLM)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return frozenset(f.name for f in dataclasses.fields(EngineArgs))
+
+
+@functools.cache
+def sampling_param_names() -> frozenset[str]:
+    """Public field names of ``vllm.SamplingParams`` (imports vLLM)."""
+    from vllm.sampling_params import SamplingParams
+
+    names = getattr(SamplingParams, "__struct_fields__", None)
+    if names is None:
+        names = [f.name for f in dataclasses.fields(SamplingParams)]
+    return frozenset(n for n in names if not n.startswith("_"))
+
+
+def _check_keys(d: dict[str, Any], allowed: frozenset[str], what: str) -> dict[str, Any]:
+    bad = [f"unknown key {k!r}{suggest(k, allowed)}" for k in d if k not in allowed]
+    if bad:
+        raise ValueError(f"{'; '.join(bad)}; keys must be {what} fields")
+    return d
+
+
+class RuntimeConfig(BaseModel):
+    """Placement of a stage's engine.
+
+    ``devices``: comma-separated device indices (``"0"``, ``"0,1"``); a YAML
+    int or list of ints is accepted. ``num_replicas``: engine copies, >= 1.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    devices: str | None = None
+    num_replicas: int = Field(default=1, ge=1)
+
+    @field_validator("devices", mode="before")
+    @classmethod
+    def _devices(cls, v: Any) -> Any:
+        if isinstance(v, list) and all(isinstance(x, int) for x in v):
+            v = ",".join(map(str, v))
+        elif isinstance(v, int) and not isinstance(v, bool):
+            v = str(v)
+        if isinstance(v, str) and not all(p.strip().isdigit() for p in v.split(",")):
+            raise ValueError(f"expected comma-separated device indices like '0,1', got {v!r}")
+        return v
+
+
+class StageConfig(BaseModel):
+    """One stage: an engine plus how its input is built from upstream outputs."""
+
+    model_config = ConfigDict(extra="forbid")
+    stage_id: int = Field(ge=0)
+    name: str = Field(min_length=1)
+    kind: Literal["ar", "generation", "diffusion"]
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    inputs: list[int] = Field(default_factory=list)
+    input_processor: str | None = None
+    final_output: bool = False
+    final_output_type: Literal["text", "audio", "image", "latent"] | None = None
+    default_sampling_params: dict[str, Any] = Field(default_factory=dict)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+
+    @field_validator("engine_args")
+    @classmethod
+    def _engine_args(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return _check_keys(v, engine_arg_names(), "vllm EngineArgs") if v else v
+
+    @field_validator("default_sampling_params")
+    @classmethod
+    def _sampling(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return _check_keys(v, sampling_param_names(), "vllm SamplingParams") if v else v
+
+    @field_validator("inputs")
+    @classmethod
+    def _unique_inputs(cls, v: list[int]) -> list[int]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"duplicate stage ids in {v}")
+        return v
+
+    def _error(self, field: str, message: str) -> StageConfigError:
+        return StageConfigError(message, stage_id=self.stage_id, stage_name=self.name, field=field)
+
+    @model_validator(mode="after")
+    def _consistency(self) -> StageConfig:
+        if self.stage_id in self.inputs:
+            raise self._error("inputs", "a stage cannot list itself as an input")
+        if self.inputs and not self.input_processor:
+            raise self._error("input_processor", "required when 'inputs' is non-empty")
+        if not self.inputs and self.input_processor:
+            raise self._error("input_processor", "must be unset when 'inputs' is empty")
+        if self.final_output and self.final_output_type is None:
+            raise self._error("final_output_type", "required when 'final_output' is true")
+        if not self.final_output and self.final_output_type is not None:
+            raise self._error("final_output_type", "set but 'final_output' is false")
+        return self
+
+
+class PipelineConfig(BaseModel):
+    """A validated stage DAG with exactly one entry stage and >= 1 final-output stage."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    model_type: str | None = None  # informational
+    stages: list[StageConfig] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _check_graph(self) -> PipelineConfig:
+        by_id: dict[int, StageConfig] = {}
+        names: dict[str, StageConfig] = {}
+        for s in self.stages:
+            if (o := by_id.get(s.stage_id)) is not None:
+                raise s._error("stage_id", f"duplicate stage_id {s.stage_id} (also {o.name!r})")
+            if (o := names.get(s.name)) is not None:
+                raise s._error("name", f"duplicate name {s.name!r} (also stage {o.stage_id})")
+            by_id[s.stage_id], names[s.name] = s, s
+        for s in self.stages:
+            for src in s.inputs:
+                if src not in by_id:
+                    ids = ", ".join(map(str, sorted(by_id)))
+                    raise s._error("inputs", f"input stage {src} does not exist; stage ids: {ids}")
+        if cycle := _find_cycle(self.stages):
+            raise by_id[cycle[0]]._error(
+                "inputs", "inputs form a cycle: " + " -> ".join(map(str, cycle)))
+        entries = [s for s in self.stages if not s.inputs]
+        if len(entries) != 1:
+            listed = ", ".join(f"{s.stage_id} ({s.name!r})" for s in entries)
+            raise entries[-1]._error(
+                "inputs", f"exactly one entry stage (empty 'inputs') is allowed; found {listed}")
+        if not any(s.final_output for s in self.stages):
+            raise StageConfigError("no stage has 'final_output: true'", field="final_output")
+        return self
+
+    def stage(self, stage_id: int) -> StageConfig:
+        """Return the stage with ``stage_id``; raises ``KeyError`` if none."""
+        for s in self.stages:
+            if s.stage_id == stage_id:
+                return s
+        raise KeyError(f"no stage with stage_id {stage_id}")
+
+    @property
+    def entry_stage(self) -> StageConfig:
+        """The only stage with empty ``inputs`` (receives client requests)."""
+        return next(s for s in self.stages if not s.inputs)
+
+    @property
+    def final_stages(self) -> list[StageConfig]:
+        """Stages with ``final_output: true``, by stage id."""
+        return sorted((s for s in self.stages if s.final_output), key=lambda s: s.stage_id)
+
+    def downstream(self, stage_id: int) -> list[StageConfig]:
+        """Stages that list ``stage_id`` in ``inputs``, by id; ``KeyError`` if unknown."""
+        self.stage(stage_id)
+        return sorted((s for s in self.stages if stage_id in s.inputs), key=lambda s: s.stage_id)
+
+    def topological_order(self) -> list[StageConfig]:
+        """All stages, every stage after its inputs; ties broken by smaller id."""
+        pending = {s.stage_id: len(s.inputs) for s in self.stages}
+        ready = [i for i, n in pending.items() if n == 0]
+        heapq.heapify(ready)
+        order: list[StageConfig] = []
+        while ready:
+            order.append(self.stage(heapq.heappop(ready)))
+            for d in self.downstream(order[-1].stage_id):
+                pending[d.stage_id] -= 1
+                if pending[d.stage_id] == 0:
+                    heapq.heappush(ready, d.stage_id)
+        return order
+
+    def check_processors(self, available: Iterable[str] | None = None,
+                         path: str | None = None) -> None:
+        """Check every ``input_processor`` is registered.
+
+        Args:
+            available: known names; default: the processor registry (loads plugins).
+            path: config file named in errors.
+        Raises:
+            StageConfigError: unknown name (message lists the available ones).
+        """
+        if available is None:
+            from vllm_omni_plugin.processors.registry import available_processors
+
+            if not any(s.input_processor for s in self.stages):
+                return
+            available = available_processors()
+        names = list(available)
+        for s in self.stages:
+            if s.input_processor and s.input_processor not in names:
+                err = s._error("input_processor", f"unknown processor {s.input_processor!r}; "
+                               f"available: {', '.join(names) or '(none)'}")
+                err.path = path
+                raise err
+
+
+def _find_cycle(stages: list[StageConfig]) -> list[int] | None:
+    """Return a data-flow cycle as ``[a, b, ..., a]`` (``a`` feeds ``b``), or ``None``."""
+    consumers = {s.stage_id: sorted(c.stage_id for c in stages if s.stage_id in c.inputs)
+                 for s in stages}
+    state: dict[int, int] = {}  # 1: on the DFS stack, 2: done
+    stack: list[int] = []
+
+    def visit(n: int) -> list[int] | None:
+        state[n] = 1
+        stack.append(n)
+        for m in consumers[n]:
+            if state.get(m) == 1:
+                return stack[stack.index(m):] + [m]
+            if m not in state and (found := visit(m)):
+                return found
+        state[n] = 2
+        stack.pop()
+        return None
+
+    for sid in sorted(consumers):
+        if sid not in state and (found := visit(sid)):
+            return found
+    return None

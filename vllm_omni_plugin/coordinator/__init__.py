@@ -1,0 +1,1 @@
+"""OmniCoordinator package (replica liveness and load balancing); see issue 3."""

@@ -1,0 +1,44 @@
+"""Environment variables read by the plugin (all prefixed ``VLLM_OMNI_PLUGIN_``).
+
+Each is read at call time, not import time, so tests and child processes see
+the current environment.
+"""
+
+from __future__ import annotations
+
+import os
+
+#: Backend for stage workers: ``auto`` (reference when no accelerator is
+#: usable), ``reference`` (force the CPU reference backend) or ``accelerator``.
+BACKEND = "VLLM_OMNI_PLUGIN_BACKEND"
+#: Directory for the inter-stage payload store (default: a per-run directory
+#: under ``/dev/shm`` when it exists, else the system temp dir).
+PAYLOAD_DIR = "VLLM_OMNI_PLUGIN_PAYLOAD_DIR"
+#: Seconds a stage waits for an upstream payload before failing the request.
+PAYLOAD_TIMEOUT_S = "VLLM_OMNI_PLUGIN_PAYLOAD_TIMEOUT_S"
+#: Set to 1 to register even on a vLLM outside the supported range.
+ALLOW_UNSUPPORTED_VLLM = "VLLM_OMNI_PLUGIN_ALLOW_UNSUPPORTED_VLLM"
+
+_CHOICES = {BACKEND: ("auto", "reference", "accelerator")}
+
+
+def backend() -> str:
+    """The requested stage backend; raises ``ValueError`` on an unknown value."""
+    value = os.environ.get(BACKEND, "auto").strip().lower() or "auto"
+    if value not in _CHOICES[BACKEND]:
+        raise ValueError(
+            f"{BACKEND}={value!r} is not one of {', '.join(_CHOICES[BACKEND])}"
+        )
+    return value
+
+
+def payload_dir() -> str | None:
+    return os.environ.get(PAYLOAD_DIR) or None
+
+
+def payload_timeout_s() -> float:
+    return float(os.environ.get(PAYLOAD_TIMEOUT_S, "60"))
+
+
+def allow_unsupported_vllm() -> bool:
+    return os.environ.get(ALLOW_UNSUPPORTED_VLLM, "0").strip().lower() in ("1", "true", "yes")

@@ -1,0 +1,126 @@
+"""Inter-stage payload store: tensors that cross stages, keyed by request.
+
+A stage's worker publishes per-request tensors (e.g. the thinker's hidden
+states, the talker's codec codes) under an *output key*; the orchestrator
+reads them, runs the stage input processor and publishes the next stage's
+inputs under that stage's *input key*, which its worker reads when the request
+is scheduled. Keys travel to the workers in
+``SamplingParams.extra_args[EXTRA_ARGS_KEY]``, an upstream vLLM field, so no
+vLLM class is patched or rebound (see docs/design/tensors-across-stages.md).
+
+Storage: one directory per key under a run directory shared by the processes
+of one host (``/dev/shm`` when present). Each :meth:`PayloadStore.append`
+writes one safetensors chunk atomically (write + rename); :meth:`get`
+concatenates the chunks in order along dim 0. safetensors never unpickles.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+import time
+import uuid
+
+import torch
+from safetensors.torch import load_file, save_file
+
+#: Key in ``SamplingParams.extra_args`` holding ``{"in": key, "out": key}``.
+EXTRA_ARGS_KEY = "omni_plugin_payload"
+
+_KEY_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+
+
+def default_run_dir() -> str:
+    """A fresh per-run directory under ``/dev/shm`` (or the temp dir)."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    path = os.path.join(base, f"vllm-omni-plugin-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def safe_key(text: str) -> str:
+    """Map an arbitrary request id to a valid payload key."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", text)[:200]
+
+
+class PayloadStore:
+    """Chunked tensor store in a directory shared by the stage processes.
+
+    Args:
+        root: run directory (created if missing).
+
+    Raises:
+        ValueError: for a key that is not ``[A-Za-z0-9._-]{1,200}``.
+    """
+
+    def __init__(self, root: str):
+        self.root = root
+        os.makedirs(root, exist_ok=True)
+
+    def _dir(self, key: str) -> str:
+        if not _KEY_RE.match(key):
+            raise ValueError(f"invalid payload key {key!r}")
+        return os.path.join(self.root, key)
+
+    def append(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Publish one more chunk of ``key`` (tensors concatenated on dim 0 by get)."""
+        d = self._dir(key)
+        os.makedirs(d, exist_ok=True)
+        seq = len([n for n in os.listdir(d) if n.endswith(".st")])
+        tmp = os.path.join(d, f".{seq:08d}.{uuid.uuid4().hex}.tmp")
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp)
+        os.rename(tmp, os.path.join(d, f"{seq:08d}.st"))
+
+    def put(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Replace ``key`` with a single chunk."""
+        self.delete(key)
+        self.append(key, tensors)
+
+    def num_rows(self, key: str, name: str) -> int:
+        """Rows of tensor ``name`` published so far under ``key`` (0 if none)."""
+        return sum(t[name].shape[0] for t in self._chunks(key) if name in t)
+
+    def _chunks(self, key: str) -> list[dict[str, torch.Tensor]]:
+        d = self._dir(key)
+        if not os.path.isdir(d):
+            return []
+        names = sorted(n for n in os.listdir(d) if n.endswith(".st"))
+        return [load_file(os.path.join(d, n)) for n in names]
+
+    def get(self, key: str) -> dict[str, torch.Tensor]:
+        """All chunks of ``key``, each tensor concatenated along dim 0."""
+        merged: dict[str, list[torch.Tensor]] = {}
+        for chunk in self._chunks(key):
+            for name, t in chunk.items():
+                merged.setdefault(name, []).append(t)
+        return {k: torch.cat(v, dim=0) for k, v in merged.items()}
+
+    def wait_rows(self, key: str, name: str, rows: int, timeout_s: float) -> dict[str, torch.Tensor]:
+        """Block until ``name`` under ``key`` has at least ``rows`` rows; return ``get(key)``.
+
+        Raises:
+            TimeoutError: after ``timeout_s`` seconds, naming key, tensor and counts.
+        """
+        deadline = time.monotonic() + timeout_s
+        delay = 0.001
+        while True:
+            data = self.get(key)
+            have = data[name].shape[0] if name in data else 0
+            if have >= rows:
+                return data
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"payload {key!r}: tensor {name!r} has {have} rows, expected {rows} "
+                    f"after {timeout_s:.1f}s"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def delete(self, key: str) -> None:
+        shutil.rmtree(self._dir(key), ignore_errors=True)
+
+    def close(self) -> None:
+        """Remove the whole run directory."""
+        shutil.rmtree(self.root, ignore_errors=True)

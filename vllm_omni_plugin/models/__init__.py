@@ -1,0 +1,21 @@
+"""Stage model classes, registered with vLLM's ModelRegistry by lazy name."""
+
+from __future__ import annotations
+
+#: architecture name -> "module:Class"; referenced from stage YAMLs through
+#: ``engine_args.hf_overrides.architectures``. Names are prefixed so they never
+#: overwrite an architecture vLLM (or upstream vllm-omni) registers.
+STAGE_MODELS = {
+    "OmniPluginQwen3OmniThinker": "vllm_omni_plugin.models.qwen3_omni.thinker:Qwen3OmniThinkerStage",
+    "OmniPluginQwen3OmniTalker": "vllm_omni_plugin.models.qwen3_omni.talker:Qwen3OmniTalkerStage",
+    "OmniPluginQwen3OmniCode2Wav": "vllm_omni_plugin.models.qwen3_omni.code2wav:Qwen3OmniCode2WavStage",
+}
+
+
+def register_models() -> list[str]:
+    """Register every stage model lazily; returns the names registered."""
+    from vllm import ModelRegistry
+
+    for arch, target in STAGE_MODELS.items():
+        ModelRegistry.register_model(arch, target)
+    return list(STAGE_MODELS)

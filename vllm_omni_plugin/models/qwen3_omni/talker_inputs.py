@@ -1,0 +1,590 @@
+"""Stateless pieces of HF ``Qwen3OmniMoeForConditionalGeneration.generate`` for the talker stage.
+
+HF transformers (5.19, ``models/qwen3_omni_moe/modeling_qwen3_omni_moe.py``) runs thinker ->
+talker -> code2wav inside one ``generate`` call. Our stages are separate processes with a paged KV
+cache, so this module re-expresses the HF glue as pure functions. Everything here is checked
+bit-for-bit against HF ``generate`` in ``plugin_tests/test_talker_inputs.py`` (greedy, and
+sampled with the same global torch seed: the RNG draws happen in HF's order).
+
+Thinker outputs the talker needs
+--------------------------------
+HF calls ``thinker.generate(..., output_hidden_states=True, return_dict_in_generate=True)`` and
+concatenates, over generation steps, ``hidden_states[0]`` (``thinker_embed``) and
+``hidden_states[talker_config.accept_hidden_layer]`` (``thinker_hidden``). Step 0 covers the
+``P`` prompt positions and every later step covers one position: the token sampled at the
+previous step. ``G`` generated tokens take ``G`` forwards, so the LAST generated token (normally
+``<|im_end|>``) is never fed: ``T_fed = P + G - 1 = T_seq - 1`` rows for ``T_seq = P + G``
+``sequence_ids``. Row ``p`` belongs to token ``sequence_ids[p]``.
+
+* ``hidden_states[0]`` is the decoder input: ``embed_tokens(id)`` at text positions, the
+  audio/image/video encoder features at multimodal positions.
+* ``hidden_states[k]`` (k >= 1) is the full residual stream after decoder layer ``k - 1`` (HF
+  layers return ``residual + mlp_out``; in vLLM's fused-residual layers that is
+  ``hidden_states + residual`` *before* the next layer's input norm). If ``k`` equals the number
+  of layers it is the final, normed, state.
+* Only multimodal USER positions read ``thinker_hidden`` (through ``hidden_projection``); every
+  other position reads ``thinker_embed`` (through ``text_projection``). For a text-only request the
+  talker prompt is therefore a function of token ids and the thinker's input-embedding table only.
+
+Talker prompt (``build_talker_prompt``)
+---------------------------------------
+``prompt_embeds = [user part ; assistant part]``:
+
+* user part: every prompt position whose turn is a user turn (role token right after the most
+  recent ``<|im_start|>`` is ``user_token_id``; this includes ``<|im_start|>``, ``user``, the
+  content, ``<|im_end|>`` and the ``\\n`` after it), in order, projected as above.
+* assistant part (9 rows), ``a`` = index of the last ``<|im_start|> assistant`` pair in the prompt,
+  ``E = text_projection(thinker_embed[a:])``::
+
+      row  : 0     1     2     3        4          5          6        7          8
+      text : E[0]  E[1]  E[2]  pad      pad        pad        pad      bos        E[3]
+      codec: -     -     -     nothink  think_bos  think_eos  speaker  codec_pad  codec_bos
+
+  (``pad/bos`` = ``text_projection(thinker_embed_tokens(tts_pad/tts_bos))``; codec row =
+  ``talker.get_input_embeddings()(id)``, ``-`` = zeros; each row is text + codec.) ``E[0:3]`` is
+  ``<|im_start|>assistant\\n`` and ``E[3]`` the first generated text token.
+* ``trailing_text_hidden = [E[4:] ; tts_eos]`` (generated tokens 1 .. G-2, i.e. the fed ones, then
+  the tts_eos embedding); HF then moves the tts_eos marker to just after the first thinker eos,
+  which is a no-op for a single sequence that stopped at eos or at max_new_tokens.
+* A prompt without any user turn is not supported by HF (it slices ``[:, -0:]`` and keeps every
+  position); here the user part is then empty.
+* ``talker_input_ids = [user token ids ; tts_pad_token_id x 9]``; only used by HF for the 3D rope
+  index when audio/image/video inputs are present (``audio_feature_lengths`` / grid kwargs).
+
+Talker decode (``reference_talker_generate`` is the executable spec)
+--------------------------------------------------------------------
+Prefill: feed ``prompt_embeds`` ([L, H]) at positions ``0 .. L-1``. Decode step ``s`` (0-based)
+feeds one embedding at position ``L + s``. Text-only: HF builds 4-row position ids
+``[text; t; h; w]`` with all rows equal to ``0..L-1`` (attention mask cumsum - 1) and then
+``past_len + rope_delta`` with ``rope_delta = 0``; interleaved M-RoPE with t == h == w == p is
+exactly 1-D RoPE at ``p``, so plain 1-D positions give identical results (verified by the test,
+which calls ``talker.model`` without position ids). With audio/image/video in the prompt the
+positions come from ``talker.get_rope_index(talker_input_ids, ...)`` and are NOT plain; not covered
+here.
+
+Per frame ``f`` (one talker position gives one 16-code frame):
+
+1. ``h = talker.model(...).last_hidden_state[:, -1]`` (after the final norm) at the last fed
+   position; ``logits = talker.codec_head(h)`` in float32.
+2. logits processors (``process_talker_logits``), in HF order: repetition penalty over the code-0
+   tokens generated so far (HF default ``talker_repetition_penalty=1.05``, applied EVEN when
+   greedy; the prompt is excluded because HF generates from ``inputs_embeds``), the min-new-tokens
+   eos mask (only if requested), then ``talker_logits_mask``: ids ``[V-1024, V)`` minus
+   ``codec_eos_token_id`` are set to ``-inf`` (codec special / speaker ids). Greedy: argmax.
+   Sampled (HF defaults): temperature 0.9, top_k 50, top_p 1.0, multinomial.
+3. ``code0 == codec_eos_token_id`` -> stop; the eos frame is not emitted (HF never computes its
+   residual codes).
+4. ``codes = predict_residual_codes(talker, h, code0)``: code predictor prefill over
+   ``[h, talker.codec_embedding(code0)]`` (positions 0, 1, ``lm_head[0]``), then 14 single-token
+   steps feeding ``code_predictor.model.codec_embedding[j-1](code_j)`` at position ``j+1`` and
+   reading ``lm_head[j]``. Fresh cache per frame. Greedy argmax, or HF sampling (top_k 50,
+   top_p 0.8, temperature 1) when the talker samples.
+5. Next talker input (``talker_step_embeds``) for decode step ``s = f``:
+   ``talker.codec_embedding(code0) + sum_j code_predictor.codec_embedding[j-1](code_j)
+   + (trailing_text_hidden[s] if s < len(trailing_text_hidden) else tts_pad_embed)``.
+
+HF ``talker_max_new_tokens = N`` yields at most ``N - 1`` frames: the N-th code 0 is sampled but
+its residual codes are never computed (they would be computed by the following forward). So
+``reference_talker_generate(max_steps=N - 1)`` reproduces HF exactly and never runs that wasted
+forward. HF's ``talker_min_new_tokens = m`` masks eos while fewer than ``m`` code-0 tokens exist.
+
+Code2wav
+--------
+HF stacks the per-step residual codes into ``[1, 16, T]`` (T = emitted frames; for a single
+sequence no eos column ever exists, so nothing is trimmed) and calls
+``code2wav.chunked_decode(codes, chunk_size=300, left_context_size=25)``, returning
+``wav.float()`` of shape ``[1, 1, samples]``. ``codes_for_code2wav`` builds that input. (For
+batches HF zeroes codes past each row's eos and cuts each waveform; not needed per request.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = [
+    "HF_CODE2WAV_CHUNK_SIZE",
+    "HF_CODE2WAV_LEFT_CONTEXT",
+    "HF_CODE_PREDICTOR_TOP_K",
+    "HF_CODE_PREDICTOR_TOP_P",
+    "HF_TALKER_REPETITION_PENALTY",
+    "HF_TALKER_TEMPERATURE",
+    "HF_TALKER_TOP_K",
+    "HF_TALKER_TOP_P",
+    "TalkerPrompt",
+    "build_talker_prompt",
+    "codes_for_code2wav",
+    "predict_residual_codes",
+    "process_talker_logits",
+    "reference_talker_generate",
+    "sample_from_logits",
+    "talker_logits_mask",
+    "talker_step_embeds",
+    "tts_token_embeds_from",
+]
+
+# Defaults of ``Qwen3OmniMoeForConditionalGeneration.generate`` (transformers 5.19).
+HF_TALKER_TEMPERATURE = 0.9
+HF_TALKER_TOP_K = 50
+HF_TALKER_TOP_P = 1.0
+HF_TALKER_REPETITION_PENALTY = 1.05
+# ``Qwen3OmniMoeTalkerForConditionalGeneration.prepare_inputs_for_generation`` when sampling.
+HF_CODE_PREDICTOR_TOP_K = 50
+HF_CODE_PREDICTOR_TOP_P = 0.8
+# ``Qwen3OmniMoeForConditionalGeneration.generate`` -> ``code2wav.chunked_decode``.
+HF_CODE2WAV_CHUNK_SIZE = 300
+HF_CODE2WAV_LEFT_CONTEXT = 25
+# Number of trailing talker vocab ids HF suppresses (all except codec eos).
+_SUPPRESSED_TAIL = 1024
+# Rows in the assistant part of the talker prompt.
+_ASSISTANT_PREFIX_LEN = 9
+
+
+@dataclass
+class TalkerPrompt:
+    """Talker inputs derived from one finished thinker request (batch of one).
+
+    prompt_embeds: ``[L, H_talker]`` prefill embeddings (positions ``0..L-1``).
+    trailing_text_hidden: ``[K, H_talker]``; decode step ``s`` adds row ``s`` while ``s < K``.
+    tts_pad_embed: ``[1, H_talker]``; added at decode steps ``s >= K``.
+    talker_input_ids: ``[L]`` what HF passes as ``talker_input_ids`` (user token ids, then
+        ``tts_pad_token_id``); only used for the multimodal 3D rope index.
+    """
+
+    prompt_embeds: torch.Tensor
+    trailing_text_hidden: torch.Tensor
+    tts_pad_embed: torch.Tensor
+    talker_input_ids: torch.Tensor
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return int(self.prompt_embeds.shape[0])
+
+
+def _talker_dtype(talker: nn.Module) -> torch.dtype:
+    return talker.get_input_embeddings().weight.dtype
+
+
+def tts_token_embeds_from(thinker_embed_tokens: nn.Module | torch.Tensor, config) -> torch.Tensor:
+    """THINKER input-embedding rows of (tts_bos, tts_eos, tts_pad): ``[3, H_thinker]``.
+
+    ``thinker_embed_tokens`` is the thinker's ``embed_tokens`` module
+    (``thinker.get_input_embeddings()``) or its weight ``[V_thinker, H_thinker]``. The talker
+    stage must hold these 3 rows: the tts tokens never appear in the thinker's sequence.
+    """
+    ids = torch.tensor(
+        [config.tts_bos_token_id, config.tts_eos_token_id, config.tts_pad_token_id],
+        dtype=torch.long,
+    )
+    if isinstance(thinker_embed_tokens, torch.Tensor):
+        return thinker_embed_tokens[ids.to(thinker_embed_tokens.device)]
+    weight = thinker_embed_tokens.weight
+    return thinker_embed_tokens(ids.to(weight.device))
+
+
+@torch.no_grad()
+def build_talker_prompt(
+    talker: nn.Module,
+    config,
+    sequence_ids: torch.Tensor,
+    thinker_embed: torch.Tensor,
+    thinker_hidden: torch.Tensor | None,
+    speaker: str,
+    *,
+    tts_token_embeds: torch.Tensor,
+    prompt_len: int | None = None,
+    thinker_eos_token_id: int | Sequence[int] | None = -1,
+) -> TalkerPrompt:
+    """Build the talker prompt exactly like HF ``Qwen3OmniMoeForConditionalGeneration.generate``.
+
+    Args:
+        talker: HF ``Qwen3OmniMoeTalkerForConditionalGeneration`` (text/hidden projections,
+            codec embedding).
+        config: top-level ``Qwen3OmniMoeConfig``.
+        sequence_ids: ``[T_seq]`` prompt ids + generated ids (HF ``thinker_result.sequences[0]``).
+        thinker_embed: ``[T_fed, H_thinker]`` thinker ``hidden_states[0]`` per fed position,
+            ``T_fed = T_seq - 1`` (extra trailing rows are ignored, as HF never has them).
+        thinker_hidden: ``[T_fed, H_thinker]`` thinker ``hidden_states[accept_hidden_layer]``.
+            Only read at multimodal user positions; may be ``None`` for text-only prompts.
+        speaker: speaker name (case-insensitive key of ``talker_config.speaker_id``).
+        tts_token_embeds: ``[3, H_thinker]`` thinker input embeddings of tts_bos, tts_eos,
+            tts_pad (see ``tts_token_embeds_from``).
+        prompt_len: number of prompt tokens in ``sequence_ids``. If ``None`` it is inferred as
+            "last ``<|im_start|> assistant`` pair + 3" (the chat template's generation prompt),
+            which is wrong if the prompt pre-fills assistant text: pass it when known.
+        thinker_eos_token_id: ids HF uses to relocate the tts_eos marker (HF default
+            ``thinker_eos_token_id``); ``-1`` means ``config.im_end_token_id``, ``None`` disables.
+    """
+    tcfg = config.talker_config
+    speaker_ids = {k.lower(): v for k, v in (tcfg.speaker_id or {}).items()}
+    speaker_id = speaker_ids.get(speaker.lower())
+    if speaker_id is None:
+        raise ValueError(f"Unknown speaker {speaker!r}; known speakers: {sorted(speaker_ids)}")
+
+    seq = sequence_ids.reshape(-1).to(torch.long)
+    t_seq = int(seq.shape[0])
+    dev = thinker_embed.device
+    seq = seq.to(dev)
+
+    # Assistant turn start: last `<|im_start|> assistant` pair inside the prompt.
+    search = seq if prompt_len is None else seq[:prompt_len]
+    pair = (search[:-1] == config.im_start_token_id) & (search[1:] == config.assistant_token_id)
+    starts = torch.nonzero(pair, as_tuple=False).flatten()
+    if starts.numel() == 0:
+        raise ValueError(
+            "The thinker sequence has no assistant turn (`<|im_start|>assistant`, ids "
+            f"{config.im_start_token_id}, {config.assistant_token_id}) in its prompt; the talker "
+            "prompt cannot be built."
+        )
+    assistant_start = int(starts[-1])
+    if prompt_len is None:
+        prompt_len = assistant_start + 3
+    if not 0 < prompt_len <= t_seq:
+        raise ValueError(f"prompt_len={prompt_len} is outside the sequence (length {t_seq})")
+
+    t_fed = t_seq - 1
+    if thinker_embed.shape[0] < t_fed:
+        raise ValueError(
+            f"thinker_embed has {thinker_embed.shape[0]} rows; need T_seq - 1 = {t_fed} (every "
+            "position except the last generated token)"
+        )
+    if t_fed - assistant_start < 4:
+        raise ValueError(
+            "The assistant turn needs `<|im_start|>assistant\\n` plus at least one fed generated "
+            f"token; got {t_fed - assistant_start} fed rows from position {assistant_start}"
+        )
+    embed = thinker_embed[:t_fed].unsqueeze(0)  # [1, T_fed, Ht]
+    dtype = _talker_dtype(talker)
+    h_talker = tcfg.text_config.hidden_size
+    prompt = seq[:prompt_len].unsqueeze(0)  # [1, P]
+
+    # ---- user part (HF `_get_talker_user_parts(0, P, ...)` + gather) -----------------------
+    tcfg_thinker = config.thinker_config
+    mm_mask = (
+        (seq == tcfg_thinker.audio_token_id)
+        | (seq == tcfg_thinker.image_token_id)
+        | (seq == tcfg_thinker.video_token_id)
+    ).unsqueeze(0)[:, :prompt_len]
+    positions = torch.arange(prompt_len, device=dev).unsqueeze(0)
+    im_start_pos = torch.where(
+        prompt == config.im_start_token_id, positions, positions.new_full((), -1)
+    )
+    prev_im_start = torch.cummax(im_start_pos, dim=-1).values.clamp_min(0)
+    role_ids = prompt.gather(1, (prev_im_start + 1).clamp_max(prompt_len - 1))
+    user_mask = role_ids == config.user_token_id
+    n_user = int(user_mask.sum())
+
+    user_part = torch.empty((1, prompt_len, h_talker), device=dev, dtype=dtype)
+    if mm_mask.any():
+        if thinker_hidden is None:
+            raise ValueError("thinker_hidden is required: the prompt has audio/image/video tokens")
+        hidden = thinker_hidden[:t_fed].unsqueeze(0)[:, :prompt_len][mm_mask]
+        user_part[mm_mask] = talker.hidden_projection(hidden).to(dtype)
+    user_part[~mm_mask] = talker.text_projection(embed[:, :prompt_len][~mm_mask]).to(dtype)
+    if n_user > 0:
+        user_idx = torch.where(user_mask, prompt_len + positions, positions).argsort(dim=-1)
+        user_idx = user_idx[:, -n_user:]
+    else:
+        # HF slices `[:, -0:]` here (i.e. keeps every position); a prompt without a user turn is
+        # not something HF supports, so use an empty user part.
+        user_idx = positions[:, :0]
+    user_embeds = user_part.gather(1, user_idx.unsqueeze(-1).expand(-1, -1, h_talker))
+    user_ids = prompt.gather(1, user_idx)
+
+    # ---- tts special embeddings ---------------------------------------------------------
+    tts = talker.text_projection(tts_token_embeds.to(dev).reshape(1, 3, -1))
+    tts_bos, tts_eos, tts_pad = tts.chunk(3, dim=1)  # 3 x [1, 1, H]
+
+    # ---- assistant part (HF `_get_talker_assistant_parts`) -------------------------------
+    assistant_hidden = talker.text_projection(embed[:, assistant_start:])
+    assistant_text = torch.cat(
+        (assistant_hidden[:, :3], tts_pad.expand(1, 4, -1), tts_bos, assistant_hidden[:, 3:4]),
+        dim=1,
+    )
+    codec_ids = torch.tensor(
+        [
+            [
+                tcfg.codec_nothink_id,
+                tcfg.codec_think_bos_id,
+                tcfg.codec_think_eos_id,
+                speaker_id,
+                tcfg.codec_pad_id,
+                tcfg.codec_bos_id,
+            ]
+        ],
+        device=dev,
+        dtype=torch.long,
+    )
+    assistant_codec = torch.cat(
+        (
+            torch.zeros((1, 3, h_talker), device=dev, dtype=dtype),
+            talker.get_input_embeddings()(codec_ids),
+        ),
+        dim=1,
+    )
+    assistant_embeds = assistant_text + assistant_codec
+    trailing = torch.cat((assistant_hidden[:, 4:], tts_eos), dim=1)
+
+    # ---- tts_eos relocation after the first thinker eos (no-op for a single request) -----
+    if thinker_eos_token_id is not None:
+        eos_ids = config.im_end_token_id if thinker_eos_token_id == -1 else thinker_eos_token_id
+        gen = seq[prompt_len:]
+        is_eos = (gen.unsqueeze(-1) == torch.as_tensor(eos_ids, device=dev).flatten()).any(-1)
+        gen_pos = torch.arange(gen.shape[0], device=dev)
+        first_eos = int(torch.where(is_eos, gen_pos, gen.shape[0]).min()) if gen.numel() else 0
+        trail_pos = torch.arange(trailing.shape[1], device=dev).unsqueeze(0).unsqueeze(-1)
+        trailing = torch.where(trail_pos > first_eos, tts_pad.to(trailing.dtype), trailing)
+        trailing = torch.where(trail_pos == first_eos, tts_eos.to(trailing.dtype), trailing)
+
+    prompt_embeds = torch.cat((user_embeds, assistant_embeds), dim=1)[0]
+    talker_input_ids = torch.cat(
+        (
+            user_ids[0],
+            torch.full((_ASSISTANT_PREFIX_LEN,), config.tts_pad_token_id, device=dev),
+        )
+    ).to(torch.long)
+    return TalkerPrompt(
+        prompt_embeds=prompt_embeds,
+        trailing_text_hidden=trailing[0],
+        tts_pad_embed=tts_pad[0],
+        talker_input_ids=talker_input_ids,
+    )
+
+
+@torch.no_grad()
+def talker_step_embeds(
+    talker: nn.Module,
+    codes: torch.Tensor,
+    step: int,
+    trailing_text_hidden: torch.Tensor,
+    tts_pad_embed: torch.Tensor,
+) -> torch.Tensor:
+    """Talker input embedding ``[1, H]`` for decode step ``step`` (0-based after the prefill).
+
+    ``codes`` are the ``num_code_groups`` codes of frame ``step`` (the frame produced by the
+    previous talker position). Mirrors HF ``prepare_inputs_for_generation``: the codec embedding
+    of code 0 plus the code predictor's embedding ``j-1`` of code ``j`` (summed in that order),
+    plus ``trailing_text_hidden[step]`` or, once exhausted, ``tts_pad_embed``.
+    """
+    codes = codes.reshape(-1).to(torch.long)
+    dev = talker.get_input_embeddings().weight.device
+    codes = codes.to(dev)
+    cp_embeds = talker.code_predictor.get_input_embeddings()
+    if codes.shape[0] != len(cp_embeds) + 1:
+        raise ValueError(f"expected {len(cp_embeds) + 1} codes, got {codes.shape[0]}")
+    parts = [talker.get_input_embeddings()(codes[:1])]
+    parts += [cp_embeds[j - 1](codes[j : j + 1]) for j in range(1, codes.shape[0])]
+    embeds = torch.cat(parts, dim=0).unsqueeze(0).sum(1)  # [1, H]
+    if step < trailing_text_hidden.shape[0]:
+        return embeds + trailing_text_hidden[step : step + 1].to(embeds.device)
+    return embeds + tts_pad_embed.reshape(1, -1).to(embeds.device)
+
+
+def sample_from_logits(
+    logits: torch.Tensor,
+    *,
+    greedy: bool,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """HF warpers (temperature -> top_k -> top_p) + multinomial, or argmax. ``logits``: [1, V]."""
+    logits = logits.float()
+    if greedy:
+        return torch.argmax(logits, dim=-1)
+    if temperature is not None and temperature != 1.0:
+        logits = logits / temperature
+    if top_k is not None and top_k != 0:
+        k = min(top_k, logits.shape[-1])
+        kth = torch.topk(logits, k)[0][..., -1, None]
+        logits = logits.masked_fill(logits < kth, -float("inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, sorted_idx = torch.sort(logits, descending=False)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        remove = cum <= (1 - top_p)
+        remove[..., -1:] = False
+        logits = logits.masked_fill(remove.scatter(1, sorted_idx, remove), -float("inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
+
+
+@torch.no_grad()
+def predict_residual_codes(
+    talker: nn.Module,
+    last_hidden: torch.Tensor,
+    code0: torch.Tensor,
+    greedy: bool = True,
+    generator: torch.Generator | None = None,
+    *,
+    top_k: int = HF_CODE_PREDICTOR_TOP_K,
+    top_p: float = HF_CODE_PREDICTOR_TOP_P,
+) -> torch.Tensor:
+    """All ``num_code_groups`` codes of one frame (code0 first): ``LongTensor[num_code_groups]``.
+
+    ``last_hidden``: ``[1, H]`` talker last-layer (post-norm) hidden state at the position whose
+    ``codec_head`` logits produced ``code0``. Equivalent to HF's
+    ``code_predictor.generate(inputs_embeds=[last_hidden, codec_embedding(code0)],
+    max_new_tokens=num_code_groups-1)``: greedy is exact; sampled uses HF's top_k=50, top_p=0.8.
+    """
+    from transformers import DynamicCache
+
+    cp = talker.code_predictor
+    dev = last_hidden.device
+    code0 = code0.reshape(1).to(device=dev, dtype=torch.long)
+    cp_embeds = cp.get_input_embeddings()
+    num_groups = len(cp_embeds) + 1
+    cache = DynamicCache(config=cp.config)
+    code0_embed = talker.get_input_embeddings()(code0).reshape(1, 1, -1)
+    inputs = torch.cat((last_hidden.reshape(1, 1, -1).to(code0_embed.dtype), code0_embed), dim=1)
+    codes = [code0]
+    for j in range(num_groups - 1):
+        out = cp.model(inputs_embeds=inputs, past_key_values=cache, use_cache=True)
+        logits = cp.lm_head[j](out.last_hidden_state)[:, -1]
+        code = sample_from_logits(
+            logits, greedy=greedy, top_k=top_k, top_p=top_p, generator=generator
+        ).to(torch.long)
+        codes.append(code)
+        if j + 1 < num_groups - 1:
+            inputs = cp_embeds[j](code).reshape(1, 1, -1)
+    return torch.cat(codes)
+
+
+def talker_logits_mask(config, vocab_size: int | None = None) -> torch.Tensor:
+    """``BoolTensor[V]``, True = suppressed (logit set to ``-inf``) for the talker's code 0.
+
+    HF passes ``suppress_tokens = [V-1024, V) minus codec_eos_token_id`` with
+    ``V = talker_config.text_config.vocab_size``: the codec special / speaker ids above the
+    codebook can never be generated; eos stays allowed.
+    """
+    tcfg = getattr(config, "talker_config", config)
+    v_cfg = tcfg.text_config.vocab_size
+    v = v_cfg if vocab_size is None else vocab_size
+    mask = torch.zeros(v, dtype=torch.bool)
+    mask[max(v_cfg - _SUPPRESSED_TAIL, 0) : min(v_cfg, v)] = True
+    if 0 <= tcfg.codec_eos_token_id < v:
+        mask[tcfg.codec_eos_token_id] = False
+    return mask
+
+
+def process_talker_logits(
+    logits: torch.Tensor,
+    generated_code0: torch.Tensor | Sequence[int],
+    config,
+    *,
+    repetition_penalty: float = HF_TALKER_REPETITION_PENALTY,
+    min_new_tokens: int = 0,
+    suppress_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """HF's talker logits processors for code 0, in HF order. ``logits``: [1, V] -> float32 [1, V].
+
+    1. repetition penalty (``RepetitionPenaltyLogitsProcessor``) over the code-0 ids generated so
+       far in this request (not the prompt): ``x < 0 ? x * p : x / p`` once per distinct id;
+    2. if ``len(generated_code0) < min_new_tokens``: eos -> -inf (``MinNewTokensLength``);
+    3. suppress mask (``talker_logits_mask``) -> -inf.
+    """
+    tcfg = getattr(config, "talker_config", config)
+    scores = logits.float().reshape(1, -1).clone()
+    prev = torch.as_tensor(generated_code0, dtype=torch.long, device=scores.device).reshape(1, -1)
+    if repetition_penalty is not None and repetition_penalty != 1.0 and prev.numel() > 0:
+        score = torch.gather(scores, 1, prev)
+        score = torch.where(score < 0, score * repetition_penalty, score / repetition_penalty)
+        scores = scores.scatter(1, prev, score)
+    if prev.shape[1] < min_new_tokens:
+        scores[:, tcfg.codec_eos_token_id] = -float("inf")
+    if suppress_mask is None:
+        suppress_mask = talker_logits_mask(config, scores.shape[-1])
+    return scores.masked_fill(suppress_mask.to(scores.device), -float("inf"))
+
+
+@torch.no_grad()
+def reference_talker_generate(
+    talker: nn.Module,
+    config,
+    prompt: TalkerPrompt,
+    max_steps: int,
+    *,
+    repetition_penalty: float = HF_TALKER_REPETITION_PENALTY,
+    min_new_tokens: int = 0,
+    greedy: bool = True,
+    temperature: float = HF_TALKER_TEMPERATURE,
+    top_k: int = HF_TALKER_TOP_K,
+    top_p: float = HF_TALKER_TOP_P,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Reference talker loop on a plain ``DynamicCache``: ``LongTensor[num_code_groups, T]``.
+
+    Equals HF ``generate(..., talker_max_new_tokens=max_steps + 1,
+    talker_repetition_penalty=repetition_penalty, talker_min_new_tokens=min_new_tokens)`` codes
+    (greedy: exactly). ``T <= max_steps``; the eos frame is never included.
+    """
+    from transformers import DynamicCache
+
+    tcfg = config.talker_config
+    eos = tcfg.codec_eos_token_id
+    dev = prompt.prompt_embeds.device
+    suppress = talker_logits_mask(config, tcfg.text_config.vocab_size).to(dev)
+    cache = DynamicCache(config=tcfg.text_config)
+
+    def forward(embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Positions default to cache length + arange: prefill 0..L-1, decode step s at L + s.
+        out = talker.model(inputs_embeds=embeds.unsqueeze(0), past_key_values=cache, use_cache=True)
+        hidden = out.last_hidden_state  # [1, n, H], post final norm
+        return hidden[:, -1], talker.codec_head(hidden)[:, -1]
+
+    hidden, logits = forward(prompt.prompt_embeds)
+    frames: list[torch.Tensor] = []
+    code0_history: list[int] = []
+    for step in range(max_steps):
+        scores = process_talker_logits(
+            logits,
+            code0_history,
+            config,
+            repetition_penalty=repetition_penalty,
+            min_new_tokens=min_new_tokens,
+            suppress_mask=suppress,
+        )
+        code0 = sample_from_logits(
+            scores,
+            greedy=greedy,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            generator=generator,
+        )
+        if int(code0) == eos:
+            break
+        code0_history.append(int(code0))
+        codes = predict_residual_codes(talker, hidden, code0, greedy=greedy, generator=generator)
+        frames.append(codes)
+        if len(frames) == max_steps:
+            break
+        embeds = talker_step_embeds(
+            talker, codes, step, prompt.trailing_text_hidden, prompt.tts_pad_embed
+        )
+        hidden, logits = forward(embeds)
+    if not frames:
+        return torch.zeros((tcfg.num_code_groups, 0), dtype=torch.long, device=dev)
+    return torch.stack(frames, dim=1)
+
+
+def codes_for_code2wav(
+    codes: torch.Tensor, codec_eos_token_id: int | None = None
+) -> torch.Tensor:
+    """``[num_code_groups, T]`` frames -> ``[1, num_code_groups, T']`` code2wav input.
+
+    HF calls ``code2wav.chunked_decode(x, chunk_size=300, left_context_size=25)`` on exactly the
+    emitted frames (``T' = T``). If ``codec_eos_token_id`` is given, frames from the first one whose
+    code 0 is eos are dropped (for callers that record the eos step).
+    """
+    if codes.dim() != 2:
+        raise ValueError(f"expected codes [num_code_groups, T], got shape {tuple(codes.shape)}")
+    codes = codes.to(torch.long)
+    if codec_eos_token_id is not None:
+        hits = torch.nonzero(codes[0] == codec_eos_token_id, as_tuple=False).flatten()
+        if hits.numel():
+            codes = codes[:, : int(hits[0])]
+    return codes.unsqueeze(0)

@@ -1,0 +1,104 @@
+"""Built-in stage input processors (Qwen3-Omni).
+
+Processors run in the API server process and never touch model weights: they
+select and arrange upstream tensors; the consuming stage's model does the
+projections on its own weights. ``request_extras`` carries the request's
+``extra_args`` plus ``hf_config`` (the served checkpoint's HF config).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vllm_omni_plugin.processors.hookspecs import StageInput, UpstreamOutput, hookimpl
+
+#: Positions HF's talker prompt adds for the assistant turn: 3 text positions
+#: ("<|im_start|>assistant\n"), 4 tts_pad, 1 tts_bos, 1 first text token
+#: (``Qwen3OmniMoeForConditionalGeneration._get_talker_assistant_parts``).
+ASSISTANT_PREFIX_LEN = 9
+DEFAULT_SPEAKER_KEY = "omni_plugin_speaker"
+
+
+def user_positions(config, prompt_ids: list[int]) -> list[int]:
+    """Prompt positions whose chat turn (the token after the previous
+    ``<|im_start|>``) is ``user``, as HF ``generate`` selects them."""
+    positions, role = [], None
+    for i, tok in enumerate(prompt_ids):
+        if tok == config.im_start_token_id:
+            role = prompt_ids[i + 1] if i + 1 < len(prompt_ids) else None
+        if role == config.user_token_id and role is not None:
+            positions.append(i)
+    return positions
+
+
+def resolve_speaker(talker_config, name: str | None) -> int:
+    """Speaker name -> codec id. Raises ``ValueError`` naming the known speakers."""
+    speakers = {k.lower(): v for k, v in (talker_config.speaker_id or {}).items()}
+    if not speakers:
+        raise ValueError("the checkpoint's talker_config defines no speakers")
+    if name is None:
+        return next(iter(speakers.values()))
+    key = name.lower()
+    if key not in speakers:
+        raise ValueError(f"unknown voice {name!r}; known: {', '.join(sorted(speakers))}")
+    return speakers[key]
+
+
+def thinker2talker(upstream: list[UpstreamOutput], stage, extras: dict[str, Any]) -> StageInput:
+    """Thinker hidden states -> talker request.
+
+    Payload out: ``sequence_ids`` ``[T_seq]`` int64 (prompt + generated),
+    ``thinker_embed``/``thinker_hidden`` ``[T_seq - 1, H]``, ``tts_embed``
+    ``[3, H]``, ``speaker_id`` ``[1]`` int64. The prompt is
+    ``len(user positions) + 9`` placeholder ids (``codec_pad_id``).
+
+    Raises:
+        ValueError: missing thinker payload, no assistant turn, unknown voice.
+    """
+    (thinker,) = upstream
+    config = extras["hf_config"]
+    for name in ("embed", "hidden", "tts_embed"):
+        if name not in thinker.payload:
+            raise ValueError(f"thinker payload lacks {name!r}; was the thinker asked to publish?")
+    prompt = thinker.prompt_token_ids
+    if not any(a == config.im_start_token_id and b == config.assistant_token_id
+               for a, b in zip(prompt, prompt[1:])):
+        raise ValueError("the prompt has no '<|im_start|>assistant' turn to speak")
+    talker_config = config.talker_config
+    speaker = resolve_speaker(talker_config, extras.get(DEFAULT_SPEAKER_KEY))
+    sequence = prompt + thinker.output_token_ids
+    length = len(user_positions(config, prompt)) + ASSISTANT_PREFIX_LEN
+    return StageInput(
+        prompt_token_ids=[talker_config.codec_pad_id] * length,
+        payload={
+            "sequence_ids": torch.tensor(sequence, dtype=torch.long),
+            "thinker_embed": thinker.payload["embed"],
+            "thinker_hidden": thinker.payload["hidden"],
+            "tts_embed": thinker.payload["tts_embed"],
+            "speaker_id": torch.tensor([speaker], dtype=torch.long),
+        },
+        sampling_overrides={"stop_token_ids": [talker_config.codec_eos_token_id]},
+    )
+
+
+def talker2code2wav(upstream: list[UpstreamOutput], stage, extras: dict[str, Any]) -> StageInput:
+    """Talker codes -> code2wav request.
+
+    Payload out: ``codes`` ``[T, num_code_groups]`` int64 (the talker's codes
+    without the step that emitted ``codec_eos``). Prompt: one placeholder id.
+
+    Raises:
+        ValueError: the talker produced no codes.
+    """
+    (talker,) = upstream
+    codes = talker.payload.get("codes")
+    if codes is None or codes.shape[0] == 0:
+        raise ValueError("the talker produced no codec codes")
+    return StageInput(prompt_token_ids=[0], payload={"codes": codes.to(torch.long)})
+
+
+@hookimpl
+def omni_register_stage_input_processors():
+    return {"thinker2talker": thinker2talker, "talker2code2wav": talker2code2wav}

@@ -1,0 +1,86 @@
+"""pluggy hook specifications for stage input processors.
+
+A *stage input processor* turns what upstream stage(s) produced for one
+request into the request submitted to the next stage (e.g. thinker hidden
+states -> talker prompt). Processors are contributed by plugins through the
+``omni_register_stage_input_processors`` hook and referenced by name from a
+stage YAML's ``input_processor`` field. See ``docs/processors.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    import torch
+
+    from vllm_omni_plugin.config.schema import StageConfig
+
+PROJECT_NAME = "vllm_omni_plugin"
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+@dataclass
+class UpstreamOutput:
+    """What one upstream stage produced for one request.
+
+    Attributes:
+        stage_id: id of the stage that produced this output.
+        prompt_token_ids: token ids that stage was prompted with.
+        output_token_ids: token ids that stage generated.
+        payload: tensors the stage's worker published for this request
+            (e.g. ``{"hidden_states": ...}``); may be empty.
+    """
+
+    stage_id: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    payload: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class StageInput:
+    """What a processor returns: the next stage's request.
+
+    Attributes:
+        prompt_token_ids: token ids submitted to the next stage's EngineCore
+            (placeholder ids are allowed; the worker replaces their embeddings
+            from ``payload``).
+        payload: tensors the next stage's worker fetches by request id.
+        sampling_overrides: ``vllm.SamplingParams`` fields merged over the
+            stage's ``default_sampling_params``.
+    """
+
+    prompt_token_ids: list[int]
+    payload: dict[str, torch.Tensor] = field(default_factory=dict)
+    sampling_overrides: dict[str, Any] = field(default_factory=dict)
+
+
+#: Calling convention of a processor:
+#: ``processor(upstream, stage, request_extras) -> StageInput``.
+StageInputProcessor = Callable[
+    [list[UpstreamOutput], "StageConfig", dict[str, Any]], StageInput
+]
+
+
+@hookspec
+def omni_register_stage_input_processors() -> dict[str, StageInputProcessor]:
+    """Return this plugin's stage input processors as ``{name: processor}``.
+
+    Each processor is called once per request, when all stages listed in the
+    consuming stage's ``inputs`` have finished for that request::
+
+        processor(upstream: list[UpstreamOutput],
+                  stage: StageConfig,
+                  request_extras: dict[str, Any]) -> StageInput
+
+    ``upstream`` holds one entry per id in ``stage.inputs`` (same order);
+    ``stage`` is the *consuming* stage's config; ``request_extras`` carries
+    per-request data from the client request (e.g. ``speaker``). Names must be
+    unique across all plugins (a duplicate raises ``ValueError`` at lookup).
+    """

@@ -1,0 +1,237 @@
+"""The reference backend's worker: runs stage models eagerly on CPU.
+
+Selected through vLLM's ``--worker-cls`` extension point (the plugin's
+``ReferencePlatform`` sets it). It honours vLLM's scheduler: chunked
+prefills, block tables from ``KVCacheConfig`` (a real paged KV cache held in
+torch tensors), preemption/resumption and finished requests. Each scheduled
+request slice runs through :meth:`OmniStageModel.forward_step`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vllm_omni_plugin.kv_transfer.payload import EXTRA_ARGS_KEY, PayloadStore
+from vllm_omni_plugin.logger import init_logger
+from vllm_omni_plugin.models.stage_model import OmniStageModel, StepInput, StepOutput
+from vllm_omni_plugin.reference.paged_attention import PagedKVView, use_paged_kv
+from vllm_omni_plugin.reference.sampler import sample
+from vllm_omni_plugin.config.settings import stage_settings
+
+from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
+
+logger = init_logger(__name__)
+
+_LAYER_NAME = "omni_ref.layers.{}"
+#: KV cache bytes when neither ``--kv-cache-memory-bytes`` nor
+#: ``VLLM_CPU_KVCACHE_SPACE`` is given.
+DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
+
+
+@dataclass
+class _Request:
+    req_id: str
+    token_ids: list[int]
+    num_prompt: int
+    block_ids: list[int]
+    params: Any
+    payload: dict[str, torch.Tensor]
+    out_key: str | None
+    generator: torch.Generator | None
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+class ReferenceWorker(WorkerBase):
+    """vLLM ``WorkerBase`` running :class:`OmniStageModel` stages in PyTorch on CPU."""
+
+    def init_device(self) -> None:
+        self.device = torch.device("cpu")
+        torch.manual_seed(self.model_config.seed or 0)
+        self.requests: dict[str, _Request] = {}
+        self.kv_caches: list[torch.Tensor] = []
+        self._pending: list[tuple[_Request, StepInput, StepOutput]] = []
+        self._pending_ids: list[str] = []
+        settings = stage_settings(self.vllm_config)
+        self.stage_id = settings.get("stage_id", 0)
+        self.store = PayloadStore(settings["payload_dir"]) if settings.get("payload_dir") else None
+
+    def load_model(self, *, load_dummy_weights: bool = False) -> None:
+        from vllm.model_executor.models.registry import ModelRegistry
+
+        start = time.perf_counter()
+        model_cls, arch = ModelRegistry.resolve_model_cls(
+            self.model_config.architectures, self.model_config
+        )
+        if not (isinstance(model_cls, type) and issubclass(model_cls, OmniStageModel)):
+            raise TypeError(
+                f"the reference backend runs only vllm-omni-plugin stage models; "
+                f"architecture {arch!r} resolves to {model_cls.__module__}.{model_cls.__name__}. "
+                "Serve it with an accelerator, or point the stage's hf_overrides.architectures "
+                "at a stage model"
+            )
+        with torch.device("cpu"):
+            self.model: OmniStageModel = model_cls(vllm_config=self.vllm_config)
+        if not load_dummy_weights:
+            self.model.load_checkpoint(self.model_config.model)
+        self.model.eval()
+        logger.info(
+            "stage %s: loaded %s in %.2f s (reference backend, CPU)",
+            self.stage_id, arch, time.perf_counter() - start,
+        )
+
+    def get_model(self):
+        return self.model
+
+    def get_supported_tasks(self):
+        return ("generate",)
+
+    def determine_available_memory(self) -> int:
+        return int(self.cache_config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES)
+
+    def _shapes(self) -> list[tuple[int, int]]:
+        # A stage without attention (e.g. code2wav) still gets one tiny layer so
+        # vLLM's KV cache manager and scheduler work unchanged.
+        return self.model.kv_cache_shapes() or [(1, 8)]
+
+    def get_kv_cache_spec(self):
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        return {
+            _LAYER_NAME.format(i): FullAttentionSpec(
+                block_size=self.cache_config.block_size,
+                num_kv_heads=heads,
+                head_size=size,
+                dtype=self.model_config.dtype,
+            )
+            for i, (heads, size) in enumerate(self._shapes())
+        }
+
+    def initialize_from_config(self, kv_cache_config) -> None:
+        num_blocks = kv_cache_config.num_blocks
+        block_size = self.cache_config.block_size
+        self.kv_caches = [
+            torch.zeros(2, num_blocks, block_size, heads, size, dtype=self.model_config.dtype)
+            for heads, size in self._shapes()
+        ]
+        logger.info("stage %s: paged KV cache of %d blocks x %d tokens, %d layers",
+                    self.stage_id, num_blocks, block_size, len(self.kv_caches))
+
+    def compile_or_warm_up_model(self) -> CompilationTimes:
+        return CompilationTimes(language_model=0.0, encoder=0.0)
+
+    def check_health(self) -> None:
+        return None
+
+    def get_cache_block_size_bytes(self) -> int:
+        return sum(c[:, 0].numel() * c.element_size() for c in self.kv_caches)
+
+    def reset_mm_cache(self) -> None:
+        return None
+
+    # -- request bookkeeping ------------------------------------------------
+    def _add_request(self, new) -> None:
+        params = new.sampling_params
+        keys = (params.extra_args or {}).get(EXTRA_ARGS_KEY, {}) if params else {}
+        payload: dict[str, torch.Tensor] = {}
+        if keys.get("in"):
+            if self.store is None:
+                raise RuntimeError(f"stage {self.stage_id}: request {new.req_id} carries an "
+                                   "input payload key but no payload store is configured")
+            payload = self.store.get(keys["in"])
+        generator = None
+        if params is not None and params.seed is not None:
+            generator = torch.Generator().manual_seed(params.seed)
+        self.requests[new.req_id] = _Request(
+            req_id=new.req_id,
+            token_ids=list(new.prompt_token_ids or []),
+            num_prompt=len(new.prompt_token_ids or []),
+            block_ids=list(new.block_ids[0]),
+            params=params,
+            payload=payload,
+            out_key=keys.get("out") if self.store else None,
+            generator=generator,
+        )
+
+    def _update_cached(self, cached) -> None:
+        for i, req_id in enumerate(cached.req_ids):
+            req = self.requests[req_id]
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                req.token_ids = list(cached.all_token_ids[req_id])
+                req.block_ids = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks is not None:
+                req.block_ids.extend(new_blocks[0])
+
+    # -- execution ------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output):
+        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+
+        for req_id in scheduler_output.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for req_id in scheduler_output.preempted_req_ids or ():
+            self.requests.get(req_id) and self.requests[req_id].state.clear()
+        for new in scheduler_output.scheduled_new_reqs:
+            self._add_request(new)
+        self._update_cached(scheduler_output.scheduled_cached_reqs)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+
+        computed = dict(zip(scheduler_output.scheduled_cached_reqs.req_ids,
+                            scheduler_output.scheduled_cached_reqs.num_computed_tokens))
+        for new in scheduler_output.scheduled_new_reqs:
+            computed[new.req_id] = new.num_computed_tokens
+
+        self._pending = []
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            req = self.requests[req_id]
+            start = computed[req_id]
+            step = StepInput(
+                req_id=req_id,
+                token_ids=torch.tensor(req.token_ids[start:start + n], dtype=torch.long),
+                positions=torch.arange(start, start + n, dtype=torch.long),
+                num_computed=start,
+                payload=req.payload,
+                state=req.state,
+                needs_logits=start + n >= len(req.token_ids),
+                publish=req.out_key is not None,
+            )
+            view = PagedKVView(self.kv_caches, torch.tensor(req.block_ids, dtype=torch.long), start)
+            with use_paged_kv(view):
+                out = self.model.forward_step(step)
+            if out.payload and req.out_key:
+                self.store.append(req.out_key, out.payload)
+            self._pending.append((req, step, out))
+        return None
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar_output):
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        req_ids, sampled = [], []
+        for req, step, out in self._pending:
+            req_ids.append(req.req_id)
+            if not step.needs_logits or out.logits is None:
+                sampled.append([])
+                continue
+            token = sample(out.logits, req.params, len(req.token_ids) - req.num_prompt,
+                           req.generator)
+            extra = self.model.after_sample(step, token)
+            if extra and req.out_key:
+                self.store.append(req.out_key, extra)
+            req.token_ids.append(token)
+            sampled.append([token])
+        self._pending = []
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+        )
+
+    def shutdown(self) -> None:
+        self.requests.clear()
+        self.kv_caches = []

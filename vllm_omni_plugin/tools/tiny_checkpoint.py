@@ -1,0 +1,833 @@
+"""Write tiny, seeded, randomly initialised Hugging Face checkpoints for offline CPU tests.
+
+Usage::
+
+    python -m vllm_omni_plugin.tools.tiny_checkpoint qwen3-omni OUT_DIR [--seed N]
+    vllm-omni-tiny-checkpoint qwen3-omni OUT_DIR [--seed N]      # console script
+
+Nothing is downloaded: the weights come from ``torch.manual_seed(seed)`` plus the
+constructor of the Hugging Face model class, and the tokenizer is built in-process with
+the ``tokenizers`` library. The same seed gives byte-identical ``model.safetensors``.
+
+qwen3-omni
+==========
+
+Produces a complete ``Qwen3OmniMoeForConditionalGeneration`` checkpoint (thinker with
+audio + vision encoders and an MoE text model, MoE talker, 16-group code predictor and
+code2wav vocoder), ``enable_audio_output=True``, float32: 7,281,705 parameters, 29.2 MB on
+disk (28 MiB). Building takes ~2 s after imports (~9 s wall for the whole CLI) on 2 CPU cores
+and ~0.5 GB RAM.
+
+Files in OUT_DIR:
+
+* ``config.json`` - ``Qwen3OmniMoeConfig``, architectures
+  ``["Qwen3OmniMoeForConditionalGeneration"]``, ``dtype`` float32.
+* ``model.safetensors`` - all weights (float32, no tied weights).
+* ``generation_config.json`` - bos/pad ``<|endoftext|>``, eos ``[<|im_end|>, <|endoftext|>]``.
+* ``tokenizer.json`` / ``tokenizer_config.json`` / ``chat_template.jinja`` - a byte-level
+  BPE tokenizer (Qwen2 pre-tokenizer regex, NFC, byte-level decoder, so *any* text
+  encodes) trained deterministically in-process on a short built-in English text, plus
+  every Qwen2.5/Qwen3-Omni special token in the upstream order, appended after the BPE
+  vocabulary. ``system``, ``user`` and ``assistant`` are single tokens. The chat template
+  is ChatML (``<|im_start|>{role}\\n{content}<|im_end|>\\n``; ``add_generation_prompt``
+  appends ``<|im_start|>assistant\\n``); list contents with ``image``/``audio``/``video``
+  parts expand to ``<|vision_start|><|image_pad|><|vision_end|>``,
+  ``<|audio_start|><|audio_pad|><|audio_end|>`` and
+  ``<|vision_start|><|video_pad|><|vision_end|>`` like the upstream template.
+  ``tokenizer_class`` is ``Qwen2Tokenizer`` as upstream; 725 tokens (692 BPE + 33 added).
+* ``preprocessor_config.json`` - the flat file the official Qwen3-Omni repos ship
+  (WhisperFeatureExtractor: 128 mel bins, 16 kHz; Qwen2VLImageProcessor: patch 16, merge 2,
+  temporal patch 2). ``AutoFeatureExtractor`` / ``AutoImageProcessor`` load it offline;
+  ``AutoProcessor`` (``Qwen3OmniMoeProcessor``) additionally needs torchvision for its
+  Qwen2-VL video processor, as with the real checkpoint.
+
+Sizes
+-----
+
+* thinker text (MoE): hidden 64, 2 layers, 4 heads, 2 KV heads, head_dim 16, 4 experts,
+  top-2, moe_intermediate_size 32, vocab = tokenizer size padded to a multiple of 128 (768),
+  max_position_embeddings 4096, interleaved M-RoPE ``mrope_section`` [4, 2, 2], theta 1e6.
+* audio encoder: 128 mel bins, d_model 32, 2 layers, 2 heads, ffn 64,
+  downsample_hidden_size 16, output_dim 64 (n_window 50 / n_window_infer 800 as upstream).
+* vision encoder: depth 2, hidden 32, 2 heads, mlp 64, patch 16, temporal patch 2,
+  spatial merge 2, deepstack_visual_indexes [0, 1], out_hidden_size 64.
+* talker (MoE): hidden 64, 2 layers, 4 heads, 2 KV heads, head_dim 16, 4 experts, top-2,
+  moe_intermediate_size 32, shared expert 64, intermediate (projection MLP) 128,
+  vocab 3072 (= codebook 2048 + 1024 codec specials, as upstream: HF ``generate``
+  suppresses the top 1024 ids except ``codec_eos_token_id``), thinker_hidden_size 64,
+  accept_hidden_layer 1 (index into the thinker's ``hidden_states`` tuple, which has
+  num_hidden_layers + 1 = 3 entries).
+* code predictor: hidden 64, 1 layer, 4 heads, 2 KV heads, head_dim 16, vocab 2048,
+  num_code_groups 16 (15 embeddings / lm heads).
+* code2wav: codebook_size 2048, num_quantizers 16, hidden 64, 2 layers, 4 heads,
+  sliding_window 72, decoder_dim 64 (-> 32 -> 16 -> 8 -> 4 channels),
+  upsample_rates [8, 5, 4, 3] and upsampling_ratios [2, 2] exactly as upstream.
+
+Special ids (same *names* and relative layout as upstream; the numbers depend on the BPE
+size and are recorded in config.json): top-level ``im_start_token_id``,
+``im_end_token_id``, ``tts_pad_token_id`` (``<tts_pad>``), ``tts_bos_token_id``
+(``<tts_text_bos>``), ``tts_eos_token_id`` (``<tts_text_eod>``), ``system_token_id``,
+``user_token_id``, ``assistant_token_id``; thinker ``audio_token_id`` (``<|audio_pad|>``),
+``image_token_id``, ``video_token_id``, ``audio_start_token_id``, ``audio_end_token_id``,
+``vision_start_token_id``, ``vision_end_token_id``, ``user_token_id``; talker
+``audio_token_id``, ``image_token_id``, ``video_token_id``, ``vision_start_token_id``,
+``audio_start_token_id``, ``audio_end_token_id``. Each equals the tokenizer's id of that
+token; for seed-independent reference: im_start 693, im_end 694, endoftext 692, system 260,
+user 263, assistant 271, vision_start 701, vision_end 702, image_pad 704, video_pad 705,
+audio_start 718, audio_end 719, tts_pad 720, tts_text_bos 721, tts_text_eod 722,
+audio_pad 724. Codec ids are the upstream ones: ``codec_pad_id`` 2148, ``codec_bos_id`` 2149,
+``codec_eos_token_id`` 2150, ``codec_nothink_id`` 2155, ``codec_think_bos_id`` 2156,
+``codec_think_eos_id`` 2157, ``speaker_id`` {"chelsie": 2301, "ethan": 2302,
+"aiden": 2303}.
+
+Sample rate
+-----------
+
+Hugging Face's ``Qwen3OmniMoeCode2WavConfig`` has **no** sample-rate field. The vocoder
+turns one 16-code frame into ``prod(upsample_rates + upsampling_ratios)`` =
+8*5*4*3*2*2 = 1920 samples (``Qwen3OmniMoeCode2Wav.total_upsample``); Qwen3-Omni's
+waveform is 24 kHz (12.5 code frames / s), the rate used by the upstream examples. This
+tool records it as the extra, non-HF field ``code2wav_config.output_sample_rate = 24000``
+(kept by ``AutoConfig``). Input audio for the audio encoder is 16 kHz (WhisperFeatureExtractor
+``sampling_rate``).
+
+Weights
+-------
+
+``torch.manual_seed(seed)``, then ``Qwen3OmniMoeForConditionalGeneration(config)`` (HF init,
+std 0.02), then - in parameter order, from the same RNG - two fixes, because HF's init leaves
+the *talker* MoE experts as uninitialised ``torch.empty`` memory (non-deterministic) and its
+routers at zero: those are drawn from N(0, 0.02), and every parameter that is still a constant
+tensor (norm weights = 1, biases = 0, SnakeBeta alpha/beta = 0, layer scales, ConvNeXt gamma)
+gets noise (N(0, 0.02), or N(0, 0.1) relative for values of magnitude >= 0.1). So a loader
+that drops a bias or a norm weight, or mis-routes an expert, changes the outputs. Finally the
+last code2wav conv is multiplied by 32 (output gain) so the waveform peaks around 0.1 rather
+than 3e-3 (still below code2wav's [-1, 1] clamp).
+
+Greedy HF reference generation
+------------------------------
+
+``Qwen3OmniMoeForConditionalGeneration.generate`` samples in the talker by default
+(``talker_do_sample=True``, top-k 50, temperature 0.9, repetition penalty 1.05) and its
+``thinker_eos_token_id`` default is upstream's 151645. For fully greedy, deterministic output
+in every stage use::
+
+    model.generate(
+        input_ids=ids, attention_mask=mask, speaker="ethan", return_audio=True,
+        thinker_max_new_tokens=8, thinker_do_sample=False,
+        thinker_eos_token_id=config.im_end_token_id,
+        talker_max_new_tokens=8, talker_do_sample=False, talker_repetition_penalty=1.0,
+    )
+
+The code predictor has no kwarg of its own: the talker's ``_prepare_generation_config``
+copies the talker's ``do_sample`` onto it, so ``talker_do_sample=False`` makes it greedy.
+(The talker still applies ``suppress_tokens`` = ids [vocab-1024, vocab) except
+``codec_eos_token_id``.) It returns ``(text_ids, waveform)`` with waveform float32 of shape
+``[1, 1, num_samples]`` (8 talker steps -> ~12.9 k samples here).
+
+Known HF limitation (transformers 5.19, same with the real checkpoint): ``return_audio=True``
+with *audio input* fails in the talker's ``get_rope_index`` (``Qwen3OmniMoeTalkerConfig`` has
+no ``audio_config``). Text and image inputs work with audio output; audio input works with
+``return_audio=False``. Random weights can also emit thinker ids in the padded range
+[725, 768) that the tokenizer does not know (as real Qwen can for 151665..152063).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("vllm_omni_plugin.tools.tiny_checkpoint")
+
+# ----------------------------------------------------------------------------------------
+# Tokenizer
+# ----------------------------------------------------------------------------------------
+
+# Qwen2 pre-tokenizer regex (same as transformers' Qwen2Tokenizer / upstream tokenizer.json).
+QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+# (token, special) in upstream order: Qwen2.5 added tokens (151643..151668), then the
+# Qwen3-Omni additions (151669..151675). `special=False` mirrors upstream for the tool/think
+# markers.
+QWEN3_OMNI_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
+    ("<|endoftext|>", True),
+    ("<|im_start|>", True),
+    ("<|im_end|>", True),
+    ("<|object_ref_start|>", True),
+    ("<|object_ref_end|>", True),
+    ("<|box_start|>", True),
+    ("<|box_end|>", True),
+    ("<|quad_start|>", True),
+    ("<|quad_end|>", True),
+    ("<|vision_start|>", True),
+    ("<|vision_end|>", True),
+    ("<|vision_pad|>", True),
+    ("<|image_pad|>", True),
+    ("<|video_pad|>", True),
+    ("<tool_call>", False),
+    ("</tool_call>", False),
+    ("<|fim_prefix|>", False),
+    ("<|fim_middle|>", False),
+    ("<|fim_suffix|>", False),
+    ("<|fim_pad|>", False),
+    ("<|repo_name|>", False),
+    ("<|file_sep|>", False),
+    ("<tool_response>", False),
+    ("</tool_response>", False),
+    ("<think>", False),
+    ("</think>", False),
+    ("<|audio_start|>", True),
+    ("<|audio_end|>", True),
+    ("<tts_pad>", True),
+    ("<tts_text_bos>", True),
+    ("<tts_text_eod>", True),
+    ("<tts_text_bos_single>", True),
+    ("<|audio_pad|>", True),
+)
+
+# Named tokens the Qwen3-Omni processor reads from the tokenizer (tokenizer.image_token, ...).
+QWEN3_OMNI_MODEL_SPECIFIC_TOKENS = {
+    "image_token": "<|image_pad|>",
+    "audio_token": "<|audio_pad|>",
+    "video_token": "<|video_pad|>",
+    "vision_bos_token": "<|vision_start|>",
+    "vision_eos_token": "<|vision_end|>",
+    "audio_bos_token": "<|audio_start|>",
+    "audio_eos_token": "<|audio_end|>",
+}
+
+# Words that must be single BPE tokens, as they appear right after `<|im_start|>` (HF
+# `generate` and the talker prompt construction compare the id after `<|im_start|>` with
+# config.system/user/assistant_token_id).
+ROLE_WORDS = ("system", "user", "assistant")
+
+QWEN_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}"
+    "{{- message['content'] -}}"
+    "{%- else -%}"
+    "{%- for part in message['content'] -%}"
+    "{%- if part is string -%}"
+    "{{- part -}}"
+    "{%- elif part['type'] == 'text' -%}"
+    "{{- part['text'] -}}"
+    "{%- elif part['type'] in ['image', 'image_url'] or 'image' in part or 'image_url' in part -%}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] in ['audio', 'input_audio', 'audio_url'] or 'audio' in part"
+    " or 'audio_url' in part -%}"
+    "{{- '<|audio_start|><|audio_pad|><|audio_end|>' -}}"
+    "{%- elif part['type'] in ['video', 'video_url'] or 'video' in part or 'video_url' in part -%}"
+    "{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- endif -%}"
+)
+
+# Short built-in English text the BPE merges are learned from (any text still encodes,
+# byte by byte in the worst case).
+_CORPUS = """\
+You are a helpful assistant. You are Qwen, a virtual human developed by the Qwen Team,
+capable of perceiving auditory and visual inputs, as well as generating text and speech.
+Hello! How are you today? I am fine, thank you. What is your name? My name is Ethan.
+Please tell me a short story about a cat and a dog who live in a small house near the sea.
+The quick brown fox jumps over the lazy dog. The weather is nice and the sun is bright.
+Describe this image. What do you hear in this audio? What happens in this video?
+Can you help me write a poem about the moon, the stars and the night sky?
+This is a test of the speech system. Count from one to ten: one, two, three, four, five,
+six, seven, eight, nine, ten. The answer is 42. It's a good day, isn't it? Yes, it is.
+We will go to the park in the morning and come back home in the evening for dinner.
+Thank you very much for your question. Here is the answer: the capital of France is Paris.
+Good morning, good afternoon, good evening and good night. See you later, my friend.
+"""
+
+# BPE vocabulary (bytes + merged tokens) is grown until it reaches this size.
+_BPE_VOCAB_TARGET = 960  # not reached with _CORPUS (692)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2 byte -> printable unicode char map used by byte-level BPE."""
+    bs = list(range(ord("!"), ord("~") + 1))
+    bs += list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs), strict=True))
+
+
+def _bpe_split(word: str, ranks: dict[tuple[str, str], int]) -> list[str]:
+    """Apply BPE merges (lowest rank, leftmost first) to a byte-level word."""
+    symbols = list(word)
+    while len(symbols) > 1:
+        best: tuple[int, int] | None = None
+        for i in range(len(symbols) - 1):
+            r = ranks.get((symbols[i], symbols[i + 1]))
+            if r is not None and (best is None or r < best[0]):
+                best = (r, i)
+        if best is None:
+            break
+        i = best[1]
+        symbols = symbols[:i] + [symbols[i] + symbols[i + 1]] + symbols[i + 2 :]
+    return symbols
+
+
+def _qwen2_pre_tokenizer():
+    from tokenizers import Regex, pre_tokenizers
+
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+def build_byte_level_bpe(
+    corpus: str, forced_words: Sequence[str] = ROLE_WORDS, vocab_target: int = _BPE_VOCAB_TARGET
+) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Deterministically learn a byte-level BPE whose merges turn whole words into tokens.
+
+    Words are taken (forced words first, then corpus pre-tokens by descending frequency,
+    ties by text) and merges are appended left to right until each word is one token.
+    Appending a merge with a rank above all existing ones never changes how earlier words
+    tokenize, so every processed word stays a single token.
+    """
+    byte_chars = list(_bytes_to_unicode().values())
+    vocab: dict[str, int] = {ch: i for i, ch in enumerate(byte_chars)}
+    merges: list[tuple[str, str]] = []
+    ranks: dict[tuple[str, str], int] = {}
+
+    pre = _qwen2_pre_tokenizer()
+    counts = Counter(tok for tok, _ in pre.pre_tokenize_str(corpus))
+    ordered = list(forced_words) + [
+        w for w, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    ]
+    # Forced words are plain ASCII letters, identical in byte-level form.
+    seen: set[str] = set()
+    for word in ordered:
+        if word in seen or len(word) < 2:
+            continue
+        seen.add(word)
+        pieces = _bpe_split(word, ranks)
+        added: list[tuple[str, str]] = []
+        while len(pieces) > 1:
+            pair = (pieces[0], pieces[1])
+            added.append(pair)
+            ranks[pair] = len(merges) + len(added) - 1
+            pieces = _bpe_split(word, ranks)
+        new_tokens = [a + b for a, b in added if a + b not in vocab]
+        if len(vocab) + len(set(new_tokens)) > vocab_target and word not in forced_words:
+            for pair in added:  # roll back: this word does not fit any more
+                del ranks[pair]
+            break
+        merges.extend(added)
+        for tok in new_tokens:
+            if tok not in vocab:
+                vocab[tok] = len(vocab)
+    return vocab, merges
+
+
+def build_qwen3_omni_tokenizer():
+    """A Qwen-style byte-level BPE tokenizer with every Qwen3-Omni special token."""
+    from tokenizers import AddedToken, Tokenizer, decoders, normalizers
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+
+    vocab, merges = build_byte_level_bpe(_CORPUS)
+    raw = Tokenizer(
+        BPE(
+            vocab=vocab,
+            merges=merges,
+            dropout=None,
+            unk_token=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+            byte_fallback=False,
+        )
+    )
+    raw.normalizer = normalizers.NFC()
+    raw.pre_tokenizer = _qwen2_pre_tokenizer()
+    raw.decoder = decoders.ByteLevel()
+    # Added one by one so ids follow upstream order right after the BPE vocabulary.
+    for text, special in QWEN3_OMNI_ADDED_TOKENS:
+        tok = AddedToken(text, special=special, normalized=False, single_word=False)
+        if special:
+            raw.add_special_tokens([tok])
+        else:
+            raw.add_tokens([tok])
+    for i, (text, _) in enumerate(QWEN3_OMNI_ADDED_TOKENS):
+        got = raw.token_to_id(text)
+        if got != len(vocab) + i:
+            raise RuntimeError(f"special token {text!r} got id {got}, expected {len(vocab) + i}")
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=raw,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        model_max_length=4096,
+        clean_up_tokenization_spaces=False,
+        split_special_tokens=False,
+        errors="replace",
+        extra_special_tokens=dict(QWEN3_OMNI_MODEL_SPECIFIC_TOKENS),
+    )
+    tokenizer.chat_template = QWEN_CHAT_TEMPLATE
+    for word in ROLE_WORDS:
+        ids = tokenizer.encode(word, add_special_tokens=False)
+        if len(ids) != 1:
+            raise RuntimeError(f"role word {word!r} is not a single token: {ids}")
+    return tokenizer
+
+
+# ----------------------------------------------------------------------------------------
+# Config
+# ----------------------------------------------------------------------------------------
+
+QWEN3_OMNI_HIDDEN = 64
+QWEN3_OMNI_SAMPLE_RATE = 24000
+QWEN3_OMNI_SPEAKERS = {"chelsie": 2301, "ethan": 2302, "aiden": 2303}
+QWEN3_OMNI_CODE2WAV_GAIN = 32.0
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def build_qwen3_omni_config(tokenizer):
+    """Tiny Qwen3OmniMoeConfig whose special-token ids come from ``tokenizer``."""
+    import torch
+    from transformers import Qwen3OmniMoeConfig
+
+    def tid(token: str) -> int:
+        i = tokenizer.convert_tokens_to_ids(token)
+        if i is None or i == tokenizer.unk_token_id:
+            raise RuntimeError(f"token {token!r} missing from tokenizer")
+        return int(i)
+
+    def word_id(word: str) -> int:
+        ids = tokenizer.encode(word, add_special_tokens=False)
+        assert len(ids) == 1, (word, ids)
+        return int(ids[0])
+
+    h = QWEN3_OMNI_HIDDEN
+    mrope = {
+        "rope_type": "default",
+        "rope_theta": 1000000.0,
+        "mrope_section": [4, 2, 2],  # sums to head_dim / 2 = 8
+        "interleaved": True,
+        "mrope_interleaved": True,
+    }
+    mm_ids = {
+        "audio_token_id": tid("<|audio_pad|>"),
+        "image_token_id": tid("<|image_pad|>"),
+        "video_token_id": tid("<|video_pad|>"),
+        "vision_start_token_id": tid("<|vision_start|>"),
+        "audio_start_token_id": tid("<|audio_start|>"),
+        # extra (not HF dataclass fields) but present upstream
+        "vision_end_token_id": tid("<|vision_end|>"),
+        "audio_end_token_id": tid("<|audio_end|>"),
+    }
+    thinker_vocab = _round_up(len(tokenizer), 128)
+    thinker = {
+        "text_config": {
+            "vocab_size": thinker_vocab,
+            "hidden_size": h,
+            "intermediate_size": 2 * h,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "hidden_act": "silu",
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-6,
+            "rope_parameters": dict(mrope),
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "moe_intermediate_size": 32,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,
+            "tie_word_embeddings": False,
+            "use_qk_norm": True,
+        },
+        "audio_config": {
+            "num_mel_bins": 128,
+            "encoder_layers": 2,
+            "encoder_attention_heads": 2,
+            "encoder_ffn_dim": 64,
+            "d_model": 32,
+            "output_dim": h,
+            "downsample_hidden_size": 16,
+            "n_window": 50,
+            "n_window_infer": 800,
+            "conv_chunksize": 500,
+            "max_source_positions": 1500,
+        },
+        "vision_config": {
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "in_channels": 3,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "out_hidden_size": h,
+            "num_position_embeddings": 2304,
+            "deepstack_visual_indexes": [0, 1],
+            "hidden_act": "gelu_pytorch_tanh",
+        },
+        **mm_ids,
+        "user_token_id": word_id("user"),
+        "position_id_per_seconds": 13,
+        "seconds_per_chunk": 2,
+        "tie_word_embeddings": False,
+    }
+    codebook = 2048
+    talker = {
+        "text_config": {
+            "vocab_size": codebook + 1024,
+            "hidden_size": h,
+            "intermediate_size": 2 * h,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "hidden_act": "silu",
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-6,
+            "rope_parameters": dict(mrope),
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "moe_intermediate_size": 32,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,
+            "shared_expert_intermediate_size": h,
+            "tie_word_embeddings": False,
+        },
+        "code_predictor_config": {
+            "vocab_size": codebook,
+            "hidden_size": h,
+            "intermediate_size": 2 * h,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "hidden_act": "silu",
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-6,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+            "num_code_groups": 16,
+            "tie_word_embeddings": False,
+        },
+        "num_code_groups": 16,
+        "thinker_hidden_size": h,
+        "accept_hidden_layer": 1,
+        "codec_pad_id": 2148,
+        "codec_bos_id": 2149,
+        "codec_eos_token_id": 2150,
+        "codec_nothink_id": 2155,
+        "codec_think_bos_id": 2156,
+        "codec_think_eos_id": 2157,
+        "speaker_id": dict(QWEN3_OMNI_SPEAKERS),
+        **mm_ids,
+        "position_id_per_seconds": 13,
+        "seconds_per_chunk": 2,
+        "spatial_merge_size": 2,
+        "tie_word_embeddings": False,
+    }
+    code2wav = {
+        "codebook_size": codebook,
+        "num_quantizers": 16,
+        "hidden_size": h,
+        "intermediate_size": 2 * h,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 8000,
+        "sliding_window": 72,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "upsample_rates": [8, 5, 4, 3],
+        "upsampling_ratios": [2, 2],
+        "decoder_dim": h,
+        # Not an HF field: the waveform rate implied by Qwen3-Omni (1920 samples per frame).
+        "output_sample_rate": QWEN3_OMNI_SAMPLE_RATE,
+    }
+    config = Qwen3OmniMoeConfig(
+        thinker_config=thinker,
+        talker_config=talker,
+        code2wav_config=code2wav,
+        enable_audio_output=True,
+        im_start_token_id=tid("<|im_start|>"),
+        im_end_token_id=tid("<|im_end|>"),
+        tts_pad_token_id=tid("<tts_pad>"),
+        tts_bos_token_id=tid("<tts_text_bos>"),
+        tts_eos_token_id=tid("<tts_text_eod>"),
+        system_token_id=word_id("system"),
+        user_token_id=word_id("user"),
+        assistant_token_id=word_id("assistant"),
+        architectures=["Qwen3OmniMoeForConditionalGeneration"],
+    )
+    config.dtype = torch.float32
+    _check_qwen3_omni_config(config, tokenizer)
+    return config
+
+
+def _check_qwen3_omni_config(config, tokenizer) -> None:
+    tk = config.talker_config
+    vocab = tk.text_config.vocab_size
+    codec_ids = {
+        "codec_bos_id": tk.codec_bos_id,
+        "codec_eos_token_id": tk.codec_eos_token_id,
+        "codec_pad_id": tk.codec_pad_id,
+        "codec_nothink_id": tk.codec_nothink_id,
+        "codec_think_bos_id": tk.codec_think_bos_id,
+        "codec_think_eos_id": tk.codec_think_eos_id,
+        **{f"speaker_id[{k}]": v for k, v in tk.speaker_id.items()},
+    }
+    cb = config.code2wav_config.codebook_size
+    for name, value in codec_ids.items():
+        # Codec specials live above the codebook (never fed to code2wav) and below vocab.
+        if not cb <= value < vocab:
+            raise ValueError(f"talker {name}={value} outside [{cb}, {vocab})")
+    if tk.code_predictor_config.vocab_size != cb:
+        raise ValueError("code predictor vocab must equal code2wav codebook_size")
+    if tk.num_code_groups != config.code2wav_config.num_quantizers:
+        raise ValueError("num_code_groups must equal code2wav num_quantizers")
+    if tk.num_code_groups != tk.code_predictor_config.num_code_groups:
+        raise ValueError("talker and code predictor num_code_groups differ")
+    if vocab - 1024 != cb:
+        raise ValueError("talker vocab must be codebook_size + 1024 (HF suppresses the top 1024)")
+    n_layers = config.thinker_config.text_config.num_hidden_layers
+    if not 0 <= tk.accept_hidden_layer <= n_layers:
+        raise ValueError("accept_hidden_layer out of range")
+    if tk.thinker_hidden_size != config.thinker_config.text_config.hidden_size:
+        raise ValueError("thinker_hidden_size mismatch")
+    if config.thinker_config.text_config.vocab_size < len(tokenizer):
+        raise ValueError("thinker vocab smaller than tokenizer")
+
+
+# ----------------------------------------------------------------------------------------
+# Weights
+# ----------------------------------------------------------------------------------------
+
+
+def _make_nondegenerate(model, std: float = 0.02) -> list[str]:
+    """Deterministically fill what HF's init leaves uninitialised / constant. Returns names."""
+    import torch
+
+    touched: list[str] = []
+    with torch.no_grad():
+        # 1. Talker MoE: experts are torch.empty (garbage), routers are zeros.
+        for name, param in model.named_parameters():
+            if name.startswith("talker.model.layers.") and (
+                ".mlp.experts." in name or name.endswith(".mlp.gate.weight")
+            ):
+                param.normal_(0.0, std)
+                touched.append(name)
+        # 2. Constant tensors (norm weights, biases, snake alpha/beta, layer scales, gamma).
+        for name, param in model.named_parameters():
+            if not param.is_floating_point() or param.numel() < 2:
+                continue
+            flat = param.detach().reshape(-1)
+            if bool((flat == flat[0]).all()):
+                c = float(flat[0])
+                noise_std = 0.1 * abs(c) if abs(c) >= 0.1 else std
+                param.add_(torch.randn_like(param) * noise_std)
+                touched.append(name)
+        for name, param in model.named_parameters():
+            if not torch.isfinite(param).all():
+                raise RuntimeError(f"non-finite parameter {name}")
+            if param.numel() > 1 and float(param.float().std()) == 0.0:
+                raise RuntimeError(f"degenerate parameter {name}")
+    return touched
+
+
+def _set_tokenizer_class(out_dir: Path, name: str) -> None:
+    """Record the upstream tokenizer class (the file is a plain tokenizers-backed BPE)."""
+    path = out_dir / "tokenizer_config.json"
+    data = json.loads(path.read_text())
+    data["tokenizer_class"] = name
+    path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+
+
+# Flat preprocessor_config.json, the shape the official Qwen3-Omni repos ship (no
+# processor_config.json / video_preprocessor_config.json): the WhisperFeatureExtractor, the
+# Qwen2-VL image processor and (by fallback) the Qwen2-VL video processor all read it.
+QWEN3_OMNI_PREPROCESSOR_CONFIG: dict[str, Any] = {
+    "chunk_length": 300,
+    "dither": 0.0,
+    "feature_extractor_type": "WhisperFeatureExtractor",
+    "feature_size": 128,
+    "hop_length": 160,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "image_std": [0.5, 0.5, 0.5],
+    "max_pixels": 12845056,
+    "merge_size": 2,
+    "min_pixels": 3136,
+    "n_fft": 400,
+    "n_samples": 4800000,
+    "nb_max_frames": 30000,
+    "padding_side": "right",
+    "padding_value": 0.0,
+    "patch_size": 16,
+    "processor_class": "Qwen3OmniMoeProcessor",
+    "return_attention_mask": True,
+    "sampling_rate": 16000,
+    "temporal_patch_size": 2,
+}
+
+
+def _save_processor(out_dir: Path) -> None:
+    """Write the upstream-shaped preprocessor_config.json.
+
+    Not built through ``Qwen3OmniMoeProcessor.save_pretrained`` because its video processor
+    (Qwen2VLVideoProcessor) needs torchvision; ``AutoFeatureExtractor`` / ``AutoImageProcessor``
+    load the file offline, and ``AutoProcessor`` does too where torchvision is installed.
+    """
+    path = out_dir / "preprocessor_config.json"
+    path.write_text(json.dumps(QWEN3_OMNI_PREPROCESSOR_CONFIG, indent=2, sort_keys=True) + "\n")
+
+
+def build_qwen3_omni(out_dir: str | os.PathLike, seed: int = 0) -> dict[str, Any]:
+    """Write the tiny Qwen3-Omni checkpoint to ``out_dir``; returns a summary dict."""
+    import torch
+    from transformers import GenerationConfig, Qwen3OmniMoeForConditionalGeneration
+
+    t0 = time.perf_counter()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    logger.info("building tokenizer")
+    tokenizer = build_qwen3_omni_tokenizer()
+    logger.info("tokenizer: %d tokens", len(tokenizer))
+    config = build_qwen3_omni_config(tokenizer)
+
+    logger.info("building Qwen3OmniMoeForConditionalGeneration (seed=%d)", seed)
+    torch.manual_seed(seed)
+    prev_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        model = Qwen3OmniMoeForConditionalGeneration(config)
+    finally:
+        torch.set_default_dtype(prev_dtype)
+    model = model.to(torch.float32).eval()
+    touched = _make_nondegenerate(model)
+    logger.info("re-initialised %d uninitialised/constant tensors", len(touched))
+    with torch.no_grad():
+        # Output gain: with std-0.02 convs the waveform would peak around 3e-3; x32 on the last
+        # conv brings it to roughly 0.1 without reaching code2wav's [-1, 1] clamp.
+        model.code2wav.decoder[-1].conv.weight.mul_(QWEN3_OMNI_CODE2WAV_GAIN)
+
+    gen = GenerationConfig(
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        eos_token_id=[config.im_end_token_id, tokenizer.convert_tokens_to_ids("<|endoftext|>")],
+        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+    )
+    model.generation_config = gen
+
+    logger.info("saving to %s", out)
+    model.save_pretrained(out, safe_serialization=True)
+    gen.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    _set_tokenizer_class(out, "Qwen2Tokenizer")
+    _save_processor(out)
+
+    n_params = sum(p.numel() for p in model.parameters())
+    files = sorted(p for p in out.iterdir() if p.is_file())
+    total_bytes = sum(p.stat().st_size for p in files)
+    summary = {
+        "model": "qwen3-omni",
+        "path": str(out.resolve()),
+        "seed": seed,
+        "parameters": n_params,
+        "bytes": total_bytes,
+        "files": [p.name for p in files],
+        "tokenizer_size": len(tokenizer),
+        "thinker_vocab_size": config.thinker_config.text_config.vocab_size,
+        "sample_rate": QWEN3_OMNI_SAMPLE_RATE,
+        "speakers": sorted(config.talker_config.speaker_id),
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+    return summary
+
+
+# ----------------------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------------------
+
+# model name -> (builder(out_dir, seed) -> summary, help text). Add e.g. "bagel" here.
+BUILDERS: dict[str, tuple[Callable[..., dict[str, Any]], str]] = {
+    "qwen3-omni": (
+        build_qwen3_omni,
+        "Qwen3-Omni (Qwen3OmniMoeForConditionalGeneration) with audio output",
+    ),
+}
+
+
+def build(model: str, out_dir: str | os.PathLike, seed: int = 0) -> dict[str, Any]:
+    if model not in BUILDERS:
+        raise ValueError(f"unknown model {model!r}; choose from {sorted(BUILDERS)}")
+    return BUILDERS[model][0](out_dir, seed=seed)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m vllm_omni_plugin.tools.tiny_checkpoint",
+        description="Write a tiny, seeded, random-weight Hugging Face checkpoint (offline).",
+    )
+    sub = parser.add_subparsers(
+        dest="model", metavar="MODEL", required=True, help=f"one of: {', '.join(BUILDERS)}"
+    )
+    for name, (_, help_text) in BUILDERS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("out_dir", metavar="OUT_DIR", help="directory to write (created if missing)")
+        p.add_argument(
+            "--seed", type=int, default=0, help="torch.manual_seed for the weights (default 0)"
+        )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+    logger.setLevel(logging.INFO)
+    summary = build(args.model, args.out_dir, seed=args.seed)
+    print(
+        f"wrote {summary['model']} checkpoint to {summary['path']}: "
+        f"{summary['parameters']:,} parameters, {summary['bytes']:,} bytes on disk, "
+        f"{summary['seconds']} s"
+    )
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
