@@ -1,8 +1,9 @@
 """Patch: vLLM's API server gets the omni engine client in omni mode.
 
 Why: ``vllm serve`` builds its ``EngineClient`` with ``AsyncLLM.from_vllm_config``
-and offers no hook to choose another class. In omni mode (the engine's
-``additional_config`` carries the plugin's settings) the wrapper constructs
+and offers no hook to choose another class. For the entry stage in omni
+mode (the engine's ``additional_config`` carries the plugin's settings and
+does not mark it a downstream stage) the wrapper constructs
 :class:`~vllm_omni_plugin.engine.omni_client.OmniEngineClient`, an ``AsyncLLM``
 subclass, with the same arguments; otherwise it calls vLLM's method unchanged.
 Upstream reason: ``from_vllm_config`` is the only constructor the API server
@@ -26,9 +27,9 @@ def apply() -> bool:
 
     @functools.wraps(original)
     def from_vllm_config(cls, vllm_config, *args, **kwargs):
-        from vllm_omni_plugin.config.settings import is_omni
+        from vllm_omni_plugin.config.settings import is_entry_stage
 
-        if is_omni(vllm_config) and cls is AsyncLLM:
+        if cls is AsyncLLM and is_entry_stage(vllm_config):
             from vllm_omni_plugin.engine.omni_client import OmniEngineClient
 
             cls = OmniEngineClient

@@ -59,6 +59,7 @@ def apply_omni_args(args: argparse.Namespace, engine_args) -> None:
         "stage_id": entry.stage_id,
         "stage_configs_path": os.path.abspath(path),
         "payload_dir": default_run_dir(),
+        "entry": True,
     }
     engine_args.additional_config = extra
     middleware = list(getattr(args, "middleware", None) or [])

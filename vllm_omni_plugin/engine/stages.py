@@ -45,6 +45,7 @@ def start_stage_engine(stage, entry_vllm_config, settings: dict) -> StageEngine:
         if value is not None and hasattr(args, name):
             setattr(args, name, value if name != "dtype" else str(value).removeprefix("torch."))
     apply_stage_engine_args(args, stage.engine_args)
+    apply_stage_engine_args(args, {"hf_overrides": _model_hf_overrides(args, model_config)})
     args.additional_config = {
         ADDITIONAL_CONFIG_KEY: {**settings, "stage_id": stage.stage_id, "entry": False}
     }
@@ -59,3 +60,11 @@ def start_stage_engine(stage, entry_vllm_config, settings: dict) -> StageEngine:
     logger.info("stage %d (%s) engine ready in %.1f s", stage.stage_id, stage.name,
                 time.perf_counter() - start)
     return StageEngine(stage.stage_id, stage.name, engine)
+
+
+def _model_hf_overrides(args, model_config) -> dict:
+    from vllm_omni_plugin.models import stage_model_class
+
+    archs = (args.hf_overrides or {}).get("architectures") or []
+    cls = stage_model_class(archs[0]) if archs else None
+    return cls.engine_hf_overrides(model_config.hf_config) if cls else {}

@@ -19,3 +19,14 @@ def register_models() -> list[str]:
     for arch, target in STAGE_MODELS.items():
         ModelRegistry.register_model(arch, target)
     return list(STAGE_MODELS)
+
+
+def stage_model_class(arch: str):
+    """The stage model class of ``arch`` (imported), or None for other architectures."""
+    import importlib
+
+    target = STAGE_MODELS.get(arch)
+    if target is None:
+        return None
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)

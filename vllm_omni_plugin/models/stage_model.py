@@ -35,6 +35,7 @@ class StepInput:
         state: per-request scratch the model keeps across steps.
         needs_logits: the slice ends the known sequence, so a token is sampled.
         publish: the request has an output payload key; return chunks to publish.
+        sampling_params: the request's ``vllm.SamplingParams``.
     """
 
     req_id: str
@@ -45,6 +46,8 @@ class StepInput:
     state: dict[str, Any] = field(default_factory=dict)
     needs_logits: bool = True
     publish: bool = False
+    sampling_params: Any = None
+    generator: torch.Generator | None = None
 
 
 @dataclass
@@ -90,6 +93,11 @@ class OmniStageModel(nn.Module):
         raise NotImplementedError("stage models are executed through forward_step()")
 
     # -- stage interface ----------------------------------------------------
+    @classmethod
+    def engine_hf_overrides(cls, hf_config) -> dict[str, Any]:
+        """``hf_overrides`` this stage's engine needs (merged by the stage launcher)."""
+        return {}
+
     def build(self) -> None:
         """Construct the HF sub-modules from ``self.hf_config``."""
         raise NotImplementedError

@@ -51,7 +51,7 @@ def thinker2talker(upstream: list[UpstreamOutput], stage, extras: dict[str, Any]
 
     Payload out: ``sequence_ids`` ``[T_seq]`` int64 (prompt + generated),
     ``thinker_embed``/``thinker_hidden`` ``[T_seq - 1, H]``, ``tts_embed``
-    ``[3, H]``, ``speaker_id`` ``[1]`` int64. The prompt is
+    ``[3, H]``, ``speaker_id``/``prompt_len`` ``[1]`` int64. The prompt is
     ``len(user positions) + 9`` placeholder ids (``codec_pad_id``).
 
     Raises:
@@ -78,6 +78,7 @@ def thinker2talker(upstream: list[UpstreamOutput], stage, extras: dict[str, Any]
             "thinker_hidden": thinker.payload["hidden"],
             "tts_embed": thinker.payload["tts_embed"],
             "speaker_id": torch.tensor([speaker], dtype=torch.long),
+            "prompt_len": torch.tensor([len(prompt)], dtype=torch.long),
         },
         sampling_overrides={"stop_token_ids": [talker_config.codec_eos_token_id]},
     )

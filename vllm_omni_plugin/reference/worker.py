@@ -173,8 +173,6 @@ class ReferenceWorker(WorkerBase):
 
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
-        for req_id in scheduler_output.preempted_req_ids or ():
-            self.requests.get(req_id) and self.requests[req_id].state.clear()
         for new in scheduler_output.scheduled_new_reqs:
             self._add_request(new)
         self._update_cached(scheduler_output.scheduled_cached_reqs)
@@ -199,6 +197,8 @@ class ReferenceWorker(WorkerBase):
                 state=req.state,
                 needs_logits=start + n >= len(req.token_ids),
                 publish=req.out_key is not None,
+                sampling_params=req.params,
+                generator=req.generator,
             )
             view = PagedKVView(self.kv_caches, torch.tensor(req.block_ids, dtype=torch.long), start)
             with use_paged_kv(view):
