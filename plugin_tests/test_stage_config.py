@@ -83,7 +83,8 @@ def test_qwen3_omni_config_loads():
     talker = cfg.stage(1)
     assert talker.engine_args["hf_overrides"]["architectures"] == [
         "OmniPluginQwen3OmniTalker"]
-    assert talker.default_sampling_params == {"temperature": 0.0, "max_tokens": 2048}
+    assert talker.default_sampling_params == {
+        "temperature": 0.0, "max_tokens": 2048, "repetition_penalty": 1.05}
     assert cfg.stage(2).kind == "generation" and cfg.stage(2).runtime.num_replicas == 1
     with pytest.raises(KeyError):
         cfg.stage(9)

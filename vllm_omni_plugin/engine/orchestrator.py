@@ -19,7 +19,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_omni_plugin.kv_transfer.payload import EXTRA_ARGS_KEY, PayloadStore, safe_key
+from vllm_omni_plugin.kv_transfer.payload import (
+    EXTRA_ARGS_KEY,
+    PayloadError,
+    PayloadStore,
+    safe_key,
+)
 from vllm_omni_plugin.logger import init_logger
 
 logger = init_logger(__name__)
@@ -31,12 +36,15 @@ SPEAKER_KEY = "omni_plugin_speaker"
 
 
 class StageError(RuntimeError):
-    """A stage failed for one request. ``stage_id``/``stage_name`` name it."""
+    """A stage failed for one request. ``stage_id``/``stage_name`` name it;
+    ``status`` is the HTTP status the API layer answers with (400 when the
+    request itself was at fault, e.g. an unknown voice, else 500)."""
 
-    def __init__(self, stage_id: int, stage_name: str, message: str):
+    def __init__(self, stage_id: int, stage_name: str, message: str, status: int = 500):
         super().__init__(f"stage {stage_id} ({stage_name}): {message}")
         self.stage_id = stage_id
         self.stage_name = stage_name
+        self.status = status
 
 
 @dataclass
@@ -46,6 +54,9 @@ class StageResult:
     output_type: str
     payload: dict[str, Any] = field(default_factory=dict)
     sample_rate: int | None = None  # Hz, for audio
+    status: int = 200  # HTTP status for the API layer when ``error`` is set
+    #: the final stage's input payload (e.g. code2wav's codec codes), small by design
+    final_input: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
     created: float = field(default_factory=time.monotonic)
 
@@ -127,13 +138,14 @@ class Orchestrator:
                     yield out
             if final is None:
                 return
-            outputs = {self.entry.stage_id: _stage_output(self.entry.stage_id, final,
-                                                          self.store.get(entry_out_key))}
+            outputs = {self.entry.stage_id: _stage_output(
+                self.entry.stage_id, final, self._payload(self.entry, entry_out_key))}
             result = await self._run_downstream(request_id, base, outputs, extra, keys)
             RESULTS.put(result_key, result)
         except StageError as exc:
             logger.error("request %s failed: %s", request_id, exc)
-            RESULTS.put(result_key, StageResult(output_type="error", error=str(exc)))
+            RESULTS.put(result_key, StageResult(output_type="error", error=str(exc),
+                                                status=exc.status))
         finally:
             for key in keys:
                 self.store.delete(key)
@@ -144,7 +156,7 @@ class Orchestrator:
     async def _run_downstream(self, request_id, base, outputs, extra, keys) -> StageResult:
         from vllm_omni_plugin.processors.registry import get_processor
 
-        last = None
+        last, last_input = None, {}
         for stage in self.pipeline.topological_order():
             if stage.stage_id == self.entry.stage_id:
                 continue
@@ -154,12 +166,18 @@ class Orchestrator:
                 processor = get_processor(stage.input_processor)
                 extras = {**extra, "hf_config": self.client.model_config.hf_config}
                 stage_input = processor([outputs[s] for s in stage.inputs], stage, extras)
+            except ValueError as exc:  # processors raise ValueError for bad requests
+                raise StageError(stage.stage_id, stage.name,
+                                 f"input processor {stage.input_processor!r}: {exc}",
+                                 status=400) from exc
             except Exception as exc:
                 raise StageError(stage.stage_id, stage.name,
                                  f"input processor {stage.input_processor!r}: {exc}") from exc
             self.store.put(in_key, stage_input.payload)
+            last_input = stage_input.payload
             final = await self._run_stage(request_id, stage, stage_input, in_key, out_key)
-            outputs[stage.stage_id] = _stage_output(stage.stage_id, final, self.store.get(out_key))
+            outputs[stage.stage_id] = _stage_output(stage.stage_id, final,
+                                                    self._payload(stage, out_key))
             last = stage
         if last is None or not last.final_output:
             raise StageError(self.entry.stage_id, self.entry.name,
@@ -171,7 +189,7 @@ class Orchestrator:
 
             rate = sample_rate(self.client.model_config.hf_config)
         return StageResult(output_type=output_type, payload=outputs[last.stage_id].payload,
-                           sample_rate=rate)
+                           sample_rate=rate, final_input=last_input)
 
     async def _run_stage(self, request_id, stage, stage_input, in_key, out_key):
         from vllm import SamplingParams
@@ -201,6 +219,12 @@ class Orchestrator:
         if final is None or not final.finished:
             raise StageError(stage.stage_id, stage.name, "produced no final output")
         return final
+
+    def _payload(self, stage, key: str) -> dict:
+        try:
+            return self.store.get(key)
+        except PayloadError as exc:
+            raise StageError(stage.stage_id, stage.name, str(exc)) from exc
 
     async def abort(self, request_id) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)

@@ -146,7 +146,8 @@ class OmniAudioMiddleware:
         status, payload = captured.status, captured.body
         if status == 200 and result is not None:
             if result.error:
-                return await _send_json(send, 500, _error_body(result.error, 500))
+                return await _send_json(send, result.status,
+                                        _error_body(result.error, result.status))
             response = json.loads(payload)
             payload = json.dumps(attach_audio(response, result, result.sample_rate)).encode()
         headers = [(k, v) for k, v in captured.headers if k.lower() != b"content-length"]

@@ -16,6 +16,7 @@ concatenates the chunks in order along dim 0. safetensors never unpickles.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -30,6 +31,11 @@ from safetensors.torch import load_file, save_file
 EXTRA_ARGS_KEY = "omni_plugin_payload"
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+_ERROR_FILE = "error.json"
+
+
+class PayloadError(RuntimeError):
+    """The producing worker recorded a failure for this key instead of tensors."""
 
 
 def default_run_dir() -> str:
@@ -89,8 +95,25 @@ class PayloadStore:
         names = sorted(n for n in os.listdir(d) if n.endswith(".st"))
         return [load_file(os.path.join(d, n)) for n in names]
 
+    def put_error(self, key: str, message: str) -> None:
+        """Record that producing ``key`` failed; :meth:`get` then raises :class:`PayloadError`."""
+        d = self._dir(key)
+        os.makedirs(d, exist_ok=True)
+        tmp = os.path.join(d, f".error.{uuid.uuid4().hex}.tmp")
+        with open(tmp, "w") as f:
+            json.dump({"error": message[:4000]}, f)
+        os.rename(tmp, os.path.join(d, _ERROR_FILE))
+
     def get(self, key: str) -> dict[str, torch.Tensor]:
-        """All chunks of ``key``, each tensor concatenated along dim 0."""
+        """All chunks of ``key``, each tensor concatenated along dim 0.
+
+        Raises:
+            PayloadError: the producer recorded a failure (see :meth:`put_error`).
+        """
+        error_path = os.path.join(self._dir(key), _ERROR_FILE)
+        if os.path.exists(error_path):
+            with open(error_path) as f:
+                raise PayloadError(json.load(f).get("error", "unknown error"))
         merged: dict[str, list[torch.Tensor]] = {}
         for chunk in self._chunks(key):
             for name, t in chunk.items():

@@ -50,14 +50,32 @@ def activate() -> str | None:
     if backend == "auto" and not _omni_requested(sys.argv):
         return None
     if os.environ.get(envs.BACKEND) != "reference":
+        # Chosen automatically here: export it so child processes agree, and
+        # announce it once vLLM's logging is configured (see _announce).
         os.environ[envs.BACKEND] = "reference"
+        global _announce_pending
+        _announce_pending = True
+    return QUALNAME
+
+
+_announce_pending = False
+
+
+def _announce() -> None:
+    """Log the automatic choice once, in the process that made it.
+
+    Platform plugins are resolved before vLLM attaches its log handlers, so
+    the line is emitted from the platform's config hook instead.
+    """
+    global _announce_pending
+    if _announce_pending:
+        _announce_pending = False
         from vllm_omni_plugin.logger import init_logger
 
         init_logger(__name__).info(
             "No accelerator usable: stages run on the vllm-omni-plugin reference backend "
             "(CPU, eager PyTorch). Set %s=accelerator to disable.", envs.BACKEND
         )
-    return QUALNAME
 
 
 def _make_platform():
@@ -72,6 +90,7 @@ def _make_platform():
         def check_and_update_config(cls, vllm_config) -> None:
             from vllm.config import CompilationMode
 
+            _announce()
             parallel = vllm_config.parallel_config
             if parallel.worker_cls == "auto":
                 parallel.worker_cls = WORKER_QUALNAME

@@ -43,6 +43,7 @@ class _Request:
     out_key: str | None
     generator: torch.Generator | None
     state: dict[str, Any] = field(default_factory=dict)
+    failed: bool = False
 
 
 class ReferenceWorker(WorkerBase):
@@ -136,12 +137,9 @@ class ReferenceWorker(WorkerBase):
     def _add_request(self, new) -> None:
         params = new.sampling_params
         keys = (params.extra_args or {}).get(EXTRA_ARGS_KEY, {}) if params else {}
-        payload: dict[str, torch.Tensor] = {}
-        if keys.get("in"):
-            if self.store is None:
-                raise RuntimeError(f"stage {self.stage_id}: request {new.req_id} carries an "
-                                   "input payload key but no payload store is configured")
-            payload = self.store.get(keys["in"])
+        if keys and self.store is None:
+            raise RuntimeError(f"stage {self.stage_id}: request {new.req_id} carries payload "
+                               "keys but no payload store is configured (not in omni mode?)")
         generator = None
         if params is not None and params.seed is not None:
             generator = torch.Generator().manual_seed(params.seed)
@@ -151,10 +149,15 @@ class ReferenceWorker(WorkerBase):
             num_prompt=len(new.prompt_token_ids or []),
             block_ids=list(new.block_ids[0]),
             params=params,
-            payload=payload,
-            out_key=keys.get("out") if self.store else None,
+            payload={},
+            out_key=keys.get("out"),
             generator=generator,
         )
+        if keys.get("in"):
+            try:
+                self.requests[new.req_id].payload = self.store.get(keys["in"])
+            except Exception as exc:
+                self._fail(self.requests[new.req_id], exc)
 
     def _update_cached(self, cached) -> None:
         for i, req_id in enumerate(cached.req_ids):
@@ -201,12 +204,36 @@ class ReferenceWorker(WorkerBase):
                 generator=req.generator,
             )
             view = PagedKVView(self.kv_caches, torch.tensor(req.block_ids, dtype=torch.long), start)
-            with use_paged_kv(view):
-                out = self.model.forward_step(step)
-            if out.payload and req.out_key:
-                self.store.append(req.out_key, out.payload)
+            out = StepOutput(logits=None)
+            if not req.failed:
+                try:
+                    with use_paged_kv(view):
+                        out = self.model.forward_step(step)
+                    if out.payload and req.out_key:
+                        self.store.append(req.out_key, out.payload)
+                except Exception as exc:
+                    self._fail(req, exc)
             self._pending.append((req, step, out))
         return None
+
+    def _fail(self, req: _Request, exc: Exception) -> None:
+        """Isolate a per-request model failure so the stage keeps serving.
+
+        Requests without an output payload key (plain text requests) have no
+        channel to report it, so the exception propagates as in vLLM.
+        """
+        if req.out_key is None:
+            raise exc
+        logger.error("stage %s: request %s failed: %s: %s", self.stage_id, req.req_id,
+                     type(exc).__name__, exc, exc_info=exc)
+        req.failed = True
+        self.store.put_error(req.out_key, f"{type(exc).__name__}: {exc}")
+
+    @staticmethod
+    def _stop_token(req: _Request) -> int:
+        """A token that ends ``req``: its first stop token (with max_tokens=1 any token does)."""
+        stop = list(req.params.all_stop_token_ids or ()) if req.params is not None else []
+        return int(stop[0]) if stop else 0
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_output):
@@ -215,14 +242,21 @@ class ReferenceWorker(WorkerBase):
         req_ids, sampled = [], []
         for req, step, out in self._pending:
             req_ids.append(req.req_id)
+            if req.failed:
+                sampled.append([self._stop_token(req)])
+                continue
             if not step.needs_logits or out.logits is None:
                 sampled.append([])
                 continue
             token = sample(out.logits, req.params, len(req.token_ids) - req.num_prompt,
                            req.generator)
-            extra = self.model.after_sample(step, token)
-            if extra and req.out_key:
-                self.store.append(req.out_key, extra)
+            try:
+                extra = self.model.after_sample(step, token)
+                if extra and req.out_key:
+                    self.store.append(req.out_key, extra)
+            except Exception as exc:
+                self._fail(req, exc)
+                token = self._stop_token(req)
             req.token_ids.append(token)
             sampled.append([token])
         self._pending = []

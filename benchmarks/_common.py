@@ -1,0 +1,232 @@
+"""Helpers shared by the benchmark scripts (not part of the package).
+
+Everything here uses the standard library only, so the scripts run with the
+project's venv interpreter without extra installs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def venv_bin(name: str) -> str:
+    """``name`` next to the running interpreter (the venv's bin/), else on PATH."""
+    candidate = Path(sys.executable).parent / name
+    return str(candidate) if candidate.exists() else name
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def fmt(value, spec: str = ".1f", missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def table(headers: list[str], rows: list[list[str]], title: str | None = None) -> str:
+    """A plain-text table, columns right-aligned except the first."""
+    widths = [len(h) for h in headers]
+    for row in rows:
+        for i, cell in enumerate(row):
+            widths[i] = max(widths[i], len(cell))
+
+    def line(cells):
+        return "  ".join(
+            c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(cells)
+        )
+
+    out = []
+    if title:
+        out.append(title)
+    out.append(line(headers))
+    out.append("  ".join("-" * w for w in widths))
+    out.extend(line(r) for r in rows)
+    return "\n".join(out)
+
+
+def install_sigterm_as_interrupt() -> None:
+    """Turn SIGTERM/SIGHUP into KeyboardInterrupt so ``finally`` blocks run."""
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            signal.signal(sig, handler)
+        except (ValueError, OSError):  # not the main thread / not supported
+            pass
+
+
+class Server:
+    """A ``vllm serve`` process in its own session (process group).
+
+    stdout+stderr go through a pipe to a reader thread that writes the log file
+    and stamps every line with ``time.perf_counter()`` at arrival, so log
+    events can be placed on the launch timeline with sub-second resolution
+    (vLLM's own log timestamps have 1 s resolution).
+
+    :meth:`stop` kills the whole process group (API server, every EngineCore)
+    with SIGTERM, then SIGKILL after a grace period. Use as a context manager.
+    """
+
+    def __init__(self, argv: list[str], env: dict, log_path: Path):
+        self.argv = argv
+        self.env = env
+        self.log_path = Path(log_path)
+        self.lines: list[tuple[float, str]] = []  # (seconds since launch, line)
+        self.proc: subprocess.Popen | None = None
+        self.t0: float | None = None
+        self._reader: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+        return False
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.t0 = time.perf_counter()
+        self.proc = subprocess.Popen(
+            self.argv,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=str(REPO),
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        with open(self.log_path, "w", encoding="utf-8", errors="replace") as log:
+            for raw in self.proc.stdout:
+                now = time.perf_counter() - self.t0
+                line = raw.decode("utf-8", errors="replace").rstrip("\n")
+                log.write(f"[+{now:8.3f}s] {line}\n")
+                log.flush()
+                with self._lock:
+                    self.lines.append((now, line))
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def snapshot(self) -> list[tuple[float, str]]:
+        with self._lock:
+            return list(self.lines)
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(line for _, line in self.snapshot()[-n:])
+
+    def stop(self, grace: float = 20.0) -> None:
+        if self.proc is None:
+            return
+        pgid = self.proc.pid  # start_new_session: the leader's pid is the pgid
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None and not _group_alive(pgid):
+                    break
+                time.sleep(0.2)
+            else:
+                continue
+            break
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        if self._reader is not None:
+            self._reader.join(timeout=5)
+
+
+def _group_alive(pgid: int) -> bool:
+    """True while a non-zombie process is left in process group ``pgid``."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return True
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        # fields[0] = state, fields[2] = pgrp (see proc(5))
+        if fields[2] == str(pgid) and fields[0] != "Z":
+            return True
+    return False
+
+
+def http_get_status(url: str, timeout: float = 2.0) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def wait_health(server: Server, url: str, timeout: float, poll: float = 0.1) -> float:
+    """Seconds since launch at which ``GET url`` first answered 200."""
+    deadline = time.perf_counter() + timeout
+    while time.perf_counter() < deadline:
+        if not server.alive():
+            raise RuntimeError(
+                f"server exited with code {server.proc.returncode} before /health; "
+                f"log tail:\n{server.tail()}"
+            )
+        if http_get_status(url) == 200:
+            return server.elapsed()
+        time.sleep(poll)
+    raise TimeoutError(f"/health not 200 after {timeout:.0f} s; log tail:\n{server.tail()}")
+
+
+def post_json(url: str, body: dict, timeout: float) -> tuple[int, dict | str]:
+    data = json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            text = r.read().decode()
+            status = r.status
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+    try:
+        return status, json.loads(text)
+    except json.JSONDecodeError:
+        return status, text

@@ -1,0 +1,66 @@
+"""Start and stop a real `vllm serve` subprocess for tests and benchmarks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import requests
+
+from plugin_tests.conftest import VLLM
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServeProcess:
+    """``vllm serve ARGS`` in its own process group, log in ``log_path``."""
+
+    def __init__(self, args: list[str], log_path: str, env: dict | None = None):
+        self.port = free_port()
+        self.log_path = log_path
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            [VLLM, "serve", *args, "--host", "127.0.0.1", "--port", str(self.port)],
+            stdout=self._log, stderr=subprocess.STDOUT, env=env or os.environ.copy(),
+            start_new_session=True,
+        )
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def wait_ready(self, timeout_s: float = 420) -> float:
+        """Seconds until ``/health`` answers 200. Raises RuntimeError with the log tail."""
+        start = time.monotonic()
+        while time.monotonic() - start < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n"
+                                   f"{self.log()[-6000:]}")
+            try:
+                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return time.monotonic() - start
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"vllm serve not ready after {timeout_s}s:\n{self.log()[-6000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        self._log.close()
+
+    def chat(self, body: dict, timeout: float = 300) -> requests.Response:
+        return requests.post(f"{self.url}/v1/chat/completions", json=body, timeout=timeout)

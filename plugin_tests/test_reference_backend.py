@@ -1,0 +1,353 @@
+"""The reference backend under real vLLM engines, checked token for token against HF.
+
+One child process (``engine_scripts/thinker_generate.py``) runs every engine
+configuration below one after another with ``VLLM_OMNI_PLUGIN_BACKEND=reference``
+(vLLM resolves its platform at import, so it cannot run in the test process). While
+it runs, the test process computes Hugging Face's own greedy tokens with
+``Qwen3OmniMoeForConditionalGeneration.thinker.generate``. Each test then compares
+one scheduler feature's output to HF:
+
+* plain greedy generation (several prompt lengths, decode across block boundaries),
+* batching (4 prompts together == each alone),
+* chunked prefill (token budget 16, prompts of 41-60 tokens),
+* preemption (a KV cache too small for the running requests; recompute on resume),
+* prefix caching (new requests start with ``num_computed_tokens > 0``).
+
+Also unit tests for ``reference.platform.activate``. ~1.5-3 min on 2 busy cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vllm_omni_plugin.reference import platform as ref_platform
+
+SCRIPT = Path(__file__).resolve().parent / "engine_scripts" / "thinker_generate.py"
+ENGINE_TIMEOUT_S = 900
+
+#: Token ids from the tiny tokenizer's BPE range (0..691), no special tokens.
+_rng = random.Random(1234)
+
+
+def _prompt(n: int) -> list[int]:
+    return [_rng.randrange(0, 692) for _ in range(n)]
+
+
+# -- scenarios -----------------------------------------------------------------
+#: Small KV cache for the engines that do not set num_gpu_blocks_override (512 blocks).
+SMALL_KV = {"kv_cache_memory_bytes": 4 * 1024 * 1024}
+
+# 1 + 3: different lengths; 16 new tokens cross block boundaries (block_size 16).
+BATCH_PROMPTS = [_prompt(n) for n in (3, 11, 17, 33)]
+BATCH_NEW = 16
+
+# 2: each prompt is longer than the 16-token budget, so vLLM must chunk it; the
+# three run concurrently, so chunks of one interleave with decodes of the others
+# and start at positions that are not block aligned.
+CHUNKED_PROMPTS = [_prompt(n) for n in (41, 50, 60)]
+CHUNKED_NEW = 12
+CHUNKED_BUDGET = 16
+
+# 4: 4 requests of up to 29 + 40 tokens need 5 blocks each (20 in all) but the
+# cache has 11 usable blocks (12 minus vLLM's null block): the scheduler must
+# preempt running requests and resume them later (recomputing their KV).
+PREEMPT_PROMPTS = [_prompt(n) for n in (20, 23, 26, 29)]
+PREEMPT_NEW = 40
+PREEMPT_BLOCKS = 12
+
+# 5: prompts sharing a 48-token (3-block) prefix, and one sharing 40 tokens of it.
+_PREFIX = _prompt(48)
+PREFIX_PROMPTS = [
+    _PREFIX + _prompt(5),
+    _PREFIX + _prompt(9),
+    _PREFIX[:40] + _prompt(7),
+]
+PREFIX_NEW = 12
+
+ENGINES = [
+    {
+        "name": "default",
+        "engine_args": {"enable_prefix_caching": False, **SMALL_KV},
+        # batch 0: all together; batches 1-4: each prompt alone.
+        "batches": [{"prompts": BATCH_PROMPTS, "max_tokens": BATCH_NEW}]
+        + [{"prompts": [p], "max_tokens": BATCH_NEW} for p in BATCH_PROMPTS],
+    },
+    {
+        "name": "chunked",
+        "engine_args": {
+            "enable_prefix_caching": False,
+            "enable_chunked_prefill": True,
+            "max_num_batched_tokens": CHUNKED_BUDGET,
+            "max_num_seqs": 4,  # vLLM requires max_num_seqs <= max_num_batched_tokens
+            **SMALL_KV,
+        },
+        "batches": [{"prompts": CHUNKED_PROMPTS, "max_tokens": CHUNKED_NEW}],
+    },
+    {
+        "name": "preempt",
+        "engine_args": {
+            "enable_prefix_caching": False,
+            "block_size": 16,
+            "num_gpu_blocks_override": PREEMPT_BLOCKS,
+            "max_model_len": 128,  # must fit in the small cache
+            "max_num_seqs": 4,
+        },
+        "batches": [{"prompts": PREEMPT_PROMPTS, "max_tokens": PREEMPT_NEW}],
+    },
+    {
+        # Same pressure with prefix caching: a resumed request may find its own
+        # freed blocks still cached and resume with num_computed_tokens > 0.
+        "name": "preempt_prefix_cache",
+        "engine_args": {
+            "enable_prefix_caching": True,
+            "block_size": 16,
+            "num_gpu_blocks_override": PREEMPT_BLOCKS,
+            "max_model_len": 128,
+            "max_num_seqs": 4,
+        },
+        "batches": [{"prompts": PREEMPT_PROMPTS, "max_tokens": PREEMPT_NEW}],
+    },
+    {
+        "name": "prefix_cache",
+        "engine_args": {"enable_prefix_caching": True, "block_size": 16, **SMALL_KV},
+        # one request at a time: each later one hits the blocks the earlier ones
+        # cached; then prompt 0 again (48 of 53 tokens cached).
+        "batches": [{"prompts": [p], "max_tokens": PREFIX_NEW} for p in PREFIX_PROMPTS]
+        + [{"prompts": [PREFIX_PROMPTS[0]], "max_tokens": PREFIX_NEW}],
+    },
+]
+
+# (prompt, max_new_tokens) pairs HF must generate.
+_HF_CASES = (
+    [(p, BATCH_NEW) for p in BATCH_PROMPTS]
+    + [(p, CHUNKED_NEW) for p in CHUNKED_PROMPTS]
+    + [(p, PREEMPT_NEW) for p in PREEMPT_PROMPTS]
+    + [(p, PREFIX_NEW) for p in PREFIX_PROMPTS]
+)
+
+
+# -- fixtures --------------------------------------------------------------------
+def _child_env() -> dict[str, str]:
+    env = {
+        **os.environ,
+        "VLLM_OMNI_PLUGIN_BACKEND": "reference",
+        # the reference platform activates only when no accelerator is usable
+        "CUDA_VISIBLE_DEVICES": "",
+        # engine core in the child process itself: same scheduler + worker code,
+        # one process spawn (and its imports) less per engine
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "PYTHONUNBUFFERED": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    return env
+
+
+def _hf_greedy(model_dir: str) -> dict[tuple[tuple[int, ...], int], list[int]]:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    model = transformers.Qwen3OmniMoeForConditionalGeneration.from_pretrained(
+        model_dir, dtype=torch.float32
+    )
+    thinker = model.thinker.eval()
+    # An id outside the vocabulary is never generated: HF runs to max_new_tokens
+    # like vLLM's ignore_eos (the tiny model does emit every in-vocab id, padding too).
+    never = thinker.config.text_config.vocab_size
+    out: dict[tuple[tuple[int, ...], int], list[int]] = {}
+    with torch.inference_mode():
+        for prompt, n in _HF_CASES:
+            key = (tuple(prompt), n)
+            if key in out:
+                continue
+            ids = torch.tensor([prompt])
+            gen = thinker.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                do_sample=False, eos_token_id=never, pad_token_id=0,
+            )
+            out[key] = gen[0, len(prompt):].tolist()
+            assert len(out[key]) == n
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_qwen3_omni, tmp_path_factory):
+    """``(engine results by name, HF tokens by (prompt, n), seconds)``."""
+    spec = {"model": tiny_qwen3_omni, "engines": ENGINES}
+    log = tmp_path_factory.mktemp("engines") / "thinker_generate.log"
+    start = time.perf_counter()
+    with open(log, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, str(SCRIPT)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=err, text=True, env=_child_env(),
+        )
+        proc.stdin.write(json.dumps(spec))
+        proc.stdin.close()
+        try:
+            hf = _hf_greedy(tiny_qwen3_omni)  # overlaps with the engines
+            stdout = proc.stdout.read()
+            proc.wait(timeout=ENGINE_TIMEOUT_S)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+    elapsed = time.perf_counter() - start
+    lines = stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        pytest.fail(f"engine script exited {proc.returncode}:\n{stdout[-3000:]}\n"
+                    f"{log.read_text()[-6000:]}")
+    return json.loads(lines[-1])["engines"], hf, elapsed
+
+
+def _engine(runs, name: str) -> dict:
+    result = runs[0][name]
+    if "error" in result:
+        pytest.fail(f"engine {name!r} failed:\n{result['error']}")
+    return result
+
+
+def _assert_same(got: list[list[int]], prompts, n: int, hf) -> None:
+    for i, (tokens, prompt) in enumerate(zip(got, prompts, strict=True)):
+        want = hf[(tuple(prompt), n)]
+        assert tokens == want, (
+            f"prompt {i} ({len(prompt)} tokens): vLLM reference backend {tokens} "
+            f"!= HF greedy {want}"
+        )
+
+
+# -- engine tests ----------------------------------------------------------------
+@pytest.mark.engine
+def test_greedy_tokens_equal_hf(runs):
+    result = _engine(runs, "default")
+    alone = [b["token_ids"][0] for b in result["batches"][1:]]
+    assert all(len(t) == BATCH_NEW for t in alone)
+    _assert_same(alone, BATCH_PROMPTS, BATCH_NEW, runs[1])
+
+
+@pytest.mark.engine
+def test_batched_requests_equal_each_alone(runs):
+    result = _engine(runs, "default")
+    batched = result["batches"][0]["token_ids"]
+    alone = [b["token_ids"][0] for b in result["batches"][1:]]
+    assert batched == alone
+    _assert_same(batched, BATCH_PROMPTS, BATCH_NEW, runs[1])
+    assert result["metrics"]["vllm:request_success"] == 2 * len(BATCH_PROMPTS)
+
+
+@pytest.mark.engine
+def test_chunked_prefill_equals_hf(runs):
+    result = _engine(runs, "chunked")
+    assert min(len(p) for p in CHUNKED_PROMPTS) > CHUNKED_BUDGET  # every prefill chunked
+    _assert_same(result["batches"][0]["token_ids"], CHUNKED_PROMPTS, CHUNKED_NEW, runs[1])
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("name", ["preempt", "preempt_prefix_cache"])
+def test_preemption_and_resume_equal_hf(runs, name):
+    result = _engine(runs, name)
+    preemptions = result["metrics"].get("vllm:num_preemptions", 0)
+    assert preemptions > 0, f"the scheduler never preempted: {result['metrics']}"
+    _assert_same(result["batches"][0]["token_ids"], PREEMPT_PROMPTS, PREEMPT_NEW, runs[1])
+
+
+@pytest.mark.engine
+def test_prefix_cache_hits_equal_hf(runs):
+    result = _engine(runs, "prefix_cache")
+    batches = result["batches"]
+    cached = [b["num_cached_tokens"][0] for b in batches]
+    # prompt 1 reuses the 3 shared blocks, prompt 2 the 2 full blocks of its 40
+    # shared tokens, prompt 0 again its 3 full prompt blocks.
+    assert cached == [0, 48, 32, 48], cached
+    got = [b["token_ids"][0] for b in batches]
+    _assert_same(got, PREFIX_PROMPTS + [PREFIX_PROMPTS[0]], PREFIX_NEW, runs[1])
+
+
+@pytest.mark.engine
+def test_engine_run_time(runs):
+    # Not a correctness check: keep the whole module fast enough for CI on 2 cores.
+    assert runs[2] < ENGINE_TIMEOUT_S
+
+
+# -- platform activation ------------------------------------------------------------
+@pytest.fixture
+def platform_env(monkeypatch):
+    """Set the backend env var and argv; no accelerator unless told otherwise."""
+
+    def setup(backend: str | None, argv: list[str], accelerator: bool = False):
+        if backend is None:
+            monkeypatch.delenv("VLLM_OMNI_PLUGIN_BACKEND", raising=False)
+        else:
+            monkeypatch.setenv("VLLM_OMNI_PLUGIN_BACKEND", backend)
+        monkeypatch.setattr(sys, "argv", argv)
+        monkeypatch.setattr(ref_platform, "_accelerator_usable", lambda: accelerator)
+
+    # activate() exports the variable: make monkeypatch restore it whatever the case.
+    monkeypatch.setenv("VLLM_OMNI_PLUGIN_BACKEND", "auto")
+    return setup
+
+
+SERVE = ["vllm", "serve", "/models/x"]
+OMNI = SERVE + ["--stage-configs-path", "s.yaml"]
+
+
+def test_activate_accelerator_backend_stays_out(platform_env):
+    platform_env("accelerator", OMNI)
+    assert ref_platform.activate() is None
+
+
+@pytest.mark.parametrize("backend", [None, "auto", "AUTO", ""])
+def test_activate_auto_without_omni_flag_stays_out(platform_env, backend):
+    platform_env(backend, SERVE + ["--stage-configs", "x"])
+    assert ref_platform.activate() is None
+    assert os.environ.get("VLLM_OMNI_PLUGIN_BACKEND") == backend
+
+
+@pytest.mark.parametrize("argv", [OMNI, SERVE + ["--stage-configs-path=s.yaml"]])
+@pytest.mark.parametrize("backend", [None, "auto"])
+def test_activate_auto_with_omni_flag(platform_env, backend, argv):
+    platform_env(backend, argv)
+    assert ref_platform.activate() == ref_platform.QUALNAME
+    # exported so engine-core and worker processes resolve the same platform
+    assert os.environ["VLLM_OMNI_PLUGIN_BACKEND"] == "reference"
+
+
+@pytest.mark.parametrize("backend", ["reference", " Reference "])
+def test_activate_reference(platform_env, backend):
+    platform_env(backend, ["python", "script.py"])
+    assert ref_platform.activate() == ref_platform.QUALNAME
+    assert os.environ["VLLM_OMNI_PLUGIN_BACKEND"] == "reference"
+
+
+@pytest.mark.parametrize("backend", ["reference", "auto"])
+def test_activate_with_usable_accelerator_stays_out(platform_env, backend):
+    platform_env(backend, OMNI, accelerator=True)
+    assert ref_platform.activate() is None
+
+
+@pytest.mark.parametrize("backend", ["cpu", "gpu", "referenc"])
+def test_activate_invalid_backend_stays_out(platform_env, backend):
+    platform_env(backend, OMNI)
+    assert ref_platform.activate() is None
+    assert os.environ["VLLM_OMNI_PLUGIN_BACKEND"] == backend
+
+
+def test_platform_qualnames_resolve():
+    """The qualnames activate() hands vLLM name real classes (imports vLLM's CPU platform)."""
+    pytest.importorskip("vllm")
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    cls = resolve_obj_by_qualname(ref_platform.QUALNAME)
+    from vllm.platforms.cpu import CpuPlatform
+
+    assert issubclass(cls, CpuPlatform)
+    from vllm_omni_plugin.reference.worker import ReferenceWorker
+
+    assert resolve_obj_by_qualname(ref_platform.WORKER_QUALNAME) is ReferenceWorker
