@@ -92,6 +92,7 @@ class Orchestrator:
         self.engines = engines  # stage_id -> StageEngine (downstream stages)
         self.entry = pipeline.entry_stage
         self._inflight: dict[str, set[tuple[int, str]]] = {}
+        self._aborted: set[str] = set()
 
     @classmethod
     def start(cls, client, vllm_config, settings: dict) -> Orchestrator:
@@ -129,6 +130,7 @@ class Orchestrator:
         params = sampling_params.clone()
         params.extra_args = {**extra, EXTRA_ARGS_KEY: {"out": entry_out_key}}
         keys = [entry_out_key]
+        self._inflight[request_id] = set()
         final = None
         try:
             async for out in self.client.entry_generate(prompt, params, request_id, *args, **kwargs):
@@ -141,6 +143,8 @@ class Orchestrator:
             outputs = {self.entry.stage_id: _stage_output(
                 self.entry.stage_id, final, self._payload(self.entry, entry_out_key))}
             result = await self._run_downstream(request_id, base, outputs, extra, keys)
+            if result is None:  # aborted between stages
+                return
             RESULTS.put(result_key, result)
         except StageError as exc:
             logger.error("request %s failed: %s", request_id, exc)
@@ -150,10 +154,12 @@ class Orchestrator:
             for key in keys:
                 self.store.delete(key)
             self._inflight.pop(request_id, None)
+            self._aborted.discard(request_id)
         if final is not None:
             yield final
 
-    async def _run_downstream(self, request_id, base, outputs, extra, keys) -> StageResult:
+    async def _run_downstream(self, request_id, base, outputs, extra, keys) -> StageResult | None:
+        """Run every downstream stage; None when the request was aborted meanwhile."""
         from vllm_omni_plugin.processors.registry import get_processor
 
         last, last_input = None, {}
@@ -175,7 +181,11 @@ class Orchestrator:
                                  f"input processor {stage.input_processor!r}: {exc}") from exc
             self.store.put(in_key, stage_input.payload)
             last_input = stage_input.payload
+            if request_id in self._aborted:
+                return None
             final = await self._run_stage(request_id, stage, stage_input, in_key, out_key)
+            if request_id in self._aborted:
+                return None
             outputs[stage.stage_id] = _stage_output(stage.stage_id, final,
                                                     self._payload(stage, out_key))
             last = stage
@@ -229,6 +239,9 @@ class Orchestrator:
     async def abort(self, request_id) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
+            if rid not in self._inflight:
+                continue
+            self._aborted.add(rid)
             for stage_id, sub_id in list(self._inflight.get(rid, ())):
                 await self.engines[stage_id].engine.abort(sub_id)
 

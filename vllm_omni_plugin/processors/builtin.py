@@ -33,13 +33,22 @@ def user_positions(config, prompt_ids: list[int]) -> list[int]:
     return positions
 
 
+#: HF ``Qwen3OmniMoeForConditionalGeneration.generate``'s default speaker.
+DEFAULT_SPEAKER = "ethan"
+
+
 def resolve_speaker(talker_config, name: str | None) -> int:
-    """Speaker name -> codec id. Raises ``ValueError`` naming the known speakers."""
+    """Speaker name (case-insensitive) -> codec id; None picks :data:`DEFAULT_SPEAKER`
+    (or the alphabetically first speaker when the checkpoint lacks it).
+
+    Raises:
+        ValueError: unknown name (the message lists the known speakers).
+    """
     speakers = {k.lower(): v for k, v in (talker_config.speaker_id or {}).items()}
     if not speakers:
         raise ValueError("the checkpoint's talker_config defines no speakers")
     if name is None:
-        return next(iter(speakers.values()))
+        return speakers.get(DEFAULT_SPEAKER, speakers[min(speakers)])
     key = name.lower()
     if key not in speakers:
         raise ValueError(f"unknown voice {name!r}; known: {', '.join(sorted(speakers))}")

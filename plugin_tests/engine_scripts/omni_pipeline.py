@@ -1,0 +1,109 @@
+"""Drive a real OmniEngineClient (three EngineCores, reference backend) in one
+process and report what each scenario observed as JSON on the last stdout line.
+
+Usage: python omni_pipeline.py CKPT YAML OUT_DIR SCENARIO [SCENARIO ...]
+Scenarios: parity (saves served codes/waveform to OUT_DIR/served.npz),
+cancel (client disconnect while the talker runs), abort (explicit abort()).
+Run with VLLM_OMNI_PLUGIN_BACKEND=reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+
+async def _wait_for_stage(orchestrator, request_id, stage_id, timeout=120.0):
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if any(s == stage_id for s, _ in orchestrator._inflight.get(request_id, ())):
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+async def main(ckpt, yaml_path, out_dir, scenarios):
+    import vllm_omni_plugin
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.inputs import TokensPrompt
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from vllm_omni_plugin.engine.orchestrator import MODALITIES_KEY, RESULT_KEY, RESULTS
+
+    vllm_omni_plugin.register()
+    ns = argparse.Namespace(model=ckpt, dtype="float32", max_model_len=2048,
+                            stage_configs_path=yaml_path, middleware=[])
+    config = AsyncEngineArgs.from_cli_args(ns).create_engine_config(UsageContext.OPENAI_API_SERVER)
+    client = AsyncLLM.from_vllm_config(config)
+    report = {"client_class": type(client).__name__}
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(ckpt)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Say hello"}],
+                                         add_generation_prompt=True, tokenize=False)
+    prompt_ids = tokenizer(text, add_special_tokens=False).input_ids
+    report["prompt_ids"] = list(prompt_ids)
+
+    def params(key, max_tokens=12):
+        return SamplingParams(temperature=0, max_tokens=max_tokens,
+                              extra_args={MODALITIES_KEY: ["text", "audio"], RESULT_KEY: key})
+
+    async def run(request_id, key):
+        final = None
+        async for out in client.generate(TokensPrompt(prompt_token_ids=prompt_ids),
+                                         params(key), request_id):
+            final = out
+        return final
+
+    talker = client.orchestrator.engines[1].engine
+    try:
+        if "parity" in scenarios:
+            final = await run("parity", "parity")
+            result = RESULTS.pop("parity")
+            assert result is not None and result.error is None, result
+            np.savez(os.path.join(out_dir, "served.npz"),
+                     codes=result.final_input["codes"].numpy(),
+                     waveform=result.payload["waveform"].numpy())
+            report["thinker_tokens"] = list(final.outputs[0].token_ids)
+            report["sample_rate"] = result.sample_rate
+        for scenario in ("cancel", "abort"):
+            if scenario not in scenarios:
+                continue
+            task = asyncio.create_task(run(scenario, scenario))
+            in_talker = await _wait_for_stage(client.orchestrator, scenario, 1)
+            if scenario == "cancel":
+                task.cancel()
+            else:
+                await client.abort(scenario)
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            await asyncio.sleep(1.0)
+            run_dir = client.orchestrator.store.root
+            report[scenario] = {
+                "was_in_talker": in_talker,
+                "talker_unfinished": talker.output_processor.get_num_unfinished_requests(),
+                "result_stored": RESULTS.pop(scenario) is not None,
+                "payload_dirs_left": sorted(os.listdir(run_dir)),
+                "inflight_left": scenario in client.orchestrator._inflight,
+            }
+        after = await run("after", "after")
+        result = RESULTS.pop("after")
+        report["after_ok"] = bool(after and after.finished and result and result.error is None)
+    finally:
+        client.shutdown()
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    ckpt, yaml_path, out_dir, *scenarios = sys.argv[1:]
+    asyncio.run(main(ckpt, yaml_path, out_dir, scenarios))
