@@ -143,6 +143,20 @@ def test_worker_failure_fails_only_that_request(server):
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["audio"]["data"]
 
 
+def test_repeated_long_prompt_gives_same_audio(server):
+    """A prompt spanning several KV blocks, twice: a prefix-cache hit on the
+    second request would drop thinker hidden states (regression test)."""
+    long_text = " ".join(["tell me a story about the sea and the stars"] * 6)
+    body = _audio_body(server, messages=[{"role": "user", "content": long_text}],
+                       return_token_ids=True)
+    first, second = server.chat(body), server.chat(body)
+    assert first.status_code == 200 and second.status_code == 200, second.text
+    assert len(first.json()["prompt_token_ids"]) >= 3 * 16  # three full KV blocks
+    a, b = (r.json()["choices"][0]["message"] for r in (first, second))
+    assert a["content"] == b["content"]
+    assert a["audio"]["data"] == b["audio"]["data"]
+
+
 def test_parity_with_hf_reference(server):
     """Greedy in every stage: served thinker tokens == HF's, served WAV == HF's
     waveform within 16-bit quantisation (1/32768) plus float noise."""

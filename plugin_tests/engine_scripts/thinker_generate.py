@@ -13,7 +13,7 @@ Input: a JSON spec as ``argv[1]`` (or on stdin when no argument is given)::
           "name": "default",
           "engine_args": {...},                     # extra vllm.LLM(...) kwargs
           "batches": [                              # llm.generate() calls, in order
-            {"prompts": [[1, 2, 3], ...], "max_tokens": 16}
+            {"prompts": [[1, 2, 3], ...], "max_tokens": 16}   # or one per prompt
           ]
         }
       ]
@@ -25,7 +25,10 @@ stats logging on. Each batch is one ``llm.generate`` call with greedy decoding a
 
 Output: the last stdout line is ``{"engines": {name: result}}`` where ``result`` is
 ``{"batches": [{"token_ids": [[...], ...], "num_cached_tokens": [...]}, ...],
-"metrics": {counter name: value}}`` (counters and gauges from ``llm.get_metrics()``),
+"metrics": {counter name: value}, "scheduler": {...}}`` (counters and gauges from
+``llm.get_metrics()``; what the scheduler asked of the worker, see
+:class:`SchedulerObserver`, or None when the engine core runs in another process,
+i.e. unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
 or ``{"error": traceback}`` when that engine failed (the others still run).
 """
 
@@ -50,6 +53,83 @@ BASE_ENGINE_ARGS = {
 }
 
 
+class SchedulerObserver:
+    """Counts what the scheduler asked of the worker (engine core in this process only).
+
+    Wraps ``ReferenceWorker.execute_model`` so tests can check that a scenario really
+    exercised chunked prefill, preemption/resumption or prefix-cache hits.
+    """
+
+    def __init__(self) -> None:
+        self.installed = False
+        self.reset()
+
+    def reset(self) -> None:
+        self.stats = {
+            "steps": 0,
+            "max_step_tokens": 0,
+            "partial_prefills": 0,       # slices ending before the known tokens
+            "new_with_computed": 0,      # new requests starting at num_computed > 0
+            "resumed": 0,                # preempted requests scheduled again
+            "resumed_with_computed": 0,  # ... with some KV reused from the prefix cache
+            "resumed_as_new": 0,         # ... sent as new requests (V2 protocol)
+            "resumed_partial": 0,        # ... whose recompute was chunked
+        }
+        self.resumed_ids: set[str] = set()
+
+    def install(self) -> None:
+        from vllm_omni_plugin.reference.worker import ReferenceWorker
+
+        observer, inner = self, ReferenceWorker.execute_model
+
+        def execute_model(worker, scheduler_output):
+            try:
+                observer.observe(worker, scheduler_output)
+            except Exception as exc:  # never break the engine; the test sees it
+                observer.stats["observer_error"] = repr(exc)
+            return inner(worker, scheduler_output)
+
+        ReferenceWorker.execute_model = execute_model
+        self.installed = True
+
+    def observe(self, worker, so) -> None:
+        st = self.stats
+        known = {r: len(q.token_ids) for r, q in getattr(worker, "requests", {}).items()}
+        total = {}
+        for new in so.scheduled_new_reqs:
+            tokens = new.prefill_token_ids if new.prefill_token_ids is not None else (
+                new.prompt_token_ids or [])
+            total[new.req_id] = (new.num_computed_tokens, len(tokens))
+            resumed = new.req_id in known or len(tokens) > len(new.prompt_token_ids or [])
+            if resumed:
+                self.resumed_ids.add(new.req_id)
+                st["resumed"] += 1
+                st["resumed_as_new"] += 1
+                st["resumed_with_computed"] += new.num_computed_tokens > 0
+            elif new.num_computed_tokens > 0:
+                st["new_with_computed"] += 1
+        cached = so.scheduled_cached_reqs
+        for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
+            if req_id in cached.resumed_req_ids:
+                self.resumed_ids.add(req_id)
+                st["resumed"] += 1
+                st["resumed_with_computed"] += computed > 0
+                total[req_id] = (computed, len(cached.all_token_ids[req_id]))
+            else:
+                total[req_id] = (computed, known.get(req_id, 0))
+        for req_id, n in so.num_scheduled_tokens.items():
+            computed, length = total.get(req_id, (0, 0))
+            if computed + n < length:
+                st["partial_prefills"] += 1
+                st["resumed_partial"] += req_id in self.resumed_ids
+        if so.total_num_scheduled_tokens:
+            st["steps"] += 1
+            st["max_step_tokens"] = max(st["max_step_tokens"], so.total_num_scheduled_tokens)
+
+
+OBSERVER = SchedulerObserver()
+
+
 def _metrics(llm) -> dict[str, float]:
     from vllm.v1.metrics.reader import Counter, Gauge
 
@@ -63,13 +143,18 @@ def _metrics(llm) -> dict[str, float]:
 def run_engine(model: str, spec: dict) -> dict:
     from vllm import LLM, SamplingParams
 
+    OBSERVER.reset()
     start = time.perf_counter()
     llm = LLM(model, **{**BASE_ENGINE_ARGS, **spec.get("engine_args", {})})
     init_s = time.perf_counter() - start
     batches = []
     for batch in spec["batches"]:
-        params = SamplingParams(temperature=0.0, max_tokens=batch["max_tokens"], ignore_eos=True)
         prompts = [{"prompt_token_ids": list(p)} for p in batch["prompts"]]
+        max_tokens = batch["max_tokens"]
+        if isinstance(max_tokens, int):
+            max_tokens = [max_tokens] * len(prompts)
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                  for n in max_tokens]
         outs = llm.generate(prompts, params, use_tqdm=False)
         batches.append({
             "token_ids": [list(o.outputs[0].token_ids) for o in outs],
@@ -78,6 +163,7 @@ def run_engine(model: str, spec: dict) -> dict:
     result = {
         "batches": batches,
         "metrics": _metrics(llm),
+        "scheduler": dict(OBSERVER.stats) if OBSERVER.installed else None,
         "init_s": round(init_s, 2),
         "total_s": round(time.perf_counter() - start, 2),
     }
@@ -91,6 +177,8 @@ def main(argv: list[str]) -> int:
     spec = json.loads(argv[1] if len(argv) > 1 else sys.stdin.read())
     if os.environ.get("VLLM_OMNI_PLUGIN_BACKEND") != "reference":
         print("warning: VLLM_OMNI_PLUGIN_BACKEND is not 'reference'", file=sys.stderr)
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+        OBSERVER.install()  # the worker runs in this process
     results = {}
     for engine in spec["engines"]:
         try:

@@ -35,6 +35,8 @@ class StepInput:
         state: per-request scratch the model keeps across steps.
         needs_logits: the slice ends the known sequence, so a token is sampled.
         publish: the request has an output payload key; return chunks to publish.
+        publish_from: positions below this were already published (they are
+            being recomputed after a preemption): publish no rows for them.
         sampling_params: the request's ``vllm.SamplingParams``.
     """
 
@@ -46,6 +48,7 @@ class StepInput:
     state: dict[str, Any] = field(default_factory=dict)
     needs_logits: bool = True
     publish: bool = False
+    publish_from: int = 0
     sampling_params: Any = None
     generator: torch.Generator | None = None
 

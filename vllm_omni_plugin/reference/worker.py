@@ -44,6 +44,9 @@ class _Request:
     generator: torch.Generator | None
     state: dict[str, Any] = field(default_factory=dict)
     failed: bool = False
+    #: positions whose payload rows were published (recompute after preemption
+    #: must not publish them again)
+    published: int = 0
 
 
 class ReferenceWorker(WorkerBase):
@@ -135,6 +138,15 @@ class ReferenceWorker(WorkerBase):
 
     # -- request bookkeeping ------------------------------------------------
     def _add_request(self, new) -> None:
+        old = self.requests.get(new.req_id)
+        if old is not None:
+            # Resumed after preemption under the V2-model-runner scheduler
+            # protocol (VllmConfig.use_v2_model_runner): it comes back as a new
+            # request whose prefill_token_ids are prompt + tokens generated so
+            # far. Keep its generator, model state and payloads.
+            old.token_ids = list(new.prefill_token_ids or new.prompt_token_ids or [])
+            old.block_ids = list(new.block_ids[0])
+            return
         params = new.sampling_params
         keys = (params.extra_args or {}).get(EXTRA_ARGS_KEY, {}) if params else {}
         if keys and self.store is None:
@@ -145,7 +157,7 @@ class ReferenceWorker(WorkerBase):
             generator = torch.Generator().manual_seed(params.seed)
         self.requests[new.req_id] = _Request(
             req_id=new.req_id,
-            token_ids=list(new.prompt_token_ids or []),
+            token_ids=list(new.prefill_token_ids or new.prompt_token_ids or []),
             num_prompt=len(new.prompt_token_ids or []),
             block_ids=list(new.block_ids[0]),
             params=params,
@@ -153,11 +165,19 @@ class ReferenceWorker(WorkerBase):
             out_key=keys.get("out"),
             generator=generator,
         )
-        if keys.get("in"):
+        req = self.requests[new.req_id]
+        if keys and new.num_computed_tokens:
+            # Payload positions map one-to-one to fed positions; a prefix-cache
+            # hit would skip some (and placeholder prompts would match wrongly).
+            self._fail(req, RuntimeError(
+                f"stage {self.stage_id}: a request carrying payloads hit the prefix cache "
+                f"({new.num_computed_tokens} tokens); set enable_prefix_caching: false in "
+                "this stage's engine_args"))
+        elif keys.get("in"):
             try:
-                self.requests[new.req_id].payload = self.store.get(keys["in"])
+                req.payload = self.store.get(keys["in"])
             except Exception as exc:
-                self._fail(self.requests[new.req_id], exc)
+                self._fail(req, exc)
 
     def _update_cached(self, cached) -> None:
         for i, req_id in enumerate(cached.req_ids):
@@ -200,6 +220,7 @@ class ReferenceWorker(WorkerBase):
                 state=req.state,
                 needs_logits=start + n >= len(req.token_ids),
                 publish=req.out_key is not None,
+                publish_from=req.published,
                 sampling_params=req.params,
                 generator=req.generator,
             )
@@ -211,6 +232,7 @@ class ReferenceWorker(WorkerBase):
                         out = self.model.forward_step(step)
                     if out.payload and req.out_key:
                         self.store.append(req.out_key, out.payload)
+                    req.published = max(req.published, start + n)
                 except Exception as exc:
                     self._fail(req, exc)
             self._pending.append((req, step, out))

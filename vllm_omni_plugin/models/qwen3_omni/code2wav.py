@@ -51,7 +51,7 @@ class Qwen3OmniCode2WavStage(OmniStageModel):
 
     def forward_step(self, step: StepInput) -> StepOutput:
         payload = {}
-        if step.num_computed == 0 and "codes" in step.payload:
+        if step.num_computed == 0 and step.publish_from == 0 and "codes" in step.payload:
             codes = step.payload["codes"].to(torch.long).T.unsqueeze(0)  # [1, groups, T]
             wav = self.code2wav.chunked_decode(codes, chunk_size=CHUNK_SIZE,
                                                left_context_size=LEFT_CONTEXT)

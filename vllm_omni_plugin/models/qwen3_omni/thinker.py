@@ -67,11 +67,12 @@ class Qwen3OmniThinkerStage(OmniStageModel):
         logits = self.thinker.lm_head(last[-1]) if step.needs_logits else None
         payload = {}
         if step.publish:
+            skip = max(0, step.publish_from - step.num_computed)
             payload = {
-                "embed": out.hidden_states[0][0],
-                "hidden": out.hidden_states[self.accept_hidden_layer][0],
+                "embed": out.hidden_states[0][0][skip:],
+                "hidden": out.hidden_states[self.accept_hidden_layer][0][skip:],
             }
-            if step.num_computed == 0:
+            if step.publish_from == 0 and step.num_computed == 0:
                 cfg = self.hf_config
                 ids = torch.tensor([cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id])
                 payload["tts_embed"] = self.thinker.get_input_embeddings()(ids)
