@@ -199,6 +199,14 @@ def _hf_greedy(model_dir: str) -> dict[tuple[tuple[int, ...], int], list[int]]:
     return out
 
 
+def _with_payloads(engine: dict, root) -> dict:
+    """The "preempt" engine also publishes thinker payloads (omni-mode path)."""
+    if engine["name"] != "preempt":
+        return engine
+    return {**engine, "payload_dir": str(root / "payloads"),
+            "batches": [{**b, "publish": True} for b in engine["batches"]]}
+
+
 @pytest.fixture(scope="module")
 def runs(tiny_qwen3_omni, tmp_path_factory):
     """``{"hf": HF tokens by (prompt, n), protocol: engine results by name}``.
@@ -209,7 +217,8 @@ def runs(tiny_qwen3_omni, tmp_path_factory):
     procs = {}
     try:
         for protocol in PROTOCOLS:
-            engines = [e for e in ENGINES if e["name"] in PROTOCOL_ENGINES[protocol]]
+            engines = [_with_payloads(e, logdir / protocol) for e in ENGINES
+                       if e["name"] in PROTOCOL_ENGINES[protocol]]
             spec = json.dumps({"model": tiny_qwen3_omni, "engines": engines})
             # files, not pipes: vLLM logs to stdout and nobody reads while HF runs
             with open(logdir / f"{protocol}.out", "w") as out, \
@@ -218,7 +227,7 @@ def runs(tiny_qwen3_omni, tmp_path_factory):
                     [sys.executable, str(SCRIPT), spec], stdout=out, stderr=err,
                     text=True, env=_child_env(protocol),
                 )
-        result = {"hf": _hf_greedy(tiny_qwen3_omni)}
+        result = {"hf": _hf_greedy(tiny_qwen3_omni), "logdir": logdir}
         for protocol, proc in procs.items():
             proc.wait(timeout=ENGINE_TIMEOUT_S)
             stdout = (logdir / f"{protocol}.out").read_text()
@@ -389,3 +398,38 @@ def test_platform_qualnames_resolve():
     from vllm_omni_plugin.reference.worker import ReferenceWorker
 
     assert resolve_obj_by_qualname(ref_platform.WORKER_QUALNAME) is ReferenceWorker
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_payload_after_preemption_equals_hf_hidden_states(runs, protocol, tiny_qwen3_omni):
+    """Recompute after a preemption must not publish rows twice: the thinker's
+    payload has one row per fed position (prompt + generated[:-1]) equal to HF's
+    hidden states, whichever scheduler protocol resumed the request."""
+    import torch
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    from vllm_omni_plugin.kv_transfer.payload import PayloadStore
+
+    if "preempt" not in PROTOCOL_ENGINES[protocol]:
+        pytest.skip(f"no preemption engine under the {protocol} protocol")
+    result = _engine(runs, protocol, "preempt")
+    assert result["metrics"].get("vllm:num_preemptions", 0) > 0
+    batch = result["batches"][0]
+    preempt = next(e for e in ENGINES if e["name"] == "preempt")
+    payload_dir = _with_payloads(preempt, runs["logdir"] / protocol)["payload_dir"]
+    store = PayloadStore(payload_dir)
+    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
+        tiny_qwen3_omni, dtype=torch.float32).eval()
+    layer = model.config.talker_config.accept_hidden_layer
+    for prompt, tokens, key in zip(PREEMPT_PROMPTS, batch["token_ids"], batch["payload_keys"],
+                                   strict=True):
+        payload = store.get(key)
+        fed = torch.tensor([prompt + tokens[:-1]])
+        assert payload["embed"].shape[0] == fed.shape[1]
+        assert payload["tts_embed"].shape[0] == 3
+        with torch.no_grad():
+            hf = model.thinker.model(input_ids=fed, output_hidden_states=True)
+        torch.testing.assert_close(payload["embed"], hf.hidden_states[0][0])
+        torch.testing.assert_close(payload["hidden"], hf.hidden_states[layer][0],
+                                   atol=1e-4, rtol=1e-4)

@@ -19,6 +19,10 @@ Input: a JSON spec as ``argv[1]`` (or on stdin when no argument is given)::
       ]
     }
 
+An engine may add ``"payload_dir": DIR`` and a batch ``"publish": true``: each
+request then publishes the thinker's hidden states under the payload key
+``"{engine}.b{batch}.p{prompt}"`` in DIR (listed as ``payload_keys``).
+
 Every engine is built with the thinker stage architecture, float32, eager mode and
 stats logging on. Each batch is one ``llm.generate`` call with greedy decoding and
 ``ignore_eos=True``, so each request yields exactly ``max_tokens`` tokens.
@@ -143,9 +147,16 @@ def _metrics(llm) -> dict[str, float]:
 def run_engine(model: str, spec: dict) -> dict:
     from vllm import LLM, SamplingParams
 
+    from vllm_omni_plugin.config.settings import ADDITIONAL_CONFIG_KEY
+    from vllm_omni_plugin.kv_transfer.payload import EXTRA_ARGS_KEY
+
     OBSERVER.reset()
     start = time.perf_counter()
-    llm = LLM(model, **{**BASE_ENGINE_ARGS, **spec.get("engine_args", {})})
+    engine_args = {**BASE_ENGINE_ARGS, **spec.get("engine_args", {})}
+    if spec.get("payload_dir"):  # a thinker stage that publishes its hidden states
+        engine_args["additional_config"] = {ADDITIONAL_CONFIG_KEY: {
+            "stage_id": 0, "payload_dir": spec["payload_dir"], "entry": False}}
+    llm = LLM(model, **engine_args)
     init_s = time.perf_counter() - start
     batches = []
     for batch in spec["batches"]:
@@ -153,12 +164,16 @@ def run_engine(model: str, spec: dict) -> dict:
         max_tokens = batch["max_tokens"]
         if isinstance(max_tokens, int):
             max_tokens = [max_tokens] * len(prompts)
-        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-                  for n in max_tokens]
+        keys = [f"{spec['name']}.b{len(batches)}.p{i}" if batch.get("publish") else None
+                for i in range(len(prompts))]
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
+                                 extra_args={EXTRA_ARGS_KEY: {"out": k}} if k else None)
+                  for n, k in zip(max_tokens, keys)]
         outs = llm.generate(prompts, params, use_tqdm=False)
         batches.append({
             "token_ids": [list(o.outputs[0].token_ids) for o in outs],
             "num_cached_tokens": [o.num_cached_tokens or 0 for o in outs],
+            "payload_keys": keys,
         })
     result = {
         "batches": batches,
