@@ -43,8 +43,9 @@ def fmt(value, spec: str = ".1f", missing: str = "-") -> str:
     return missing if value is None else format(value, spec)
 
 
-def table(headers: list[str], rows: list[list[str]], title: str | None = None) -> str:
-    """A plain-text table, columns right-aligned except the first."""
+def table(headers: list[str], rows: list[list[str]], title: str | None = None,
+          left: int = 1) -> str:
+    """A plain-text table; the first ``left`` columns left-aligned, the rest right-aligned."""
     widths = [len(h) for h in headers]
     for row in rows:
         for i, cell in enumerate(row):
@@ -52,7 +53,7 @@ def table(headers: list[str], rows: list[list[str]], title: str | None = None) -
 
     def line(cells):
         return "  ".join(
-            c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(cells)
+            c.ljust(widths[i]) if i < left else c.rjust(widths[i]) for i, c in enumerate(cells)
         )
 
     out = []

@@ -18,13 +18,22 @@ device type``. ``VLLM_TARGET_DEVICE=cpu`` selects vLLM's built-in CPU platform
 for both variants (the plugin's own platform only activates in omni mode, i.e.
 with ``--stage-configs-path``, or with ``VLLM_OMNI_PLUGIN_BACKEND=reference``).
 
-Part 2, ``register()`` alone: in K fresh processes where vLLM is already
+Part 2, the same commands in-process: vLLM's CLI ``main()`` run by
+``python -c`` exactly as the console script runs it, with a timer around
+vLLM's ``load_general_plugins()`` (where the plugin's entry point is imported
+and ``register()`` runs; the platform plugin's ``activate()`` runs elsewhere,
+at platform resolution, and is only in the wall/in-process totals) and the
+``sys.modules`` count. This is far less noisy than whole-process wall time on a
+loaded machine. It also checks that the plugin registered (on) / was not
+imported (off).
+
+Part 3, ``register()`` alone: in K fresh processes where vLLM is already
 imported, times ``import vllm_omni_plugin; vllm_omni_plugin.register()`` with
 ``time.perf_counter`` inside the process, in two contexts:
 
 * ``import vllm``                      only the top-level package is loaded,
   so register() also pays for importing the vLLM modules it patches;
-* ``vllm serve`` modules loaded        ``vllm.engine.arg_utils`` and
+* arg_utils + async_llm loaded         ``vllm.engine.arg_utils`` and
   ``vllm.v1.engine.async_llm`` (which every ``vllm serve`` imports anyway)
   are imported first: the plugin's own marginal cost.
 
@@ -79,9 +88,45 @@ print(json.dumps({{
 }}))
 """
 
+# `vllm ARGS` exactly as the console script runs it (``from vllm.entrypoints.cli.main
+# import main; sys.exit(main())``), plus in-process timers: the time spent in vLLM's
+# ``load_general_plugins()`` (which is where the plugin's entry point is imported and
+# register() runs) and the modules loaded.
+CLI_PROBE = r"""
+import contextlib, io, json, sys, time
+t0 = time.perf_counter()
+import vllm.plugins as _plugins
+_orig, _spent = _plugins.load_general_plugins, [0.0]
+def _timed():
+    s = time.perf_counter()
+    try:
+        return _orig()
+    finally:
+        _spent[0] += time.perf_counter() - s
+_plugins.load_general_plugins = _timed  # before arg_utils binds the name
+from vllm.entrypoints.cli.main import main
+sys.argv = ["vllm", *{args!r}]
+buf, code = io.StringIO(), 0
+t1 = time.perf_counter()
+try:
+    with contextlib.redirect_stdout(buf):
+        main()
+except SystemExit as e:
+    code = e.code or 0
+t2 = time.perf_counter()
+mod = sys.modules.get("vllm_omni_plugin")
+sys.__stdout__.write("\n" + json.dumps({{
+    "code": code, "total_s": t2 - t0, "main_s": t2 - t1, "plugins_s": _spent[0],
+    "modules": len(sys.modules), "plugin_imported": mod is not None,
+    "registered": bool(getattr(mod, "_registered", False)),
+    "omni_flag_in_help": "--stage-configs-path" in buf.getvalue(),
+    "help_chars": len(buf.getvalue()),
+}}) + "\n")
+"""
+
 CONTEXTS = (
     ("after `import vllm`", ""),
-    ("after vllm serve's modules", "import vllm.engine.arg_utils, vllm.v1.engine.async_llm"),
+    ("after arg_utils + async_llm", "import vllm.engine.arg_utils, vllm.v1.engine.async_llm"),
 )
 
 
@@ -109,50 +154,94 @@ def time_command(argv: list[str], env: dict, timeout: float) -> tuple[float, str
     return elapsed, out
 
 
-def sanity_check(vllm: str, timeout: float) -> list[str]:
-    """The plugin's Omni group is in `vllm serve --help=Omni` only when it is on."""
-    notes = []
-    for variant in VARIANTS:
-        proc = subprocess.run([vllm, "serve", "--help=Omni"], env=variant_env(variant),
-                              cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              timeout=timeout)
-        has = b"--stage-configs-path" in proc.stdout
-        notes.append(f"{variant}: `vllm serve --help=Omni` lists --stage-configs-path: {has}")
-        if has != (variant == "plugin on"):
-            raise RuntimeError("sanity check failed: " + notes[-1])
-    return notes
+def probe_command(cmd: list[str], env: dict, timeout: float) -> dict:
+    code = CLI_PROBE.format(args=list(cmd))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=str(REPO),
+                          capture_output=True, timeout=timeout)
+    lines = proc.stdout.decode(errors="replace").strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"probe of vllm {' '.join(cmd)} failed ({proc.returncode}):\n"
+                           f"{proc.stderr.decode(errors='replace')[-2000:]}")
+    sample = json.loads(lines[-1])
+    if sample["code"] != 0:
+        raise RuntimeError(f"vllm {' '.join(cmd)} exited {sample['code']} in the probe")
+    return sample
 
 
-def bench_commands(k: int, timeout: float) -> str:
+def bench_commands(k: int, timeout: float) -> tuple[str, str]:
+    """Wall time of the real `vllm` console script, and in-process probe numbers."""
     vllm = venv_bin("vllm")
     times = {(tuple(c), v): [] for c in COMMANDS for v in VARIANTS}
+    probes = {(tuple(c), v): [] for c in COMMANDS for v in VARIANTS}
     for r in range(k):
         order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
         for cmd in COMMANDS:
             for variant in order:
                 secs, _ = time_command([vllm, *cmd], variant_env(variant), timeout)
                 times[(tuple(cmd), variant)].append(secs)
+            for variant in order[::-1]:
+                sample = probe_command(cmd, variant_env(variant), timeout)
+                expect = variant == "plugin on"
+                if sample["registered"] != expect or sample["plugin_imported"] != expect:
+                    raise RuntimeError(f"{variant}: plugin imported={sample['plugin_imported']} "
+                                       f"registered={sample['registered']} (expected {expect})")
+                probes[(tuple(cmd), variant)].append(sample)
             on, off = times[(tuple(cmd), "plugin on")][-1], times[(tuple(cmd), "plugin off")][-1]
-            print(f"[round {r + 1}/{k}] vllm {' '.join(cmd)}: on {on * 1e3:.0f} ms, "
-                  f"off {off * 1e3:.0f} ms", flush=True)
+            pon = probes[(tuple(cmd), "plugin on")][-1]["plugins_s"]
+            poff = probes[(tuple(cmd), "plugin off")][-1]["plugins_s"]
+            print(f"[round {r + 1}/{k}] vllm {' '.join(cmd)}: wall on {on * 1e3:.0f} ms, "
+                  f"off {off * 1e3:.0f} ms; load_general_plugins on {pon * 1e3:.0f} ms, "
+                  f"off {poff * 1e3:.1f} ms", flush=True)
 
     rows = []
     for cmd in COMMANDS:
         on = times[(tuple(cmd), "plugin on")]
         off = times[(tuple(cmd), "plugin off")]
         med_on, med_off = median(on), median(off)
+        paired = median([a - b for a, b in zip(on, off, strict=True)])
         for variant, xs in (("plugin on", on), ("plugin off", off)):
             rows.append([f"vllm {' '.join(cmd)}", variant, fmt(median(xs) * 1e3, ".0f"),
                          fmt(min(xs) * 1e3, ".0f"), fmt(max(xs) * 1e3, ".0f"), "", ""])
-        rows.append([f"vllm {' '.join(cmd)}", "on - off", fmt((med_on - med_off) * 1e3, "+.0f"),
-                     fmt((min(on) - min(off)) * 1e3, "+.0f"), "",
+        rows.append([f"vllm {' '.join(cmd)}", "on - off",
+                     fmt((med_on - med_off) * 1e3, "+.0f"),
+                     fmt((min(on) - min(off)) * 1e3, "+.0f"),
+                     f"paired {paired * 1e3:+.0f}",
                      f"{med_on / med_off:.3f}x", f"{min(on) / min(off):.3f}x"])
-    return table(
+    cli = table(
         ["command", "variant", "median ms", "min ms", "max ms", "ratio (median)", "ratio (min)"],
-        rows,
-        title=f"CLI wall time, K={k} interleaved runs per variant "
-              "(VLLM_TARGET_DEVICE=cpu; plugin off = VLLM_PLUGINS=none)",
+        rows, left=2,
+        title=f"CLI wall time of the `vllm` console script, K={k} interleaved runs per variant\n"
+              "(VLLM_TARGET_DEVICE=cpu; plugin off = VLLM_PLUGINS=none; "
+              "paired = median of per-round on - off)",
     )
+
+    rows = []
+    for cmd in COMMANDS:
+        for variant in VARIANTS:
+            xs = probes[(tuple(cmd), variant)]
+            rows.append([f"vllm {' '.join(cmd)}", variant,
+                         fmt(median([x["total_s"] for x in xs]) * 1e3, ".0f"),
+                         fmt(median([x["plugins_s"] for x in xs]) * 1e3, ".1f"),
+                         fmt(min(x["plugins_s"] for x in xs) * 1e3, ".1f"),
+                         f"{median([x['modules'] for x in xs]):.0f}",
+                         "yes" if all(x["registered"] for x in xs) else "no"])
+        pon = [x["plugins_s"] for x in probes[(tuple(cmd), "plugin on")]]
+        poff = [x["plugins_s"] for x in probes[(tuple(cmd), "plugin off")]]
+        mon = [x["modules"] for x in probes[(tuple(cmd), "plugin on")]]
+        moff = [x["modules"] for x in probes[(tuple(cmd), "plugin off")]]
+        rows.append([f"vllm {' '.join(cmd)}", "on - off", "",
+                     fmt((median(pon) - median(poff)) * 1e3, "+.1f"),
+                     fmt((min(pon) - min(poff)) * 1e3, "+.1f"),
+                     f"{median(mon) - median(moff):+.0f}", ""])
+    probe = table(
+        ["command", "variant", "in-process total ms", "load_general_plugins ms", "min ms",
+         "modules", "plugin registered"],
+        rows, left=2,
+        title=f"Same commands in-process (vLLM's CLI main() in `python -c`, K={k}): time inside "
+              "vLLM's load_general_plugins()\n(entry-point import + register(), incl. the vLLM "
+              "modules register() imports) and sys.modules count",
+    )
+    return cli, probe
 
 
 def bench_register(k: int, timeout: float) -> str:
@@ -164,7 +253,7 @@ def bench_register(k: int, timeout: float) -> str:
         code = REGISTER_SNIPPET.format(preimport=preimport)
         for _ in range(k):
             proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=str(REPO),
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout)
+                                  capture_output=True, timeout=timeout)
             if proc.returncode != 0:
                 raise RuntimeError(f"register() probe failed:\n{proc.stderr.decode()[-2000:]}")
             sample = json.loads(proc.stdout.decode().strip().splitlines()[-1])
@@ -172,7 +261,7 @@ def bench_register(k: int, timeout: float) -> str:
                 raise RuntimeError(f"register() did not register: {proc.stderr.decode()[-2000:]}")
             samples.append(sample)
 
-        def med(key, scale=1e3, spec=".1f"):
+        def med(key, scale=1e3, spec=".1f", samples=samples):
             return fmt(median([s[key] for s in samples]) * scale, spec)
 
         rows.append([label, med("vllm_import_s", 1, ".2f"), med("import_s"), med("register_s"),
@@ -198,8 +287,7 @@ def main() -> int:
     args = ap.parse_args()
 
     try:
-        notes = sanity_check(venv_bin("vllm"), args.timeout) if not args.skip_cli else []
-        cli = bench_commands(args.repeats, args.timeout) if not args.skip_cli else None
+        cli, probe = (None, None) if args.skip_cli else bench_commands(args.repeats, args.timeout)
         reg = bench_register(args.repeats, args.timeout) if not args.skip_register else None
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
@@ -208,10 +296,10 @@ def main() -> int:
     print()
     print(f"# benchmarks/cli_overhead.py  {time.strftime('%Y-%m-%d %H:%M %Z')}  "
           f"cpus={os.cpu_count()}  K={args.repeats}")
-    for note in notes:
-        print(note)
     if cli:
         print(cli)
+        print()
+        print(probe)
     if reg:
         print()
         print(reg)

@@ -32,7 +32,7 @@ with stage 1 ``default_sampling_params.max_tokens`` set to
 
 Usage (from the repository root)::
 
-    .venv/bin/python benchmarks/startup.py                    # 2 runs, tiny checkpoint made in a temp dir
+    .venv/bin/python benchmarks/startup.py       # 2 runs, tiny checkpoint made in a temp dir
     .venv/bin/python benchmarks/startup.py --runs 3 --checkpoint /tmp/tiny-qwen3-omni
     .venv/bin/python benchmarks/startup.py --no-baseline --talker-max-tokens 0   # YAML as is
 
@@ -75,7 +75,9 @@ DEFAULT_YAML = REPO / "stage_configs" / "qwen3_omni_moe.yaml"
 THINKER_ARCH = "OmniPluginQwen3OmniThinker"
 
 RE_ENGINE_READY = re.compile(r"stage (\d+) \(([^)]*)\) engine ready in ([\d.]+) s")
-RE_LOADED = re.compile(r"\((?:EngineCore\S*|\w+) pid=(\d+)\).*stage (\S+): loaded (\S+) in ([\d.]+) s")
+RE_LOADED = re.compile(
+    r"\((?:EngineCore\S*|\w+) pid=(\d+)\).*stage (\S+): loaded (\S+) in ([\d.]+) s"
+)
 RE_INIT_ENGINE = re.compile(r"\(EngineCore\S* pid=(\d+)\).*init engine \(.*\) took ([\d.]+) s")
 RE_LISTENING = re.compile(r"Starting vLLM (?:API )?server on")
 
@@ -179,7 +181,8 @@ def parse_log(lines: list[tuple[float, str]]) -> dict:
         m = RE_ENGINE_READY.search(line)
         if m:
             st = stages.setdefault(m.group(1), {})
-            st.update(name=m.group(2), ready=float(m.group(3)), t_ready=t)
+            st.update(name=m.group(2), ready=float(m.group(3)), t_ready=t,
+                      t_start=t - float(m.group(3)))
             continue
         if listening is None and RE_LISTENING.search(line):
             listening = t
@@ -234,8 +237,7 @@ def report(results: list[dict], names: dict[int, str], args) -> str:
         rows.append([f"run {r['run']}", label, fmt(r.get("listening")), fmt(r["health"]),
                      fmt(r["first_chat"]), fmt(r["chat_latency"], ".2f"),
                      fmt(r.get("audio_s"), ".2f")])
-    for kind, group, label in (("pipeline", pipe, "pipeline (3 stages)"),
-                               ("single", single, "thinker only")):
+    for group, label in ((pipe, "pipeline (3 stages)"), (single, "thinker only")):
         if group:
             rows.append(["median", label, fmt(median([r.get("listening") for r in group])),
                          fmt(median([r["health"] for r in group])),
@@ -244,7 +246,7 @@ def report(results: list[dict], names: dict[int, str], args) -> str:
                          fmt(median([r.get("audio_s") for r in group]), ".2f")])
     out.append(table(
         ["run", "server", "listening s", "/health s", "1st chat s", "chat latency s", "audio s"],
-        rows,
+        rows, left=2,
         title="Startup, seconds since launch (1st chat: pipeline = text+audio, "
               "thinker only = text; max_tokens 8)",
     ))
@@ -254,21 +256,28 @@ def report(results: list[dict], names: dict[int, str], args) -> str:
         sids = sorted({sid for r in pipe for sid in r["stages"]}, key=lambda s: int(s))
         rows = []
         for sid in sids:
-            def med(key):
+            def med(key, sid=sid):
                 return median([r["stages"].get(sid, {}).get(key) for r in pipe])
 
             name = names.get(int(sid)) or next(
-                (r["stages"][sid].get("name") for r in pipe if r["stages"].get(sid, {}).get("name")), "?")
-            rows.append([f"{sid} {name}", fmt(med("load"), ".2f"), fmt(med("init"), ".2f"),
-                         fmt(med("ready")), fmt(med("t_loaded")), fmt(med("t_ready"))])
+                (r["stages"][sid]["name"] for r in pipe if r["stages"].get(sid, {}).get("name")),
+                "?")
+            load, init, ready = med("load"), med("init"), med("ready")
+            other = ready - (load or 0) - (init or 0) if ready is not None else None
+            started = med("t_start")
+            rows.append([f"{sid} {name}", fmt(started), fmt(load, ".2f"), fmt(init, ".2f"),
+                         fmt(other), fmt(ready), fmt(med("t_ready"))])
         out.append("")
         out.append(table(
-            ["stage", "model load s", "EngineCore init s", "engine ready s", "loaded at t+",
-             "ready at t+"],
+            ["stage", "start at t+", "model load s", "EngineCore init s", "other s",
+             "engine ready s", "ready at t+"],
             rows,
-            title=f"Pipeline per-stage breakdown (median of {len(pipe)} runs; 'engine ready' is the "
-                  "plugin's\nAsyncLLM start time of a downstream stage, the entry stage is vLLM's "
-                  "own engine; t+ = s since launch)",
+            title=f"Pipeline per-stage breakdown (median of {len(pipe)} runs). "
+                  "t+ = s since launch;\n"
+                  "engine ready = plugin's AsyncLLM start time for a downstream stage (the entry "
+                  "stage is vLLM's\nown engine: its 'ready at' is its EngineCore init line); "
+                  "other = engine ready - load - init\n(EngineCore process spawn, imports, config, "
+                  "handshake)",
         ))
         if single:
             s_rows = []

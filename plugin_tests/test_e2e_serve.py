@@ -11,8 +11,8 @@ import base64
 import io
 import os
 import re
-import signal
 import shutil
+import signal
 import time
 
 import pytest
@@ -35,7 +35,8 @@ def _write_test_plugin(root) -> str:
     shutil.copy(os.path.join(FIXTURES, "omni_test_plugin.py"), site / "omni_test_plugin.py")
     dist = site / "omni_test_plugin-0.0.0.dist-info"
     dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: omni-test-plugin\nVersion: 0.0.0\n")
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: omni-test-plugin\nVersion: 0.0.0\n")
     (dist / "entry_points.txt").write_text(
         "[vllm_omni_plugin.stage_input_processors]\nomni_test = omni_test_plugin\n")
     return str(site)

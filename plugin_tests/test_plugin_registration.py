@@ -11,7 +11,8 @@ import pytest
 from plugin_tests.conftest import PYTHON, QWEN3_OMNI_YAML, VLLM
 
 
-def _run(code: str, env_extra: dict | None = None, timeout: int = 180) -> subprocess.CompletedProcess:
+def _run(code: str, env_extra: dict | None = None,
+         timeout: int = 180) -> subprocess.CompletedProcess:
     import os
 
     env = {**os.environ, **(env_extra or {})}
@@ -20,10 +21,10 @@ def _run(code: str, env_extra: dict | None = None, timeout: int = 180) -> subpro
 
 
 def test_register_is_idempotent_and_patches_once():
-    import vllm_omni_plugin
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    import vllm_omni_plugin
     from vllm_omni_plugin.compat import MARKER, apply_all
 
     vllm_omni_plugin.register()
@@ -35,9 +36,9 @@ def test_register_is_idempotent_and_patches_once():
 
 
 def test_stage_models_registered_lazily():
-    import vllm_omni_plugin
     from vllm import ModelRegistry
 
+    import vllm_omni_plugin
     from vllm_omni_plugin.models import STAGE_MODELS
 
     vllm_omni_plugin.register()
@@ -51,7 +52,8 @@ def test_stage_models_registered_lazily():
 
 
 def test_vllm_discovers_plugin_and_adds_omni_group():
-    """vLLM itself loads the entry point (not a direct call) and `vllm serve --help` shows our group."""
+    """vLLM itself loads the entry point (not a direct call); `vllm serve --help`
+    shows the Omni group."""
     # vLLM's PyPI wheel needs a platform even for --help on a machine without
     # a GPU; VLLM_TARGET_DEVICE=cpu gives it vLLM's own CPU platform.
     env = {**__import__("os").environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_PLUGINS": "omni"}
@@ -101,9 +103,9 @@ def test_plain_engine_client_without_omni_flags():
     from_vllm_config keeps vLLM's class."""
     import argparse
 
-    import vllm_omni_plugin
     from vllm.engine.arg_utils import AsyncEngineArgs
 
+    import vllm_omni_plugin
     from vllm_omni_plugin.config.settings import ADDITIONAL_CONFIG_KEY
 
     vllm_omni_plugin.register()
@@ -115,9 +117,9 @@ def test_plain_engine_client_without_omni_flags():
 def test_omni_flags_reach_additional_config(tmp_path):
     import argparse
 
-    import vllm_omni_plugin
     from vllm.engine.arg_utils import AsyncEngineArgs
 
+    import vllm_omni_plugin
     from vllm_omni_plugin.config.settings import ADDITIONAL_CONFIG_KEY
 
     vllm_omni_plugin.register()
@@ -132,9 +134,9 @@ def test_omni_flags_reach_additional_config(tmp_path):
 def test_bad_yaml_fails_before_engines(tmp_path):
     import argparse
 
-    import vllm_omni_plugin
     from vllm.engine.arg_utils import AsyncEngineArgs
 
+    import vllm_omni_plugin
     from vllm_omni_plugin.config import StageConfigError
 
     vllm_omni_plugin.register()

@@ -161,7 +161,8 @@ def talker_parity_model(tmp_path_factory):
             raise RuntimeError(f"tiny_checkpoint returned {rc}")
         model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(str(out), dtype=torch.float32)
     except Exception as exc:  # pragma: no cover - depends on the other tool being present
-        warnings.warn(f"tiny_checkpoint unavailable ({exc!r}); using the in-process config")
+        warnings.warn(f"tiny_checkpoint unavailable ({exc!r}); using the in-process config",
+                      stacklevel=2)
         torch.manual_seed(0)
         model = Qwen3OmniMoeForConditionalGeneration(_fallback_config()).to(torch.float32)
     return model.eval()

@@ -11,11 +11,9 @@ import os
 #: Backend for stage workers: ``auto`` (reference when no accelerator is
 #: usable), ``reference`` (force the CPU reference backend) or ``accelerator``.
 BACKEND = "VLLM_OMNI_PLUGIN_BACKEND"
-#: Directory for the inter-stage payload store (default: a per-run directory
-#: under ``/dev/shm`` when it exists, else the system temp dir).
+#: Parent directory of the per-run inter-stage payload store (default:
+#: ``/dev/shm`` when it exists, else the system temp dir).
 PAYLOAD_DIR = "VLLM_OMNI_PLUGIN_PAYLOAD_DIR"
-#: Seconds a stage waits for an upstream payload before failing the request.
-PAYLOAD_TIMEOUT_S = "VLLM_OMNI_PLUGIN_PAYLOAD_TIMEOUT_S"
 #: Set to 1 to register even on a vLLM outside the supported range.
 ALLOW_UNSUPPORTED_VLLM = "VLLM_OMNI_PLUGIN_ALLOW_UNSUPPORTED_VLLM"
 
@@ -35,9 +33,6 @@ def backend() -> str:
 def payload_dir() -> str | None:
     return os.environ.get(PAYLOAD_DIR) or None
 
-
-def payload_timeout_s() -> float:
-    return float(os.environ.get(PAYLOAD_TIMEOUT_S, "60"))
 
 
 def allow_unsupported_vllm() -> bool:

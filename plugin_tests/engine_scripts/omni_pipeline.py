@@ -29,14 +29,15 @@ async def _wait_for_stage(orchestrator, request_id, stage_id, timeout=120.0):
 
 
 async def main(ckpt, yaml_path, out_dir, scenarios):
-    import vllm_omni_plugin
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.inputs import TokensPrompt
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from vllm_omni_plugin.engine.orchestrator import MODALITIES_KEY, RESULT_KEY, RESULTS
+    import vllm_omni_plugin
+    from vllm_omni_plugin.engine.orchestrator import RESULTS
+    from vllm_omni_plugin.extra_args import MODALITIES, RESULT
 
     vllm_omni_plugin.register()
     ns = argparse.Namespace(model=ckpt, dtype="float32", max_model_len=2048,
@@ -54,7 +55,7 @@ async def main(ckpt, yaml_path, out_dir, scenarios):
 
     def params(key, max_tokens=12):
         return SamplingParams(temperature=0, max_tokens=max_tokens,
-                              extra_args={MODALITIES_KEY: ["text", "audio"], RESULT_KEY: key})
+                              extra_args={MODALITIES: ["text", "audio"], RESULT: key})
 
     async def run(request_id, key):
         final = None

@@ -148,7 +148,7 @@ def run_engine(model: str, spec: dict) -> dict:
     from vllm import LLM, SamplingParams
 
     from vllm_omni_plugin.config.settings import ADDITIONAL_CONFIG_KEY
-    from vllm_omni_plugin.kv_transfer.payload import EXTRA_ARGS_KEY
+    from vllm_omni_plugin.extra_args import PAYLOAD
 
     OBSERVER.reset()
     start = time.perf_counter()
@@ -167,8 +167,8 @@ def run_engine(model: str, spec: dict) -> dict:
         keys = [f"{spec['name']}.b{len(batches)}.p{i}" if batch.get("publish") else None
                 for i in range(len(prompts))]
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
-                                 extra_args={EXTRA_ARGS_KEY: {"out": k}} if k else None)
-                  for n, k in zip(max_tokens, keys)]
+                                 extra_args={PAYLOAD: {"out": k}} if k else None)
+                  for n, k in zip(max_tokens, keys, strict=True)]
         outs = llm.generate(prompts, params, use_tqdm=False)
         batches.append({
             "token_ids": [list(o.outputs[0].token_ids) for o in outs],

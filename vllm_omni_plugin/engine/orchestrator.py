@@ -2,7 +2,7 @@
 
 For a request that asks only for text the entry stage's output is streamed
 unchanged (plain vLLM behaviour). When the request asks for more (e.g. audio,
-``SamplingParams.extra_args["omni_plugin_modalities"]``), the orchestrator holds
+``SamplingParams.extra_args[extra_args.MODALITIES]``), the orchestrator holds
 back the entry stage's final output, runs each downstream stage in topological
 order — stage input processor, input payload, one request on the stage's
 engine — stores the final stage's result for the API layer and then releases
@@ -16,23 +16,15 @@ import asyncio
 import os
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_omni_plugin.kv_transfer.payload import (
-    EXTRA_ARGS_KEY,
-    PayloadError,
-    PayloadStore,
-    safe_key,
-)
+from vllm_omni_plugin import extra_args as xargs
+from vllm_omni_plugin.kv_transfer.payload import PayloadError, PayloadStore, safe_key
 from vllm_omni_plugin.logger import init_logger
 
 logger = init_logger(__name__)
-
-#: ``SamplingParams.extra_args`` keys set by the API layer (see entrypoints).
-MODALITIES_KEY = "omni_plugin_modalities"
-RESULT_KEY = "omni_plugin_result_key"
-SPEAKER_KEY = "omni_plugin_speaker"
 
 
 class StageError(RuntimeError):
@@ -101,22 +93,31 @@ class Orchestrator:
 
         pipeline = load_pipeline_config(settings["stage_configs_path"])
         store = PayloadStore(settings["payload_dir"])
-        engines = {}
-        try:
-            for stage in pipeline.topological_order():
-                if stage.stage_id != pipeline.entry_stage.stage_id:
-                    engines[stage.stage_id] = start_stage_engine(stage, vllm_config, settings)
-        except BaseException:
+        downstream = [s for s in pipeline.topological_order()
+                      if s.stage_id != pipeline.entry_stage.stage_id]
+        # Stage engines start concurrently: each start is mostly an EngineCore
+        # process spawning, importing and handshaking.
+        engines, errors = {}, []
+        with ThreadPoolExecutor(max_workers=max(1, len(downstream)),
+                                thread_name_prefix="omni-stage-start") as pool:
+            futures = {s.stage_id: pool.submit(start_stage_engine, s, vllm_config, settings)
+                       for s in downstream}
+            for stage_id, future in futures.items():
+                try:
+                    engines[stage_id] = future.result()
+                except BaseException as exc:
+                    errors.append(exc)
+        if errors:
             for e in engines.values():
                 e.engine.shutdown()
             store.close()
-            raise
+            raise errors[0]
         return cls(client, pipeline, store, engines)
 
     # -- request flow ---------------------------------------------------------
     async def generate(self, prompt, sampling_params, request_id, *args, **kwargs):
         extra = dict(sampling_params.extra_args or {})
-        modalities = extra.get(MODALITIES_KEY) or ["text"]
+        modalities = extra.get(xargs.MODALITIES) or ["text"]
         if list(modalities) == ["text"]:
             async for out in self.client.entry_generate(
                 prompt, sampling_params, request_id, *args, **kwargs
@@ -124,16 +125,17 @@ class Orchestrator:
                 yield out
             return
 
-        result_key = str(extra.get(RESULT_KEY) or uuid.uuid4().hex)
+        result_key = str(extra.get(xargs.RESULT) or uuid.uuid4().hex)
         base = safe_key(f"{request_id}.{uuid.uuid4().hex[:6]}")
         entry_out_key = f"{base}.s{self.entry.stage_id}.out"
         params = sampling_params.clone()
-        params.extra_args = {**extra, EXTRA_ARGS_KEY: {"out": entry_out_key}}
+        params.extra_args = {**extra, xargs.PAYLOAD: {"out": entry_out_key}}
         keys = [entry_out_key]
         self._inflight[request_id] = set()
         final = None
         try:
-            async for out in self.client.entry_generate(prompt, params, request_id, *args, **kwargs):
+            async for out in self.client.entry_generate(prompt, params, request_id, *args,
+                                                        **kwargs):
                 if out.finished:
                     final = out
                 else:
@@ -141,7 +143,7 @@ class Orchestrator:
             if final is None:
                 return
             outputs = {self.entry.stage_id: _stage_output(
-                self.entry.stage_id, final, self._payload(self.entry, entry_out_key))}
+                self.entry.stage_id, final, await self._payload(self.entry, entry_out_key))}
             result = await self._run_downstream(request_id, base, outputs, extra, keys)
             if result is None:  # aborted between stages
                 return
@@ -151,8 +153,7 @@ class Orchestrator:
             RESULTS.put(result_key, StageResult(output_type="error", error=str(exc),
                                                 status=exc.status))
         finally:
-            for key in keys:
-                self.store.delete(key)
+            await asyncio.to_thread(self._delete, keys)
             self._inflight.pop(request_id, None)
             self._aborted.discard(request_id)
         if final is not None:
@@ -179,7 +180,7 @@ class Orchestrator:
             except Exception as exc:
                 raise StageError(stage.stage_id, stage.name,
                                  f"input processor {stage.input_processor!r}: {exc}") from exc
-            self.store.put(in_key, stage_input.payload)
+            await asyncio.to_thread(self.store.put, in_key, stage_input.payload)
             last_input = stage_input.payload
             if request_id in self._aborted:
                 return None
@@ -187,19 +188,16 @@ class Orchestrator:
             if request_id in self._aborted:
                 return None
             outputs[stage.stage_id] = _stage_output(stage.stage_id, final,
-                                                    self._payload(stage, out_key))
+                                                    await self._payload(stage, out_key))
             last = stage
         if last is None or not last.final_output:
             raise StageError(self.entry.stage_id, self.entry.name,
                              "the pipeline has no final downstream stage")
-        output_type = last.final_output_type or "latent"
-        rate = None
-        if output_type == "audio":
-            from vllm_omni_plugin.models.qwen3_omni.code2wav import sample_rate
-
-            rate = sample_rate(self.client.model_config.hf_config)
-        return StageResult(output_type=output_type, payload=outputs[last.stage_id].payload,
-                           sample_rate=rate, final_input=last_input)
+        payload = dict(outputs[last.stage_id].payload)
+        rate = payload.pop("sample_rate", None)
+        return StageResult(output_type=last.final_output_type or "latent", payload=payload,
+                           sample_rate=int(rate[0]) if rate is not None else None,
+                           final_input=last_input)
 
     async def _run_stage(self, request_id, stage, stage_input, in_key, out_key):
         from vllm import SamplingParams
@@ -209,8 +207,9 @@ class Orchestrator:
         try:
             params = SamplingParams(**params_dict)
         except Exception as exc:
-            raise StageError(stage.stage_id, stage.name, f"sampling params {params_dict}: {exc}")
-        params.extra_args = {EXTRA_ARGS_KEY: {"in": in_key, "out": out_key}}
+            raise StageError(stage.stage_id, stage.name,
+                             f"sampling params {params_dict}: {exc}") from exc
+        params.extra_args = {xargs.PAYLOAD: {"in": in_key, "out": out_key}}
         engine = self.engines[stage.stage_id].engine
         sub_id = f"{request_id}-s{stage.stage_id}"
         self._inflight.setdefault(request_id, set()).add((stage.stage_id, sub_id))
@@ -230,11 +229,17 @@ class Orchestrator:
             raise StageError(stage.stage_id, stage.name, "produced no final output")
         return final
 
-    def _payload(self, stage, key: str) -> dict:
+    # Payload I/O runs in a thread: tensors can be large and the API server's
+    # event loop must keep serving.
+    async def _payload(self, stage, key: str) -> dict:
         try:
-            return self.store.get(key)
+            return await asyncio.to_thread(self.store.get, key)
         except PayloadError as exc:
             raise StageError(stage.stage_id, stage.name, str(exc)) from exc
+
+    def _delete(self, keys: list[str]) -> None:
+        for key in keys:
+            self.store.delete(key)
 
     async def abort(self, request_id) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)

@@ -23,7 +23,8 @@ import json
 import time
 import uuid
 
-from vllm_omni_plugin.engine.orchestrator import MODALITIES_KEY, RESULT_KEY, RESULTS, SPEAKER_KEY
+from vllm_omni_plugin import extra_args as xargs
+from vllm_omni_plugin.engine.orchestrator import RESULTS
 
 MIDDLEWARE_QUALNAME = "vllm_omni_plugin.entrypoints.audio_output.OmniAudioMiddleware"
 CHAT_PATH = "/v1/chat/completions"
@@ -63,7 +64,8 @@ def parse_audio_request(body: dict) -> tuple[list[str] | None, str | None]:
             raise RequestError("audio", "must be an object {\"voice\": ..., \"format\": \"wav\"}")
         fmt = audio.get("format", "wav")
         if fmt not in AUDIO_FORMATS:
-            raise RequestError("audio.format", f"{fmt!r} is not supported; use one of {AUDIO_FORMATS}")
+            raise RequestError("audio.format",
+                               f"{fmt!r} is not supported; use one of {AUDIO_FORMATS}")
         voice = audio.get("voice")
         if voice is not None and not isinstance(voice, str):
             raise RequestError("audio.voice", "must be a string")
@@ -135,11 +137,11 @@ class OmniAudioMiddleware:
             return await self.app(scope, _replay(forwarded, receive), send)
 
         result_key = uuid.uuid4().hex
-        xargs = dict(body.get("vllm_xargs") or {})
-        xargs.update({MODALITIES_KEY: modalities, RESULT_KEY: result_key})
+        forwarded = dict(body.get("vllm_xargs") or {})
+        forwarded.update({xargs.MODALITIES: modalities, xargs.RESULT: result_key})
         if voice:
-            xargs[SPEAKER_KEY] = voice
-        body["vllm_xargs"] = xargs
+            forwarded[xargs.SPEAKER] = voice
+        body["vllm_xargs"] = forwarded
         captured = _Capture()
         await self.app(scope, _replay(json.dumps(body).encode(), receive), captured.send)
         result = RESULTS.pop(result_key)

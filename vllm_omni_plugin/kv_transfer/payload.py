@@ -5,7 +5,7 @@ states, the talker's codec codes) under an *output key*; the orchestrator
 reads them, runs the stage input processor and publishes the next stage's
 inputs under that stage's *input key*, which its worker reads when the request
 is scheduled. Keys travel to the workers in
-``SamplingParams.extra_args[EXTRA_ARGS_KEY]``, an upstream vLLM field, so no
+``SamplingParams.extra_args[extra_args.PAYLOAD]``, an upstream vLLM field, so no
 vLLM class is patched or rebound (see docs/design/tensors-across-stages.md).
 
 Storage: one directory per key under a run directory shared by the processes
@@ -21,14 +21,10 @@ import os
 import re
 import shutil
 import tempfile
-import time
 import uuid
 
 import torch
 from safetensors.torch import load_file, save_file
-
-#: Key in ``SamplingParams.extra_args`` holding ``{"in": key, "out": key}``.
-EXTRA_ARGS_KEY = "omni_plugin_payload"
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 _ERROR_FILE = "error.json"
@@ -39,8 +35,12 @@ class PayloadError(RuntimeError):
 
 
 def default_run_dir() -> str:
-    """A fresh per-run directory under ``/dev/shm`` (or the temp dir)."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    """A fresh per-run directory under ``VLLM_OMNI_PLUGIN_PAYLOAD_DIR``, else
+    ``/dev/shm``, else the temp dir."""
+    from vllm_omni_plugin import envs
+
+    base = envs.payload_dir() or (
+        "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
     path = os.path.join(base, f"vllm-omni-plugin-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     os.makedirs(path, exist_ok=True)
     return path
@@ -84,10 +84,6 @@ class PayloadStore:
         self.delete(key)
         self.append(key, tensors)
 
-    def num_rows(self, key: str, name: str) -> int:
-        """Rows of tensor ``name`` published so far under ``key`` (0 if none)."""
-        return sum(t[name].shape[0] for t in self._chunks(key) if name in t)
-
     def _chunks(self, key: str) -> list[dict[str, torch.Tensor]]:
         d = self._dir(key)
         if not os.path.isdir(d):
@@ -119,27 +115,6 @@ class PayloadStore:
             for name, t in chunk.items():
                 merged.setdefault(name, []).append(t)
         return {k: torch.cat(v, dim=0) for k, v in merged.items()}
-
-    def wait_rows(self, key: str, name: str, rows: int, timeout_s: float) -> dict[str, torch.Tensor]:
-        """Block until ``name`` under ``key`` has at least ``rows`` rows; return ``get(key)``.
-
-        Raises:
-            TimeoutError: after ``timeout_s`` seconds, naming key, tensor and counts.
-        """
-        deadline = time.monotonic() + timeout_s
-        delay = 0.001
-        while True:
-            data = self.get(key)
-            have = data[name].shape[0] if name in data else 0
-            if have >= rows:
-                return data
-            if time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"payload {key!r}: tensor {name!r} has {have} rows, expected {rows} "
-                    f"after {timeout_s:.1f}s"
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
 
     def delete(self, key: str) -> None:
         shutil.rmtree(self._dir(key), ignore_errors=True)

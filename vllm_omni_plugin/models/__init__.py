@@ -5,10 +5,11 @@ from __future__ import annotations
 #: architecture name -> "module:Class"; referenced from stage YAMLs through
 #: ``engine_args.hf_overrides.architectures``. Names are prefixed so they never
 #: overwrite an architecture vLLM (or upstream vllm-omni) registers.
+_QWEN3_OMNI = "vllm_omni_plugin.models.qwen3_omni"
 STAGE_MODELS = {
-    "OmniPluginQwen3OmniThinker": "vllm_omni_plugin.models.qwen3_omni.thinker:Qwen3OmniThinkerStage",
-    "OmniPluginQwen3OmniTalker": "vllm_omni_plugin.models.qwen3_omni.talker:Qwen3OmniTalkerStage",
-    "OmniPluginQwen3OmniCode2Wav": "vllm_omni_plugin.models.qwen3_omni.code2wav:Qwen3OmniCode2WavStage",
+    "OmniPluginQwen3OmniThinker": f"{_QWEN3_OMNI}.thinker:Qwen3OmniThinkerStage",
+    "OmniPluginQwen3OmniTalker": f"{_QWEN3_OMNI}.talker:Qwen3OmniTalkerStage",
+    "OmniPluginQwen3OmniCode2Wav": f"{_QWEN3_OMNI}.code2wav:Qwen3OmniCode2WavStage",
 }
 
 

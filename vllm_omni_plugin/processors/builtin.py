@@ -12,13 +12,13 @@ from typing import Any
 
 import torch
 
+from vllm_omni_plugin import extra_args as xargs
 from vllm_omni_plugin.processors.hookspecs import StageInput, UpstreamOutput, hookimpl
 
 #: Positions HF's talker prompt adds for the assistant turn: 3 text positions
 #: ("<|im_start|>assistant\n"), 4 tts_pad, 1 tts_bos, 1 first text token
 #: (``Qwen3OmniMoeForConditionalGeneration._get_talker_assistant_parts``).
 ASSISTANT_PREFIX_LEN = 9
-DEFAULT_SPEAKER_KEY = "omni_plugin_speaker"
 
 
 def user_positions(config, prompt_ids: list[int]) -> list[int]:
@@ -73,10 +73,10 @@ def thinker2talker(upstream: list[UpstreamOutput], stage, extras: dict[str, Any]
             raise ValueError(f"thinker payload lacks {name!r}; was the thinker asked to publish?")
     prompt = thinker.prompt_token_ids
     if not any(a == config.im_start_token_id and b == config.assistant_token_id
-               for a, b in zip(prompt, prompt[1:])):
+               for a, b in zip(prompt, prompt[1:], strict=False)):
         raise ValueError("the prompt has no '<|im_start|>assistant' turn to speak")
     talker_config = config.talker_config
-    speaker = resolve_speaker(talker_config, extras.get(DEFAULT_SPEAKER_KEY))
+    speaker = resolve_speaker(talker_config, extras.get(xargs.SPEAKER))
     sequence = prompt + thinker.output_token_ids
     length = len(user_positions(config, prompt)) + ASSISTANT_PREFIX_LEN
     return StageInput(

@@ -14,15 +14,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
-from vllm_omni_plugin.kv_transfer.payload import EXTRA_ARGS_KEY, PayloadStore
+from vllm_omni_plugin import extra_args as xargs
+from vllm_omni_plugin.config.settings import stage_settings
+from vllm_omni_plugin.kv_transfer.payload import PayloadStore
 from vllm_omni_plugin.logger import init_logger
 from vllm_omni_plugin.models.stage_model import OmniStageModel, StepInput, StepOutput
 from vllm_omni_plugin.reference.paged_attention import PagedKVView, use_paged_kv
 from vllm_omni_plugin.reference.sampler import sample
-from vllm_omni_plugin.config.settings import stage_settings
-
-from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 logger = init_logger(__name__)
 
@@ -148,7 +148,7 @@ class ReferenceWorker(WorkerBase):
             old.block_ids = list(new.block_ids[0])
             return
         params = new.sampling_params
-        keys = (params.extra_args or {}).get(EXTRA_ARGS_KEY, {}) if params else {}
+        keys = (params.extra_args or {}).get(xargs.PAYLOAD, {}) if params else {}
         if keys and self.store is None:
             raise RuntimeError(f"stage {self.stage_id}: request {new.req_id} carries payload "
                                "keys but no payload store is configured (not in omni mode?)")
@@ -202,8 +202,8 @@ class ReferenceWorker(WorkerBase):
         if scheduler_output.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
 
-        computed = dict(zip(scheduler_output.scheduled_cached_reqs.req_ids,
-                            scheduler_output.scheduled_cached_reqs.num_computed_tokens))
+        cached = scheduler_output.scheduled_cached_reqs
+        computed = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
         for new in scheduler_output.scheduled_new_reqs:
             computed[new.req_id] = new.num_computed_tokens
 

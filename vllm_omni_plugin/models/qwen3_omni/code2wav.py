@@ -2,8 +2,8 @@
 
 Runs HF's ``Qwen3OmniMoeCode2Wav`` once per request, at its first scheduled
 step, on the input payload ``codes`` ``[T, num_code_groups]`` int64 and
-publishes ``waveform`` ``[num_samples]`` float32 in ``[-1, 1]`` at
-``code2wav_config``'s output rate (see :func:`sample_rate`). The request is a
+publishes ``waveform`` ``[num_samples]`` float32 in ``[-1, 1]`` and
+``sample_rate`` ``[1]`` int64 (Hz, see :func:`sample_rate`). The request is a
 one-token placeholder prompt with ``max_tokens=1``; the sampled token is a
 dummy that ends it.
 """
@@ -55,6 +55,7 @@ class Qwen3OmniCode2WavStage(OmniStageModel):
             codes = step.payload["codes"].to(torch.long).T.unsqueeze(0)  # [1, groups, T]
             wav = self.code2wav.chunked_decode(codes, chunk_size=CHUNK_SIZE,
                                                left_context_size=LEFT_CONTEXT)
-            payload = {"waveform": wav.reshape(-1).float()}
+            payload = {"waveform": wav.reshape(-1).float(),
+                       "sample_rate": torch.tensor([sample_rate(self.hf_config)])}
         logits = torch.zeros(self.vocab_size) if step.needs_logits else None
         return StepOutput(logits=logits, payload=payload)

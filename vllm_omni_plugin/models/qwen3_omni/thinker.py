@@ -74,6 +74,7 @@ class Qwen3OmniThinkerStage(OmniStageModel):
             }
             if step.publish_from == 0 and step.num_computed == 0:
                 cfg = self.hf_config
-                ids = torch.tensor([cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id])
+                ids = torch.tensor(
+                    [cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id])
                 payload["tts_embed"] = self.thinker.get_input_embeddings()(ids)
         return StepOutput(logits=logits, payload=payload)
