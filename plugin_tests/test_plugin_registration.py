@@ -114,21 +114,43 @@ def test_plain_engine_client_without_omni_flags():
     assert ADDITIONAL_CONFIG_KEY not in (args.additional_config or {})
 
 
-def test_omni_flags_reach_additional_config(tmp_path):
+def test_omni_flags_reach_additional_config():
+    code = f"""
+import argparse, json
+import vllm_omni_plugin
+from vllm.engine.arg_utils import AsyncEngineArgs
+vllm_omni_plugin.register()
+ns = argparse.Namespace(model="m", stage_configs_path={QWEN3_OMNI_YAML!r}, middleware=[])
+args = AsyncEngineArgs.from_cli_args(ns)
+print(json.dumps({{"extra": args.additional_config, "hf": args.hf_overrides,
+                  "middleware": ns.middleware}}))
+"""
+    out = _run(code, {"VLLM_OMNI_PLUGIN_BACKEND": "reference"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    settings = result["extra"]["omni_plugin"]
+    assert settings["stage_id"] == 0 and settings["stage_configs_path"] == QWEN3_OMNI_YAML
+    assert settings["entry"] is True and settings["payload_dir"]
+    assert result["hf"]["architectures"] == ["OmniPluginQwen3OmniThinker"]
+    assert result["middleware"] == [
+        "vllm_omni_plugin.entrypoints.audio_output.OmniAudioMiddleware"]
+
+
+def test_omni_mode_without_reference_platform_fails_with_the_fix():
+    """This test process resolved no plugin platform (no omni argv, no
+    VLLM_OMNI_PLUGIN_BACKEND): omni mode must refuse early and name the fix."""
     import argparse
 
     from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.platforms import current_platform
 
     import vllm_omni_plugin
-    from vllm_omni_plugin.config.settings import ADDITIONAL_CONFIG_KEY
 
     vllm_omni_plugin.register()
-    ns = argparse.Namespace(model="m", stage_configs_path=QWEN3_OMNI_YAML, middleware=[])
-    args = AsyncEngineArgs.from_cli_args(ns)
-    settings = args.additional_config[ADDITIONAL_CONFIG_KEY]
-    assert settings["stage_id"] == 0 and settings["stage_configs_path"] == QWEN3_OMNI_YAML
-    assert args.hf_overrides["architectures"] == ["OmniPluginQwen3OmniThinker"]
-    assert ns.middleware == ["vllm_omni_plugin.entrypoints.audio_output.OmniAudioMiddleware"]
+    assert type(current_platform).__name__ != "ReferencePlatform"
+    with pytest.raises(RuntimeError, match="VLLM_OMNI_PLUGIN_BACKEND=reference"):
+        AsyncEngineArgs.from_cli_args(argparse.Namespace(
+            model="m", stage_configs_path=QWEN3_OMNI_YAML, middleware=[]))
 
 
 def test_bad_yaml_fails_before_engines(tmp_path):

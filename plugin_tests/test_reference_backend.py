@@ -373,10 +373,15 @@ def test_activate_reference(platform_env, backend):
     assert os.environ["VLLM_OMNI_PLUGIN_BACKEND"] == "reference"
 
 
-@pytest.mark.parametrize("backend", ["reference", "auto"])
-def test_activate_with_usable_accelerator_stays_out(platform_env, backend):
-    platform_env(backend, OMNI, accelerator=True)
+def test_activate_auto_with_usable_accelerator_stays_out(platform_env):
+    platform_env("auto", OMNI, accelerator=True)
     assert ref_platform.activate() is None
+
+
+def test_activate_reference_wins_over_accelerator(platform_env):
+    """An explicit VLLM_OMNI_PLUGIN_BACKEND=reference is honoured on a GPU host."""
+    platform_env("reference", OMNI, accelerator=True)
+    assert ref_platform.activate() == ref_platform.QUALNAME
 
 
 @pytest.mark.parametrize("backend", ["cpu", "gpu", "referenc"])

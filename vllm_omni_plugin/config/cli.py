@@ -52,6 +52,7 @@ def apply_omni_args(args: argparse.Namespace, engine_args) -> None:
     from vllm_omni_plugin.kv_transfer.payload import default_run_dir
 
     pipeline = load_pipeline_config(path)
+    require_stage_backend()
     entry = pipeline.entry_stage
     apply_stage_engine_args(engine_args, entry.engine_args)
     extra = dict(engine_args.additional_config or {})
@@ -67,6 +68,26 @@ def apply_omni_args(args: argparse.Namespace, engine_args) -> None:
 
     if MIDDLEWARE_QUALNAME not in middleware and hasattr(args, "middleware"):
         args.middleware = [*middleware, MIDDLEWARE_QUALNAME]
+
+
+def require_stage_backend() -> None:
+    """Fail early, with the fix, when the stage models cannot run on this platform.
+
+    Raises:
+        RuntimeError: vLLM resolved a platform other than the plugin's
+            reference backend (stage models have no accelerator worker yet).
+    """
+    from vllm.platforms import current_platform
+
+    from vllm_omni_plugin import envs
+    from vllm_omni_plugin.reference.platform import QUALNAME
+
+    if f"{type(current_platform).__module__}.{type(current_platform).__name__}" != QUALNAME:
+        raise RuntimeError(
+            "omni mode (--stage-configs-path) runs its stage models on the plugin's reference "
+            f"backend, but vLLM selected {type(current_platform).__name__}; stage models have "
+            f"no accelerator worker yet. Set {envs.BACKEND}=reference to run them on CPU."
+        )
 
 
 def apply_stage_engine_args(engine_args, overrides: dict) -> None:

@@ -3,10 +3,10 @@
 Registered through vLLM's ``vllm.platform_plugins`` entry point. vLLM's PyPI
 wheel has no CPU kernels, so on a machine without a usable accelerator vLLM
 would otherwise resolve ``UnspecifiedPlatform`` and fail. The plugin's
-platform activates only when
+platform activates when
 
-* no accelerator is usable (no CUDA device), and
-* ``VLLM_OMNI_PLUGIN_BACKEND=reference``, or it is ``auto`` (the default) and
+* ``VLLM_OMNI_PLUGIN_BACKEND=reference`` (explicit choice, even on a GPU host), or
+* it is ``auto`` (the default), no accelerator is usable (no CUDA device) and
   the command line asks for omni mode (``--stage-configs-path``), the same way
   vLLM itself inspects ``sys.argv`` for ``--omni``.
 
@@ -45,9 +45,9 @@ def activate() -> str | None:
         backend = envs.backend()
     except ValueError:
         return None
-    if backend == "accelerator" or _accelerator_usable():
+    if backend == "accelerator":
         return None
-    if backend == "auto" and not _omni_requested(sys.argv):
+    if backend == "auto" and (_accelerator_usable() or not _omni_requested(sys.argv)):
         return None
     if os.environ.get(envs.BACKEND) != "reference":
         # Chosen automatically here: export it so child processes agree, and
