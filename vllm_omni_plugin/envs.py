@@ -14,6 +14,8 @@ BACKEND = "VLLM_OMNI_PLUGIN_BACKEND"
 #: Parent directory of the per-run inter-stage payload store (default:
 #: ``/dev/shm`` when it exists, else the system temp dir).
 PAYLOAD_DIR = "VLLM_OMNI_PLUGIN_PAYLOAD_DIR"
+#: Shared cluster token signing the coordinator's control-plane frames (unset: no signing).
+CLUSTER_TOKEN = "VLLM_OMNI_PLUGIN_CLUSTER_TOKEN"
 #: Set to 1 to register even on a vLLM outside the supported range.
 ALLOW_UNSUPPORTED_VLLM = "VLLM_OMNI_PLUGIN_ALLOW_UNSUPPORTED_VLLM"
 
@@ -33,6 +35,11 @@ def backend() -> str:
 def payload_dir() -> str | None:
     return os.environ.get(PAYLOAD_DIR) or None
 
+
+
+def cluster_token() -> str | None:
+    """The cluster token, ``None`` when unset or empty."""
+    return os.environ.get(CLUSTER_TOKEN) or None
 
 
 def allow_unsupported_vllm() -> bool:

@@ -149,6 +149,7 @@ def run_engine(model: str, spec: dict) -> dict:
 
     from vllm_omni_plugin.config.settings import ADDITIONAL_CONFIG_KEY
     from vllm_omni_plugin.extra_args import PAYLOAD
+    from vllm_omni_plugin.kv_transfer.payload import PayloadStore
 
     OBSERVER.reset()
     start = time.perf_counter()
@@ -156,6 +157,7 @@ def run_engine(model: str, spec: dict) -> dict:
     if spec.get("payload_dir"):  # a thinker stage that publishes its hidden states
         engine_args["additional_config"] = {ADDITIONAL_CONFIG_KEY: {
             "stage_id": 0, "payload_dir": spec["payload_dir"], "entry": False}}
+    store = PayloadStore(spec["payload_dir"]) if spec.get("payload_dir") else None
     llm = LLM(model, **engine_args)
     init_s = time.perf_counter() - start
     batches = []
@@ -166,6 +168,8 @@ def run_engine(model: str, spec: dict) -> dict:
             max_tokens = [max_tokens] * len(prompts)
         keys = [f"{spec['name']}.b{len(batches)}.p{i}" if batch.get("publish") else None
                 for i in range(len(prompts))]
+        for key in filter(None, keys):
+            store.create(key)  # the consumer opens keys; the worker only writes
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
                                  extra_args={PAYLOAD: {"out": k}} if k else None)
                   for n, k in zip(max_tokens, keys, strict=True)]

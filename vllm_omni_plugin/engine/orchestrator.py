@@ -17,6 +17,7 @@ import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,6 +132,7 @@ class Orchestrator:
         params = sampling_params.clone()
         params.extra_args = {**extra, xargs.PAYLOAD: {"out": entry_out_key}}
         keys = [entry_out_key]
+        self.store.create(entry_out_key)
         self._inflight[request_id] = set()
         final = None
         try:
@@ -181,6 +183,7 @@ class Orchestrator:
                 raise StageError(stage.stage_id, stage.name,
                                  f"input processor {stage.input_processor!r}: {exc}") from exc
             await asyncio.to_thread(self.store.put, in_key, stage_input.payload)
+            self.store.create(out_key)
             last_input = stage_input.payload
             if request_id in self._aborted:
                 return None
@@ -214,17 +217,23 @@ class Orchestrator:
         sub_id = f"{request_id}-s{stage.stage_id}"
         self._inflight.setdefault(request_id, set()).add((stage.stage_id, sub_id))
         final = None
+        prompt = TokensPrompt(prompt_token_ids=list(stage_input.prompt_token_ids))
         try:
-            async for out in engine.generate(
-                TokensPrompt(prompt_token_ids=list(stage_input.prompt_token_ids)), params, sub_id
-            ):
-                final = out
+            async with aclosing(engine.generate(prompt, params, sub_id)) as stream:
+                async for out in stream:
+                    final = out
+                    # abort() may have run before this engine knew sub_id
+                    if request_id in self._aborted:
+                        await engine.abort(sub_id)
+                        break
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             raise StageError(stage.stage_id, stage.name, f"{type(exc).__name__}: {exc}") from exc
         finally:
             self._inflight.get(request_id, set()).discard((stage.stage_id, sub_id))
+        if request_id in self._aborted:
+            return None  # the caller stops the pipeline
         if final is None or not final.finished:
             raise StageError(stage.stage_id, stage.name, "produced no final output")
         return final

@@ -70,18 +70,34 @@ class PayloadStore:
             raise ValueError(f"invalid payload key {key!r}")
         return os.path.join(self.root, key)
 
-    def append(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
-        """Publish one more chunk of ``key`` (tensors concatenated on dim 0 by get)."""
+    def create(self, key: str) -> None:
+        """Open ``key`` for producers. The consumer creates and deletes keys;
+        producers only write into keys that exist, so a late write for a
+        request whose consumer has gone (aborted, failed) is dropped."""
+        os.makedirs(self._dir(key), exist_ok=True)
+
+    def append(self, key: str, tensors: dict[str, torch.Tensor]) -> bool:
+        """Publish one more chunk of ``key`` (tensors concatenated on dim 0 by get).
+
+        Returns:
+            False (nothing written) when ``key`` was never created or is deleted.
+        """
         d = self._dir(key)
-        os.makedirs(d, exist_ok=True)
+        if not os.path.isdir(d):
+            return False
         seq = len([n for n in os.listdir(d) if n.endswith(".st")])
         tmp = os.path.join(d, f".{seq:08d}.{uuid.uuid4().hex}.tmp")
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp)
-        os.rename(tmp, os.path.join(d, f"{seq:08d}.st"))
+        try:
+            save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp)
+            os.rename(tmp, os.path.join(d, f"{seq:08d}.st"))
+        except FileNotFoundError:  # deleted meanwhile by the consumer
+            return False
+        return True
 
     def put(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
-        """Replace ``key`` with a single chunk."""
+        """Create ``key`` holding a single chunk (replacing any previous content)."""
         self.delete(key)
+        self.create(key)
         self.append(key, tensors)
 
     def _chunks(self, key: str) -> list[dict[str, torch.Tensor]]:
@@ -92,13 +108,18 @@ class PayloadStore:
         return [load_file(os.path.join(d, n)) for n in names]
 
     def put_error(self, key: str, message: str) -> None:
-        """Record that producing ``key`` failed; :meth:`get` then raises :class:`PayloadError`."""
+        """Record that producing ``key`` failed; :meth:`get` then raises
+        :class:`PayloadError`. Dropped when ``key`` does not exist (see :meth:`create`)."""
         d = self._dir(key)
-        os.makedirs(d, exist_ok=True)
+        if not os.path.isdir(d):
+            return
         tmp = os.path.join(d, f".error.{uuid.uuid4().hex}.tmp")
-        with open(tmp, "w") as f:
-            json.dump({"error": message[:4000]}, f)
-        os.rename(tmp, os.path.join(d, _ERROR_FILE))
+        try:
+            with open(tmp, "w") as f:
+                json.dump({"error": message[:4000]}, f)
+            os.rename(tmp, os.path.join(d, _ERROR_FILE))
+        except FileNotFoundError:
+            pass
 
     def get(self, key: str) -> dict[str, torch.Tensor]:
         """All chunks of ``key``, each tensor concatenated along dim 0.

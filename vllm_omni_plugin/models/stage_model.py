@@ -68,6 +68,14 @@ class StepOutput:
     payload: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+def decoder_kv_shapes(text_config) -> list[tuple[int, int]]:
+    """``(num_kv_heads, head_size)`` for each layer of an HF decoder config
+    (``head_dim``, else ``hidden_size // num_attention_heads``)."""
+    head_dim = getattr(text_config, "head_dim", None) or (
+        text_config.hidden_size // text_config.num_attention_heads)
+    return [(text_config.num_key_value_heads, head_dim)] * text_config.num_hidden_layers
+
+
 class OmniStageModel(nn.Module):
     """A pipeline stage runnable by the plugin's workers.
 

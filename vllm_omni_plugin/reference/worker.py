@@ -253,7 +253,9 @@ class ReferenceWorker(WorkerBase):
 
     @staticmethod
     def _stop_token(req: _Request) -> int:
-        """A token that ends ``req``: its first stop token (with max_tokens=1 any token does)."""
+        """The token a failed request emits each step: its first stop token, so
+        the scheduler finishes it (at the latest at ``max_tokens``, e.g. while
+        ``min_tokens`` holds the stop back); 0 when it has none."""
         stop = list(req.params.all_stop_token_ids or ()) if req.params is not None else []
         return int(stop[0]) if stop else 0
 

@@ -20,7 +20,12 @@ from __future__ import annotations
 import torch
 
 from vllm_omni_plugin.models.qwen3_omni import talker_inputs as ti
-from vllm_omni_plugin.models.stage_model import OmniStageModel, StepInput, StepOutput
+from vllm_omni_plugin.models.stage_model import (
+    OmniStageModel,
+    StepInput,
+    StepOutput,
+    decoder_kv_shapes,
+)
 from vllm_omni_plugin.reference.paged_attention import ATTN_IMPLEMENTATION, register_attention
 
 
@@ -58,9 +63,7 @@ class Qwen3OmniTalkerStage(OmniStageModel):
         return self.talker.config.text_config.vocab_size
 
     def kv_cache_shapes(self) -> list[tuple[int, int]]:
-        tc = self.talker.config.text_config
-        head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-        return [(tc.num_key_value_heads, head_dim)] * tc.num_hidden_layers
+        return decoder_kv_shapes(self.talker.config.text_config)
 
     def _prompt(self, step: StepInput) -> ti.TalkerPrompt:
         prompt = step.state.get("prompt")

@@ -21,7 +21,12 @@ from __future__ import annotations
 
 import torch
 
-from vllm_omni_plugin.models.stage_model import OmniStageModel, StepInput, StepOutput
+from vllm_omni_plugin.models.stage_model import (
+    OmniStageModel,
+    StepInput,
+    StepOutput,
+    decoder_kv_shapes,
+)
 from vllm_omni_plugin.reference.paged_attention import ATTN_IMPLEMENTATION, register_attention
 
 
@@ -52,9 +57,7 @@ class Qwen3OmniThinkerStage(OmniStageModel):
         return self.thinker.config.text_config.vocab_size
 
     def kv_cache_shapes(self) -> list[tuple[int, int]]:
-        tc = self.thinker.config.text_config
-        head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-        return [(tc.num_key_value_heads, head_dim)] * tc.num_hidden_layers
+        return decoder_kv_shapes(self.thinker.config.text_config)
 
     def forward_step(self, step: StepInput) -> StepOutput:
         out = self.thinker.model(

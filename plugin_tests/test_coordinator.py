@@ -1,0 +1,447 @@
+"""OmniCoordinator, its stage/hub clients and the load balancers.
+
+Real ZMQ sockets on 127.0.0.1 and real threads; nothing is mocked. Timeouts are
+short (0.3-0.5 s) so the whole file runs in a few seconds; waits are generous
+(several seconds) because the CI machines are small and shared.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import msgspec
+import pytest
+import zmq
+
+from vllm_omni_plugin.coordinator import (
+    CLUSTER_TOKEN_ENV,
+    PROTOCOL_VERSION,
+    EventType,
+    LeastQueueLengthBalancer,
+    LoadBalancer,
+    LoadBalancingPolicy,
+    OmniCoordClientForHub,
+    OmniCoordClientForStage,
+    OmniCoordinator,
+    OmniCoordinatorRuntime,
+    RandomBalancer,
+    ReplicaEvent,
+    ReplicaInfo,
+    ReplicaList,
+    ReplicaStatus,
+    RoundRobinBalancer,
+    build_load_balancer_factory,
+    cluster_token_from_env,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+LOCAL = "tcp://127.0.0.1:0"
+WAIT = 5.0  # seconds: upper bound for anything that should happen "soon"
+
+
+def wait_until(pred: Callable[[], bool], timeout: float = WAIT, interval: float = 0.01) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(interval)
+    return pred()
+
+
+def hub_wait(hub: OmniCoordClientForHub, pred: Callable[[ReplicaList], bool]) -> bool:
+    return hub.wait_for_update(pred, timeout=WAIT)
+
+
+@pytest.fixture(autouse=True)
+def _no_env_token(monkeypatch):
+    monkeypatch.delenv(CLUSTER_TOKEN_ENV, raising=False)
+
+
+@pytest.fixture
+def stack() -> Iterator[contextlib.ExitStack]:
+    with contextlib.ExitStack() as es:
+        yield es
+
+
+def make_coordinator(stack: contextlib.ExitStack, **kw) -> OmniCoordinator:
+    kw.setdefault("heartbeat_timeout", 5.0)
+    coord = OmniCoordinator(LOCAL, LOCAL, **kw)
+    stack.callback(coord.close)
+    return coord
+
+
+def make_hub(stack: contextlib.ExitStack, coord: OmniCoordinator, **kw) -> OmniCoordClientForHub:
+    hub = OmniCoordClientForHub(coord.pub_zmq_addr, **kw)
+    stack.callback(hub.close)
+    return hub
+
+
+def make_stage(
+    stack: contextlib.ExitStack, coord: OmniCoordinator, name: str, stage_id: int, **kw
+) -> OmniCoordClientForStage:
+    kw.setdefault("heartbeat_interval", None)
+    client = OmniCoordClientForStage(
+        coord.router_zmq_addr, f"ipc:///tmp/{name}-in", f"ipc:///tmp/{name}-out", stage_id, **kw
+    )
+    stack.callback(client.close)
+    return client
+
+
+def status_of(coord: OmniCoordinator, name: str) -> ReplicaStatus | None:
+    for rep in coord.get_all_replicas().replicas:
+        if rep.input_addr == f"ipc:///tmp/{name}-in":
+            return rep.status
+    return None
+
+
+def hub_queue(hub: OmniCoordClientForHub, name: str) -> int | None:
+    for rep in hub.get_replica_list().replicas:
+        if rep.input_addr == f"ipc:///tmp/{name}-in":
+            return rep.queue_length
+    return None
+
+
+# --------------------------------------------------------------------- wire
+
+
+def test_wire_schema_is_tagged_versioned_msgpack():
+    event = ReplicaEvent("tcp://h:1", "tcp://h:2", 3, ReplicaStatus.UP, 4, EventType.HEARTBEAT)
+    raw = msgspec.msgpack.decode(msgspec.msgpack.encode(event))
+    assert raw == {
+        "type": "replica_event",
+        "input_addr": "tcp://h:1",
+        "output_addr": "tcp://h:2",
+        "stage_id": 3,
+        "status": "up",
+        "queue_length": 4,
+        "event_type": "heartbeat",
+        "protocol_version": PROTOCOL_VERSION,
+    }
+    lst = ReplicaList(
+        replicas=[ReplicaInfo("a", "b", 0, ReplicaStatus.UP, 1, 2.0, 1.0)], timestamp=5.0, seq=7
+    )
+    raw = msgspec.msgpack.decode(msgspec.msgpack.encode(lst))
+    assert raw["type"] == "replica_list" and raw["protocol_version"] == PROTOCOL_VERSION
+    assert raw["replicas"][0]["queue_length"] == 1 and raw["seq"] == 7
+
+
+# --------------------------------------------------------- registration / load
+
+
+def test_register_heartbeat_queue_length_drives_least_queue(stack):
+    coord = make_coordinator(stack, republish_interval=0.5)
+    hub = make_hub(stack, coord)
+    loads = {"a": 0, "b": 0, "c": 0}
+    for name, stage in (("a", 0), ("b", 0), ("c", 1)):
+        make_stage(
+            stack, coord, name, stage,
+            heartbeat_interval=0.05, queue_length_provider=lambda n=name: loads[n],
+        )
+    assert hub_wait(hub, lambda rl: len(rl.replicas) == 3), hub.get_replica_list()
+    s0 = hub.get_replicas_for_stage(0).replicas
+    s1 = hub.get_replicas_for_stage(1).replicas
+    assert sorted(r.input_addr for r in s0) == ["ipc:///tmp/a-in", "ipc:///tmp/b-in"]
+    assert [r.input_addr for r in s1] == ["ipc:///tmp/c-in"]
+    assert all(r.status is ReplicaStatus.UP for r in s0 + s1)
+    assert [r.output_addr for r in s1] == ["ipc:///tmp/c-out"]
+    assert hub.get_replicas_for_stage(7).replicas == []
+
+    # Only heartbeats carry the new load (no update_info): the coordinator must use it.
+    lb = LeastQueueLengthBalancer(seed=0)
+    for want, (qa, qb) in (("b", (5, 1)), ("a", (0, 9))):
+        loads["a"], loads["b"] = qa, qb
+        assert wait_until(
+            lambda qa=qa, qb=qb: (hub_queue(hub, "a"), hub_queue(hub, "b")) == (qa, qb)
+        )
+        replicas = hub.get_replicas_for_stage(0).replicas
+        picks = {replicas[lb.select({"request_id": str(i)}, replicas)].input_addr
+                 for i in range(50)}
+        assert picks == {f"ipc:///tmp/{want}-in"}
+    stats = coord.stats
+    assert stats["events_accepted"] >= 6 and stats["internal_errors"] == 0
+    assert sum(v for k, v in stats.items() if k.startswith("rejected.")) == 0
+
+
+def test_update_info_is_sent_immediately_and_validated(stack):
+    coord = make_coordinator(stack, republish_interval=5.0)
+    hub = make_hub(stack, coord)
+    client = make_stage(stack, coord, "u", 2)  # no heartbeat thread
+    assert wait_until(lambda: hub_queue(hub, "u") == 0)
+    client.update_info(queue_length=11)
+    assert wait_until(lambda: hub_queue(hub, "u") == 11)
+    client.update_info(status="down")
+    assert wait_until(lambda: status_of(coord, "u") is ReplicaStatus.DOWN)
+    assert wait_until(lambda: hub_queue(hub, "u") is None)
+    client.update_info(status=ReplicaStatus.UP, queue_length=2)
+    assert wait_until(lambda: hub_queue(hub, "u") == 2)
+    with pytest.raises(ValueError):
+        client.update_info()
+    with pytest.raises(ValueError):
+        client.update_info(queue_length=-1)
+    with pytest.raises(ValueError):
+        client.update_info(status="sleeping")
+    with pytest.raises(ValueError):
+        OmniCoordClientForStage(coord.router_zmq_addr, "x", "y", -1, heartbeat_interval=None)
+
+
+# ----------------------------------------------------------------- liveness
+
+
+def test_heartbeat_timeout_marks_error_and_heartbeat_recovers(stack):
+    coord = make_coordinator(stack, heartbeat_timeout=0.3, liveness_check_interval=0.05)
+    hub = make_hub(stack, coord)
+    manual = make_stage(stack, coord, "m", 0)  # heartbeats only when we call heartbeat()
+    threaded = make_stage(stack, coord, "t", 0, heartbeat_interval=0.05)
+    threaded.queue_length_provider = lambda: 3  # settable after construction
+    assert hub_wait(hub, lambda rl: len(rl.replicas) == 2)
+
+    for _ in range(8):  # 0.4 s of manual heartbeats: stays UP past the timeout
+        manual.heartbeat()
+        time.sleep(0.05)
+    assert status_of(coord, "m") is ReplicaStatus.UP
+
+    t0 = time.monotonic()  # heartbeats stop
+    assert wait_until(lambda: status_of(coord, "m") is ReplicaStatus.ERROR)
+    assert time.monotonic() - t0 >= 0.25  # not before the timeout
+    assert wait_until(lambda: hub_queue(hub, "m") is None)  # ERROR leaves the active list
+    assert coord.stats["replicas_timed_out"] == 1
+
+    manual.heartbeat()  # comes back
+    assert wait_until(lambda: status_of(coord, "m") is ReplicaStatus.UP)
+    assert wait_until(lambda: hub_queue(hub, "m") == 0)
+    assert coord.stats["replicas_recovered"] == 1
+    # The background heartbeat thread kept the other replica UP the whole time.
+    assert status_of(coord, "t") is ReplicaStatus.UP
+    assert hub_queue(hub, "t") == 3
+    assert coord.stats["replicas_timed_out"] == 1
+
+
+def test_graceful_close_marks_down_and_leaves_active_list(stack):
+    coord = make_coordinator(stack)
+    hub = make_hub(stack, coord)
+    stay = make_stage(stack, coord, "stay", 0, heartbeat_interval=0.05)
+    leave = make_stage(stack, coord, "leave", 0, heartbeat_interval=0.05)
+    assert hub_wait(hub, lambda rl: len(rl.replicas) == 2)
+    leave.close()
+    leave.close()  # idempotent
+    assert wait_until(lambda: status_of(coord, "leave") is ReplicaStatus.DOWN)
+    assert hub_wait(hub, lambda rl: [r.input_addr for r in rl.replicas] == ["ipc:///tmp/stay-in"])
+    assert [r.input_addr for r in coord.get_active_replicas().replicas] == ["ipc:///tmp/stay-in"]
+    with pytest.raises(RuntimeError):
+        leave.update_info(queue_length=1)
+    with pytest.raises(RuntimeError):
+        leave.heartbeat()
+    time.sleep(0.2)  # no late heartbeat from the closed client resurrects it
+    assert status_of(coord, "leave") is ReplicaStatus.DOWN
+    assert stay.status is ReplicaStatus.UP
+
+
+def test_down_and_error_replicas_are_purged(stack):
+    coord = make_coordinator(
+        stack, heartbeat_timeout=0.2, liveness_check_interval=0.05, purge_after=0.3
+    )
+    gone = make_stage(stack, coord, "gone", 0)
+    make_stage(stack, coord, "silent", 0)
+    assert wait_until(lambda: status_of(coord, "gone") is ReplicaStatus.UP)
+    gone.close()
+    assert wait_until(lambda: status_of(coord, "silent") is ReplicaStatus.ERROR)
+    assert wait_until(lambda: coord.get_all_replicas().replicas == [])
+    assert coord.stats["replicas_purged"] == 2
+
+
+def test_in_process_registry_api(stack):
+    coord = make_coordinator(stack)
+    ev = ReplicaEvent("tcp://r:1", "tcp://r:2", 0, ReplicaStatus.UP, 3, EventType.UPDATE)
+    with pytest.raises(KeyError):
+        coord.update_replica_info(ev)
+    coord.add_new_replica(ev)
+    coord.update_replica_info(msgspec.structs.replace(ev, queue_length=4))
+    assert [r.queue_length for r in coord.get_active_replicas().replicas] == [4]
+    coord.remove_replica(ev)
+    assert coord.get_active_replicas().replicas == []
+    assert [r.status for r in coord.get_all_replicas().replicas] == [ReplicaStatus.DOWN]
+    assert coord.publish_replica_list_update() is True
+
+
+# ---------------------------------------------------------------- publishing
+
+
+def test_broadcasts_are_coalesced_to_one_per_100ms(stack):
+    coord = make_coordinator(stack, publish_min_interval=0.1, republish_interval=30.0)
+    hub = make_hub(stack, coord)
+    client = make_stage(stack, coord, "burst", 0)
+    assert wait_until(lambda: hub_queue(hub, "burst") == 0)
+    p0 = coord.stats["publishes"]
+    t0 = time.monotonic()
+    n = 300
+    for i in range(1, n + 1):  # ~300 changes in ~1 s
+        client.update_info(queue_length=i)
+        time.sleep(0.003)
+    assert wait_until(lambda: hub_queue(hub, "burst") == n)  # trailing edge delivered
+    elapsed = time.monotonic() - t0
+    publishes = coord.stats["publishes"] - p0
+    assert coord.stats["events_accepted"] >= n
+    assert 2 <= publishes <= elapsed / 0.1 + 2, (publishes, elapsed)
+    time.sleep(0.25)
+    assert coord.stats["publishes"] - p0 == publishes  # nothing pending once quiet
+
+
+def test_late_subscriber_converges_via_periodic_republish(stack):
+    coord = make_coordinator(stack, republish_interval=0.3)
+    make_stage(stack, coord, "early", 4)
+    assert wait_until(lambda: coord.stats["publishes"] >= 2)  # the UP change went out
+    events = coord.stats["events_accepted"]
+    seen: list[int] = []
+    # subscribes after the change was published
+    hub = make_hub(stack, coord, on_update=lambda rl: seen.append(len(rl.replicas)))
+    assert hub_wait(hub, lambda rl: len(rl.replicas) == 1)
+    assert seen and seen[-1] == 1
+    assert hub.get_replicas_for_stage(4).replicas[0].input_addr == "ipc:///tmp/early-in"
+    assert coord.stats["events_accepted"] == events  # converged without any new event
+    assert hub.seconds_since_update < WAIT
+
+
+# ------------------------------------------------------------------ security
+
+
+def test_cluster_token_rejects_wrong_and_missing(stack, monkeypatch):
+    coord = make_coordinator(stack, cluster_token="s3cret")
+    hub = make_hub(stack, coord, cluster_token="s3cret")
+    wrong_hub = make_hub(stack, coord, cluster_token="not-it")
+    make_stage(stack, coord, "wrong", 0, cluster_token="nope")
+    make_stage(stack, coord, "missing", 0, cluster_token="")
+    make_stage(stack, coord, "right", 0, cluster_token="s3cret")
+    monkeypatch.setenv(CLUSTER_TOKEN_ENV, "s3cret")
+    assert cluster_token_from_env() == "s3cret"
+    make_stage(stack, coord, "from-env", 0)  # cluster_token=None reads the environment
+
+    assert hub_wait(hub, lambda rl: len(rl.replicas) == 2)
+    assert wait_until(lambda: coord.stats["rejected.bad_token"] == 2)
+    assert sorted(r.input_addr for r in hub.get_replica_list().replicas) == [
+        "ipc:///tmp/from-env-in", "ipc:///tmp/right-in"]
+    assert status_of(coord, "wrong") is None and status_of(coord, "missing") is None
+    # Broadcasts are signed too: a hub with another token drops them.
+    assert wait_until(lambda: wrong_hub.stats["rejected.bad_token"] >= 1)
+    assert wrong_hub.get_replica_list().replicas == []
+    assert wrong_hub.stats["lists_accepted"] == 0
+
+
+# ------------------------------------------------------------------ lifecycle
+
+
+def test_runtime_binds_given_host_and_closes_cleanly():
+    threads_before = threading.active_count()
+    rt = OmniCoordinatorRuntime(host="127.0.0.1", heartbeat_timeout=1.0)
+    assert rt.router_address.startswith("tcp://127.0.0.1:")
+    assert rt.pub_address.startswith("tcp://127.0.0.1:")
+    assert not hasattr(rt, "coordinator") and not hasattr(rt, "_coordinator_public")
+    hub = OmniCoordClientForHub(rt.pub_address)
+    client = OmniCoordClientForStage(rt.router_address, "tcp://z:1", "tcp://z:2", 0,
+                                     heartbeat_interval=0.05)
+    assert hub_wait(hub, lambda rl: len(rl.replicas) == 1)
+    client.close()
+    hub.close()
+    router, pub = rt.router_address, rt.pub_address
+    rt.close()
+    rt.close()  # idempotent
+    assert wait_until(lambda: threading.active_count() <= threads_before, timeout=2.0)
+    # The ports are free again: sockets were really closed.
+    again = OmniCoordinator(router, pub, heartbeat_timeout=1.0)
+    assert (again.router_zmq_addr, again.pub_zmq_addr) == (router, pub)
+    again.close()
+    with pytest.raises(ValueError):
+        OmniCoordinatorRuntime(host="", heartbeat_timeout=1.0)
+    with pytest.raises(ValueError):
+        OmniCoordinatorRuntime(host="127.0.0.1", heartbeat_timeout=0)
+
+
+def test_bind_failure_raises_and_leaks_nothing(stack):
+    coord = make_coordinator(stack)
+    threads_before = threading.active_count()
+    with pytest.raises(zmq.ZMQError):
+        OmniCoordinator(coord.router_zmq_addr, LOCAL)  # port already taken
+    assert threading.active_count() == threads_before
+
+
+# ----------------------------------------------------------------- balancers
+
+
+def _reps(*queues: int) -> list[ReplicaInfo]:
+    return [ReplicaInfo(f"tcp://r:{i}", "o", 0, ReplicaStatus.UP, q, 0.0, 0.0)
+            for i, q in enumerate(queues)]
+
+
+def test_random_balancer_is_roughly_uniform():
+    lb = RandomBalancer(seed=1)
+    reps = _reps(*[0] * 6)
+    counts = collections.Counter(lb.select({}, reps) for _ in range(6000))
+    assert set(counts) == set(range(6))
+    assert all(800 <= c <= 1200 for c in counts.values()), counts
+
+
+def test_round_robin_cycles_and_is_thread_safe():
+    lb = RoundRobinBalancer()
+    reps = _reps(0, 0, 0, 0)
+    assert [lb.select({}, reps) for _ in range(9)] == [0, 1, 2, 3, 0, 1, 2, 3, 0]
+    assert lb.select({}, reps[:3]) == 1  # modulo the current length
+    assert RoundRobinBalancer(start_index=2).select({}, reps) == 2
+
+    lb = RoundRobinBalancer()
+    counts: collections.Counter = collections.Counter()
+    lock = threading.Lock()
+
+    def work():
+        local = collections.Counter(lb.select({}, reps) for _ in range(1000))
+        with lock:
+            counts.update(local)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert counts == {0: 1000, 1: 1000, 2: 1000, 3: 1000}
+
+
+def test_least_queue_picks_minimum_with_random_ties():
+    lb = LeastQueueLengthBalancer(seed=3)
+    assert lb.select({}, _reps(4, 2, 9)) == 1
+    assert lb.select({}, _reps(0)) == 0
+    reps = _reps(3, 1, 5, 1, 1, 2)
+    counts = collections.Counter(lb.select({}, reps) for _ in range(3000))
+    assert set(counts) == {1, 3, 4}
+    assert all(800 <= c <= 1200 for c in counts.values()), counts
+
+
+@pytest.mark.parametrize("lb", [RandomBalancer(), RoundRobinBalancer(), LeastQueueLengthBalancer()])
+def test_balancers_reject_empty(lb: LoadBalancer):
+    with pytest.raises(ValueError):
+        lb.select({}, [])
+
+
+@pytest.mark.parametrize("queues", [(-1, 2, 3), (2, -1, 3), (2, 3, -1), (-1,), (-2, -2)])
+def test_least_queue_rejects_negative_queue_length(queues):
+    with pytest.raises(ValueError):
+        LeastQueueLengthBalancer().select({}, _reps(*queues))
+
+
+def test_build_load_balancer_factory():
+    cases = {
+        "random": RandomBalancer,
+        "round-robin": RoundRobinBalancer,
+        "least-queue-length": LeastQueueLengthBalancer,
+        "ROUND_ROBIN": RoundRobinBalancer,
+        " least_queue_length ": LeastQueueLengthBalancer,
+        LoadBalancingPolicy.RANDOM: RandomBalancer,
+    }
+    for policy, cls in cases.items():
+        factory = build_load_balancer_factory(policy)
+        a, b = factory(), factory()
+        assert type(a) is cls and a is not b
+    with pytest.raises(ValueError, match="least-queue-length"):
+        build_load_balancer_factory("fastest")

@@ -1,0 +1,125 @@
+"""Bounded encode/decode of control-plane frames, with a reason for every reject.
+
+Decoding a frame goes, cheapest check first:
+
+1. size: ``len(frame) > max_bytes`` → ``oversize`` (nothing is parsed);
+2. signature (when a cluster token is set; done by the socket owner, see
+   :mod:`.auth`) → ``bad_token``;
+3. header: the frame must be a msgpack map with ``"type"`` (str) and
+   ``"protocol_version"`` (int) → else ``malformed``;
+4. ``protocol_version == PROTOCOL_VERSION`` → else ``bad_version``;
+5. ``type`` is one this socket accepts → else ``unknown_type``;
+6. full typed decode with field constraints → else ``invalid``.
+
+Nothing here uses pickle; a malformed frame raises :class:`FrameRejected`,
+never anything else.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Generic, TypeVar
+
+import msgspec
+
+from .messages import PROTOCOL_VERSION
+
+T = TypeVar("T", bound=msgspec.Struct)
+
+
+class RejectReason(str, Enum):
+    """Why a received frame was dropped (the ``rejected.<value>`` stats keys)."""
+
+    #: Wrong number of ZMQ message parts.
+    BAD_ENVELOPE = "bad_envelope"
+    #: Larger than the socket's maximum frame size.
+    OVERSIZE = "oversize"
+    #: Missing or wrong HMAC signature while a cluster token is configured.
+    BAD_TOKEN = "bad_token"
+    #: Not msgpack, or not a map with ``type`` and ``protocol_version``.
+    MALFORMED = "malformed"
+    #: ``protocol_version`` differs from :data:`PROTOCOL_VERSION`.
+    BAD_VERSION = "bad_version"
+    #: ``type`` is not a message this socket accepts.
+    UNKNOWN_TYPE = "unknown_type"
+    #: Known type but a field is missing, mistyped or out of range.
+    INVALID = "invalid"
+
+
+class FrameRejected(Exception):
+    """A frame failed a check; ``reason`` says which, ``detail`` is for logs."""
+
+    def __init__(self, reason: RejectReason, detail: str = "") -> None:
+        super().__init__(f"{reason.value}: {detail}" if detail else reason.value)
+        self.reason = reason
+        self.detail = detail
+
+
+class _Header(msgspec.Struct):
+    """The two keys every frame must have; other keys are ignored here."""
+
+    type: str
+    protocol_version: int
+
+
+_HEADER_DECODER = msgspec.msgpack.Decoder(_Header)
+
+
+class BoundedDecoder(Generic[T]):
+    """Decode frames of one tagged message type with a size bound.
+
+    Args:
+        msg_type: The tagged ``msgspec.Struct`` this socket accepts.
+        max_bytes: Largest accepted frame, in bytes.
+    """
+
+    def __init__(self, msg_type: type[T], max_bytes: int) -> None:
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self._tag = msg_type.__struct_config__.tag
+        if not isinstance(self._tag, str):
+            raise TypeError(f"{msg_type.__name__} must be a tagged msgspec.Struct")
+        self._decoder = msgspec.msgpack.Decoder(msg_type)
+
+    def check_size(self, frame: bytes | memoryview) -> None:
+        """Raise :class:`FrameRejected` (``oversize``) if ``frame`` is too large."""
+        if len(frame) > self.max_bytes:
+            raise FrameRejected(
+                RejectReason.OVERSIZE, f"{len(frame)} bytes > limit {self.max_bytes}"
+            )
+
+    def decode(self, frame: bytes | memoryview) -> T:
+        """Decode one frame.
+
+        Raises:
+            FrameRejected: with the first failed check's reason (see module doc).
+        """
+        self.check_size(frame)
+        try:
+            header = _HEADER_DECODER.decode(frame)
+        except Exception as e:  # DecodeError/ValidationError, but also e.g.
+            # UnicodeDecodeError on invalid UTF-8 in a str: untrusted bytes may
+            # raise anything, and anything means "rejected".
+            raise FrameRejected(RejectReason.MALFORMED, repr(e)) from None
+        if header.protocol_version != PROTOCOL_VERSION:
+            raise FrameRejected(
+                RejectReason.BAD_VERSION,
+                f"protocol_version {header.protocol_version} != {PROTOCOL_VERSION}",
+            )
+        if header.type != self._tag:
+            raise FrameRejected(RejectReason.UNKNOWN_TYPE, f"type {header.type[:64]!r}")
+        try:
+            return self._decoder.decode(frame)
+        except Exception as e:  # see above
+            raise FrameRejected(RejectReason.INVALID, repr(e)) from None
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    """msgpack-encode a wire message."""
+    return msgspec.msgpack.encode(msg)
+
+
+def reject_stat_keys() -> dict[str, int]:
+    """Zeroed ``rejected.<reason>`` counters, one per :class:`RejectReason`."""
+    return {f"rejected.{r.value}": 0 for r in RejectReason}

@@ -1,0 +1,84 @@
+"""OmniCoordinatorRuntime: owns one OmniCoordinator and the two ports it binds.
+
+Upstream picks two "open" ports and then binds them (a race with any other
+process); here each socket binds port 0 on ``host`` and the kernel-assigned
+ports are read back, so there is no window between choosing and binding.
+"""
+
+from __future__ import annotations
+
+from .omni_coordinator import OmniCoordinator
+
+
+def _tcp(host: str, port: int) -> str:
+    if ":" in host and not host.startswith("["):  # bare IPv6 literal
+        host = f"[{host}]"
+    return f"tcp://{host}:{port}"
+
+
+class OmniCoordinatorRuntime:
+    """Own one :class:`OmniCoordinator`; the constructor binds, :meth:`close` tears down.
+
+    The coordinator instance is deliberately not exposed: consumers talk to it
+    only through its wire protocol, via :class:`OmniCoordClientForStage`
+    (``router_address``) and :class:`OmniCoordClientForHub` (``pub_address``).
+
+    Args:
+        host: Interface address to bind both sockets to (only this one).
+        heartbeat_timeout: Seconds without an event before a replica is
+            marked ``ERROR`` (default 30.0).
+        router_port: ROUTER port; ``0`` (default) lets the kernel choose.
+        pub_port: PUB port; ``0`` (default) lets the kernel choose.
+        **coordinator_kwargs: Passed to :class:`OmniCoordinator`
+            (``publish_min_interval``, ``republish_interval``,
+            ``liveness_check_interval``, ``purge_after``, ``cluster_token``).
+
+    Raises:
+        ValueError: On an empty ``host`` or non-positive ``heartbeat_timeout``.
+        zmq.ZMQError: If a socket cannot be bound.
+
+    Attributes:
+        router_address: ``tcp://host:port`` of the ROUTER (stage clients).
+        pub_address: ``tcp://host:port`` of the PUB (hub clients).
+    """
+
+    def __init__(
+        self,
+        *,
+        host: str,
+        heartbeat_timeout: float = 30.0,
+        router_port: int = 0,
+        pub_port: int = 0,
+        **coordinator_kwargs: object,
+    ) -> None:
+        if not host:
+            raise ValueError("host must be a non-empty string")
+        if not heartbeat_timeout > 0:
+            raise ValueError(f"heartbeat_timeout must be positive, got {heartbeat_timeout!r}")
+        self._closed = False
+        self._coordinator = OmniCoordinator(
+            router_zmq_addr=_tcp(host, router_port),
+            pub_zmq_addr=_tcp(host, pub_port),
+            heartbeat_timeout=heartbeat_timeout,
+            **coordinator_kwargs,  # type: ignore[arg-type]
+        )
+        self.router_address: str = self._coordinator.router_zmq_addr
+        self.pub_address: str = self._coordinator.pub_zmq_addr
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """The coordinator's counters (see :attr:`OmniCoordinator.stats`)."""
+        return self._coordinator.stats
+
+    def close(self) -> None:
+        """Tear down the coordinator. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._coordinator.close()
+
+    def __enter__(self) -> OmniCoordinatorRuntime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
