@@ -445,3 +445,26 @@ def test_build_load_balancer_factory():
         assert type(a) is cls and a is not b
     with pytest.raises(ValueError, match="least-queue-length"):
         build_load_balancer_factory("fastest")
+
+
+# --------------------------------------------------------------------- IPv6
+
+
+def _ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback in this sandbox")
+def test_stage_and_hub_clients_reach_an_ipv6_coordinator(stack):
+    coord = OmniCoordinator("tcp://[::1]:0", "tcp://[::1]:0", heartbeat_timeout=5.0)
+    stack.callback(coord.close)
+    hub = make_hub(stack, coord)
+    make_stage(stack, coord, "v6", 2)
+    assert hub_wait(hub, lambda lst: any(r.stage_id == 2 for r in lst.replicas))

@@ -23,6 +23,7 @@ from vllm_omni_plugin.logger import init_logger
 from . import auth
 from .codec import BoundedDecoder, FrameRejected, RejectReason, reject_stat_keys
 from .messages import MAX_LIST_FRAME_BYTES, ReplicaList, empty_replica_list
+from .sockets import connect
 
 logger = init_logger(__name__)
 
@@ -68,20 +69,13 @@ class OmniCoordClientForHub:
         self._closed = False
 
         self._ctx = zmq.Context()
-        self._socket = self._ctx.socket(zmq.SUB)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        # libzmq drops (and disconnects on) anything larger; frames between
-        # MAX_LIST_FRAME_BYTES and this are received and counted as oversize.
-        self._socket.setsockopt(zmq.MAXMSGSIZE, 2 * MAX_LIST_FRAME_BYTES)
-        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
-        if coord_zmq_addr.startswith("tcp://["):
-            self._socket.setsockopt(zmq.IPV6, 1)
-        try:
-            self._socket.connect(coord_zmq_addr)
-        except zmq.ZMQError as e:
-            self._socket.close(linger=0)
-            self._ctx.term()
-            raise RuntimeError(f"cannot connect to coordinator at {coord_zmq_addr}: {e}") from e
+        # libzmq drops (and disconnects on) anything over MAXMSGSIZE; frames
+        # between MAX_LIST_FRAME_BYTES and it are received and counted as oversize.
+        self._socket = connect(self._ctx, zmq.SUB, coord_zmq_addr, {
+            zmq.LINGER: 0,
+            zmq.MAXMSGSIZE: 2 * MAX_LIST_FRAME_BYTES,
+            zmq.SUBSCRIBE: b"",
+        })
         self._wake_r, self._wake_w = os.pipe()
         self._thread = threading.Thread(target=self._run, name="OmniCoordHub", daemon=True)
         self._thread.start()

@@ -22,6 +22,7 @@ from vllm_omni_plugin.logger import init_logger
 from . import auth
 from .codec import encode
 from .messages import EventType, ReplicaEvent, ReplicaStatus
+from .sockets import connect
 
 logger = init_logger(__name__)
 
@@ -89,15 +90,8 @@ class OmniCoordClientForStage:
         self.stats: dict[str, int] = {"events_sent": 0, "events_dropped": 0, "provider_errors": 0}
 
         self._ctx = zmq.Context()
-        self._socket = self._ctx.socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.SNDHWM, _SEND_HWM)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        try:
-            self._socket.connect(coord_zmq_addr)
-        except zmq.ZMQError as e:
-            self._socket.close(linger=0)
-            self._ctx.term()
-            raise RuntimeError(f"cannot connect to coordinator at {coord_zmq_addr}: {e}") from e
+        self._socket = connect(self._ctx, zmq.DEALER, coord_zmq_addr,
+                               {zmq.SNDHWM: _SEND_HWM, zmq.LINGER: 0})
 
         with self._send_lock:
             self._send_locked(EventType.UPDATE)
