@@ -32,7 +32,7 @@ from vllm_omni_plugin.coordinator import (
     ReplicaStatus,
 )
 from vllm_omni_plugin.coordinator.auth import MAC_BYTES, sign
-from vllm_omni_plugin.coordinator.omni_coordinator import ROUTER_HARD_MAX_BYTES
+from vllm_omni_plugin.coordinator.sockets import ROUTER_HARD_MAX_BYTES
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -55,3 +55,41 @@ __all__ = [
     "build_load_balancer_factory",
     "cluster_token_from_env",
 ]
+
+# Master server: replica registration, replica-id assignment, port allocation.
+from .master import (  # noqa: E402
+    DEFAULT_ENDPOINT_NAMES,
+    DEFAULT_PORT_RANGE,
+    OmniMasterServer,
+)
+from .master_client import OmniMasterClient, route_probe_address  # noqa: E402
+from .master_messages import (  # noqa: E402
+    MAX_REPLY_FRAME_BYTES,
+    MAX_REQUEST_FRAME_BYTES,
+    DeregisterRequest,
+    MasterError,
+    MasterErrorCode,
+    MasterReply,
+    MasterRequest,
+    MasterTimeout,
+    RegisterRequest,
+    ReplicaAssignment,
+)
+
+__all__ += [
+    "DEFAULT_ENDPOINT_NAMES",
+    "DEFAULT_PORT_RANGE",
+    "MAX_REPLY_FRAME_BYTES",
+    "MAX_REQUEST_FRAME_BYTES",
+    "DeregisterRequest",
+    "MasterError",
+    "MasterErrorCode",
+    "MasterReply",
+    "MasterRequest",
+    "MasterTimeout",
+    "OmniMasterClient",
+    "OmniMasterServer",
+    "RegisterRequest",
+    "ReplicaAssignment",
+    "route_probe_address",
+]

@@ -41,14 +41,9 @@ from .messages import (
     ReplicaList,
     ReplicaStatus,
 )
+from .sockets import ROUTER_HARD_MAX_BYTES, bind, drain_pipe
 
 logger = init_logger(__name__)
-
-#: Frames larger than this are dropped by libzmq itself (the sending peer is
-#: disconnected) before Python sees them, bounding the memory one peer can make
-#: the coordinator buffer. Frames between :data:`MAX_EVENT_FRAME_BYTES` and this
-#: are received and counted as ``rejected.oversize``.
-ROUTER_HARD_MAX_BYTES = 64 * 1024
 
 #: Frames handled per poller wake-up before timers get a chance to run.
 _RECV_BATCH = 256
@@ -165,10 +160,10 @@ class OmniCoordinator:
             self._router = self._ctx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 0)
             self._router.setsockopt(zmq.MAXMSGSIZE, ROUTER_HARD_MAX_BYTES)
-            _bind(self._router, router_zmq_addr)
+            bind(self._router, router_zmq_addr)
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.setsockopt(zmq.LINGER, 0)
-            _bind(self._pub, pub_zmq_addr)
+            bind(self._pub, pub_zmq_addr)
         except BaseException:
             self._release_resources()
             raise
@@ -299,7 +294,7 @@ class OmniCoordinator:
         if self._stop.is_set():
             return next_check
         if self._wake_r in ready:
-            _drain_pipe(self._wake_r)
+            drain_pipe(self._wake_r)
         if self._router in ready:
             self._drain_router()
         now = time.monotonic()
@@ -518,18 +513,6 @@ class OmniCoordinator:
                 with contextlib.suppress(OSError):
                     os.close(fd)
             self._wake_r = self._wake_w = -1
-
-
-def _bind(sock: zmq.Socket, addr: str) -> None:
-    """Bind ``sock`` to exactly ``addr`` (IPv6 enabled for bracketed hosts)."""
-    if addr.startswith("tcp://["):
-        sock.setsockopt(zmq.IPV6, 1)
-    sock.bind(addr)
-
-
-def _drain_pipe(fd: int) -> None:
-    with contextlib.suppress(BlockingIOError, OSError):
-        os.read(fd, 4096)
 
 
 def _short(addrs: Iterable[str], limit: int = 5) -> str:

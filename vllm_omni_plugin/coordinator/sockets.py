@@ -1,8 +1,30 @@
-"""Client-side ZMQ socket set-up shared by the stage and hub clients."""
+"""ZMQ socket set-up shared by the coordinator, the master and their clients."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import zmq
+
+#: Frames larger than this are dropped by libzmq itself (the sending peer is
+#: disconnected) before Python sees them, bounding the memory one peer can make
+#: the coordinator buffer. Frames between :data:`MAX_EVENT_FRAME_BYTES` and this
+#: are received and counted as ``rejected.oversize``.
+ROUTER_HARD_MAX_BYTES = 64 * 1024
+
+
+def bind(sock: zmq.Socket, addr: str) -> None:
+    """Bind ``sock`` to exactly ``addr`` (IPv6 enabled for bracketed hosts)."""
+    if addr.startswith("tcp://["):
+        sock.setsockopt(zmq.IPV6, 1)
+    sock.bind(addr)
+
+
+def drain_pipe(fd: int) -> None:
+    """Empty a non-blocking wake-up pipe."""
+    with contextlib.suppress(BlockingIOError, OSError):
+        os.read(fd, 4096)
 
 
 def connect(ctx: zmq.Context, socket_type: int, addr: str,
