@@ -22,6 +22,17 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
+def _auto_image_processor():
+    """``AutoImageProcessor`` imported from its module: transformers 5.17 (vLLM 0.31
+    pins <5.18) marks the top-level name as needing torchvision and raises
+    ImportError without it, although the class falls back to the PIL processor
+    (fixed by 5.19). Inline ``transformers.AutoImageProcessor`` again once the
+    lowest supported vLLM is >= 0.32."""
+    from transformers.models.auto.image_processing_auto import AutoImageProcessor
+
+    return AutoImageProcessor
+
+
 @pytest.fixture(autouse=True)
 def _offline(monkeypatch):
     for key, value in OFFLINE_ENV.items():
@@ -205,7 +216,7 @@ def test_preprocessor_config_loads(ckpt):
     fe = transformers.AutoFeatureExtractor.from_pretrained(ckpt)
     assert type(fe).__name__ == "WhisperFeatureExtractor"
     assert fe.sampling_rate == 16000 and fe.feature_size == 128
-    ip = transformers.AutoImageProcessor.from_pretrained(ckpt)
+    ip = _auto_image_processor().from_pretrained(ckpt)
     assert ip.patch_size == 16 and ip.merge_size == 2 and ip.temporal_patch_size == 2
 
 
@@ -262,7 +273,7 @@ def test_multimodal_thinker(model, tokenizer, ckpt):
     )
 
     fe = transformers.AutoFeatureExtractor.from_pretrained(ckpt)
-    ip = transformers.AutoImageProcessor.from_pretrained(ckpt)
+    ip = _auto_image_processor().from_pretrained(ckpt)
     audio = fe(
         [np.sin(np.arange(16000) / 10).astype(np.float32)],
         sampling_rate=16000,

@@ -149,6 +149,7 @@ class OmniStageModel(nn.Module):
         from vllm_omni_plugin.models.weights import fuse_experts
 
         module = self.stage_module()
+        state = self.checkpoint_state(state)
         state = fuse_experts(state, set(module.state_dict()))
         missing, _ = module.load_state_dict(state, strict=False)
         if missing:
@@ -157,6 +158,10 @@ class OmniStageModel(nn.Module):
                 f"{type(self).__name__} (prefix {self.weight_prefix!r}), e.g. {missing[:3]}"
             )
         self.to(self.dtype)
+
+    def checkpoint_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Checkpoint weights (prefix removed) renamed to :meth:`stage_module`'s names."""
+        return state
 
     def stage_module(self) -> nn.Module:
         """The HF module whose state dict matches the checkpoint under the prefix."""

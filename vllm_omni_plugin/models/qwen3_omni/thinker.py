@@ -52,6 +52,11 @@ class Qwen3OmniThinkerStage(OmniStageModel):
     def stage_module(self):
         return self.thinker
 
+    def checkpoint_state(self, state):
+        from vllm_omni_plugin.compat.hf_layout import thinker_state_dict
+
+        return thinker_state_dict(state, self.thinker)
+
     @property
     def vocab_size(self) -> int:
         return self.thinker.config.text_config.vocab_size
