@@ -468,3 +468,144 @@ def test_stage_and_hub_clients_reach_an_ipv6_coordinator(stack):
     hub = make_hub(stack, coord)
     make_stage(stack, coord, "v6", 2)
     assert hub_wait(hub, lambda lst: any(r.stage_id == 2 for r in lst.replicas))
+
+
+# ------------------------------------------------- balancer fast paths (added)
+
+
+def test_least_queue_recomputes_for_a_new_list_object():
+    lb = LeastQueueLengthBalancer(seed=5)
+    first = _reps(3, 1, 5)
+    assert {lb.select({}, first) for _ in range(20)} == {1}
+    # A new list of the same length (a new hub snapshot) is scanned again, even
+    # when the cached pick still holds the cached minimum there.
+    second = _reps(0, 1, 4)
+    assert {lb.select({}, second) for _ in range(20)} == {0}
+    # Equal contents, new object: still correct; and the old list still works.
+    third = _reps(9, 9, 2)
+    assert {lb.select({}, third) for _ in range(20)} == {2}
+    assert {lb.select({}, first) for _ in range(20)} == {1}
+    # Ties of a new list are uniform, not carried over from the previous one.
+    ties = _reps(1, 0, 0, 7, 0)
+    counts = collections.Counter(lb.select({}, ties) for _ in range(3000))
+    assert set(counts) == {1, 2, 4}
+    assert all(800 <= c <= 1200 for c in counts.values()), counts
+    idle = _reps(0, 0, 0)  # every replica ties
+    counts = collections.Counter(lb.select({}, idle) for _ in range(3000))
+    assert set(counts) == {0, 1, 2}
+    assert all(800 <= c <= 1200 for c in counts.values()), counts
+
+
+def test_least_queue_cache_is_not_fooled_by_recycled_list_ids():
+    # Temporary lists are freed after the call; CPython then tends to reuse the
+    # address (the id) for the next list. The cache holds its list, so it can't.
+    # In the odd lists, the even lists' pick still holds the even lists' minimum
+    # (so the cheap guard passes) but is not the minimum.
+    lb = LeastQueueLengthBalancer(seed=7)
+    picks = [lb.select({}, _reps(*([2, 0, 5, 5] if k % 2 else [2, 5, 5, 5])))
+             for k in range(200)]
+    assert picks == [k % 2 for k in range(200)]
+
+
+def test_least_queue_cache_guards_catch_mutation():
+    # Mutation is outside the contract; the cheap guards still catch these cases.
+    lb = LeastQueueLengthBalancer(seed=6)
+    reps = _reps(2, 0, 3)
+    assert lb.select({}, reps) == 1
+    reps.append(ReplicaInfo("tcp://r:new", "o", 0, ReplicaStatus.UP, 0, 0.0, 0.0))
+    assert {lb.select({}, reps) for _ in range(200)} == {1, 3}  # length changed
+    reps[1].queue_length = 5
+    assert {lb.select({}, reps) for _ in range(20)} == {3}  # chosen one's queue changed
+    reps.clear()
+    with pytest.raises(ValueError):
+        lb.select({}, reps)
+
+
+def test_least_queue_rejects_negative_on_every_call_and_is_not_cached():
+    lb = LeastQueueLengthBalancer()
+    bad = _reps(1, -1, 0)
+    for _ in range(3):
+        with pytest.raises(ValueError):
+            lb.select({}, bad)
+    assert lb.select({}, _reps(1, 0)) == 1
+
+
+def test_least_queue_is_thread_safe_across_list_swaps():
+    lb = LeastQueueLengthBalancer(seed=8)
+    lists = [_reps(*[(i + k) % 5 for i in range(10)]) for k in range(5)]
+    wrong: list[tuple[int, int]] = []
+
+    def work(k0: int) -> None:
+        for j in range(2000):
+            reps = lists[(k0 + j) % len(lists)]
+            idx = lb.select({}, reps)
+            if reps[idx].queue_length != 0:
+                wrong.append((k0, idx))
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert wrong == []
+
+
+def _round_robin_reference(start: int, lengths: list[int]) -> list[int]:
+    """The previous lock-based RoundRobinBalancer, for comparison."""
+    nxt, out = start, []
+    for n in lengths:
+        idx = nxt % n
+        nxt = idx + 1
+        out.append(idx)
+    return out
+
+
+@pytest.mark.parametrize("start", [0, 1, 7])
+def test_round_robin_matches_previous_rotation_when_length_changes(start):
+    import random
+
+    r = random.Random(start)
+    lengths: list[int] = []
+    for _ in range(60):  # runs of equal lengths with changes in between
+        n = r.randint(1, 9)
+        lengths += [n] * r.randint(1, 12)
+    lb = RoundRobinBalancer(start_index=start)
+    got = [lb.select({}, _reps(*[0] * n)) for n in lengths]
+    assert got == _round_robin_reference(start, lengths)
+
+
+def _round_robin_from_threads(lb: RoundRobinBalancer, n: int, threads: int,
+                              calls: int) -> collections.Counter:
+    reps = _reps(*[0] * n)
+    counts: collections.Counter = collections.Counter()
+    lock = threading.Lock()
+    barrier = threading.Barrier(threads)
+
+    def work():
+        barrier.wait()  # all threads make their first calls together
+        local = collections.Counter(lb.select({}, reps) for _ in range(calls))
+        with lock:
+            counts.update(local)
+
+    workers = [threading.Thread(target=work) for _ in range(threads)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    return counts
+
+
+def test_round_robin_first_calls_from_many_threads_stay_fair():
+    for _ in range(20):
+        counts = _round_robin_from_threads(RoundRobinBalancer(start_index=3), 5, 4, 250)
+        assert counts == {i: 200 for i in range(5)}
+
+
+def test_random_balancer_is_seeded_and_in_range():
+    a, b = RandomBalancer(seed=42), RandomBalancer(seed=42)
+    for n in (1, 2, 3, 7, 64, 513):
+        reps = _reps(*[0] * n)
+        picks = [a.select({}, reps) for _ in range(200)]
+        assert picks == [b.select({}, reps) for _ in range(200)]
+        assert all(0 <= p < n for p in picks)
+    assert {RandomBalancer().select({}, _reps(0, 0)) for _ in range(200)} == {0, 1}

@@ -274,3 +274,120 @@ def test_hub_client_rejects_bad_broadcasts(zctx):
     finally:
         hub.close()
         pub.close(linger=0)
+
+
+# ------------------------------------------- fast decode path (added)
+
+
+def _corpus(rng: random.Random) -> list[bytes]:
+    """Valid, near-valid and hostile event frames."""
+    good = event_bytes()
+    frames = [good, event_bytes(addr="tcp://other:9", queue_length=7, stage_id=4)]
+    frames += [good[:cut] for cut in range(len(good))]
+    for _ in range(1500):
+        f = bytearray(good)
+        for _ in range(rng.randint(1, 3)):
+            f[rng.randrange(len(f))] = rng.randrange(256)
+        frames.append(bytes(f))
+    frames += [rng.randbytes(rng.randrange(0, 200)) for _ in range(300)]
+    no_version = event_dict()
+    del no_version["protocol_version"]
+    frames.append(msgspec.msgpack.encode(no_version))
+    for changes in ({"protocol_version": 2}, {"protocol_version": 1.0},
+                    {"protocol_version": True}, {"type": "replica_list"}, {"extra": [1, 2]},
+                    {"status": "down"}, {"queue_length": -1}, {"input_addr": "x" * 513}):
+        frames.append(msgspec.msgpack.encode(event_dict(**changes)))
+    frames.append(b"\x00" * (MAX_EVENT_FRAME_BYTES + 1))
+    frames.append(event_bytes(addr="tcp://" + "x" * MAX_EVENT_FRAME_BYTES))
+    # Duplicate keys (msgpack allows them; a map is decoded key by key).
+    enc = msgspec.msgpack.encode
+    pairs = list(event_dict().items())
+    for key, value in (("type", "evil"), ("type", "replica_event"), ("protocol_version", 2),
+                       ("protocol_version", 1), ("queue_length", 3), ("status", "zombie")):
+        for dup in ([*pairs, (key, value)], [(key, value), *pairs]):
+            assert len(dup) < 16
+            frames.append(bytes([0x80 | len(dup)]) + b"".join(enc(k) + enc(v) for k, v in dup))
+    return frames
+
+
+def test_fast_decode_agrees_with_careful_decode():
+    from vllm_omni_plugin.coordinator.codec import BoundedDecoder, FrameRejected
+
+    dec = BoundedDecoder(ReplicaEvent, MAX_EVENT_FRAME_BYTES)
+    fields = ReplicaEvent.__struct_fields__
+    accepted = 0
+    for frame in _corpus(random.Random(99)):
+        fast = dec.try_decode(frame)
+        try:
+            careful = dec.decode(frame)
+        except FrameRejected:
+            careful = None
+        # Same verdict both ways, and the same field values when accepted.
+        assert (fast is None) == (careful is None), frame
+        if fast is not None:
+            accepted += 1
+            assert isinstance(fast, ReplicaEvent)
+            assert [getattr(fast, f) for f in fields] == [getattr(careful, f) for f in fields]
+    assert accepted >= 3
+
+
+def test_event_without_protocol_version_is_malformed(coord, zctx):
+    sock = dealer(zctx, coord.router_zmq_addr)
+    no_version = event_dict(input_addr="tcp://nover:1")
+    del no_version["protocol_version"]
+    sock.send(msgspec.msgpack.encode(no_version))
+    sock.send(event_bytes(addr="tcp://after:1"))
+    assert wait_until(lambda: registered(coord, "tcp://after:1")), coord.stats
+    assert rejected(coord.stats) == {"malformed": 1}
+    assert not registered(coord, "tcp://nover:1")
+
+
+def test_batched_events_keep_arrival_order_across_fast_and_careful_paths(coord, zctx):
+    # Without a token a 3-part frame is accepted by the careful path (the extra
+    # part is ignored); it must be applied in order with the fast-path frames
+    # around it, and rejects in between must not disturb the order.
+    sock = dealer(zctx, coord.router_zmq_addr)
+    n = 600
+    for q in range(n):
+        payload = event_bytes(addr="tcp://ord:1", queue_length=q)
+        if q % 7 == 3:
+            sock.send_multipart([payload, b"ignored-signature"])
+        else:
+            sock.send(payload)
+        if q % 11 == 5:
+            sock.send(b"\xc1garbage")
+    last = n - 1
+
+    def final_q():
+        for r in coord.get_all_replicas().replicas:
+            if r.input_addr == "tcp://ord:1":
+                return r.queue_length
+        return None
+
+    assert wait_until(lambda: final_q() == last), coord.stats
+    stats = coord.stats
+    bad = len([q for q in range(n) if q % 11 == 5])
+    assert stats["events_accepted"] == n
+    assert rejected(stats) == {"malformed": bad}
+    assert stats["frames_received"] == n + bad
+    assert stats["internal_errors"] == 0
+
+
+def test_error_applying_one_event_does_not_drop_the_rest(coord, zctx, monkeypatch):
+    real = coord._apply_locked
+
+    def flaky(event, wall, mono):
+        if event.input_addr == "tcp://boom:1":
+            raise RuntimeError("boom")
+        real(event, wall, mono)
+
+    monkeypatch.setattr(coord, "_apply_locked", flaky)
+    sock = dealer(zctx, coord.router_zmq_addr)
+    sock.send(event_bytes(addr="tcp://a:1"))
+    sock.send(event_bytes(addr="tcp://boom:1"))
+    sock.send(event_bytes(addr="tcp://b:1"))
+    assert wait_until(lambda: registered(coord, "tcp://b:1")), coord.stats
+    stats = coord.stats
+    assert registered(coord, "tcp://a:1") and not registered(coord, "tcp://boom:1")
+    assert stats["internal_errors"] == 1
+    assert stats["frames_received"] == stats["events_accepted"] == 3

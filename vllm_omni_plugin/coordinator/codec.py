@@ -11,6 +11,15 @@ Decoding a frame goes, cheapest check first:
 5. ``type`` is one this socket accepts → else ``unknown_type``;
 6. full typed decode with field constraints → else ``invalid``.
 
+:meth:`BoundedDecoder.try_decode` is the fast path for the common case, a
+valid frame: the size check, then *one* typed decode into a variant of the
+message type in which the ``type`` key and ``protocol_version`` are required
+(so a frame without them still fails, as step 3 demands), then the version
+check. It returns ``None`` on any failure, and the caller then runs
+:meth:`BoundedDecoder.decode` to learn the reject reason, so reasons and
+counters are the same either way. A frame the fast path accepts passes steps
+1 and 3-6 with the same field values.
+
 Nothing here uses pickle; a malformed frame raises :class:`FrameRejected`,
 never anything else.
 """
@@ -18,7 +27,7 @@ never anything else.
 from __future__ import annotations
 
 from enum import Enum
-from typing import Generic, TypeVar
+from typing import Generic, Literal, TypeVar
 
 import msgspec
 
@@ -81,6 +90,7 @@ class BoundedDecoder(Generic[T]):
         if not isinstance(self._tag, str):
             raise TypeError(f"{msg_type.__name__} must be a tagged msgspec.Struct")
         self._decoder = msgspec.msgpack.Decoder(msg_type)
+        self._fast_decoder = msgspec.msgpack.Decoder(_wire_variant(msg_type))
 
     def check_size(self, frame: bytes | memoryview) -> None:
         """Raise :class:`FrameRejected` (``oversize``) if ``frame`` is too large."""
@@ -88,6 +98,27 @@ class BoundedDecoder(Generic[T]):
             raise FrameRejected(
                 RejectReason.OVERSIZE, f"{len(frame)} bytes > limit {self.max_bytes}"
             )
+
+    def try_decode(self, frame: bytes | memoryview) -> T | None:
+        """Decode a valid current-version frame with one parse; ``None`` otherwise.
+
+        The returned message is an instance of a private subclass of the
+        message type with the same fields plus the tag field (see
+        :func:`_wire_variant`): attribute access and ``isinstance`` behave as
+        for :meth:`decode`'s result, but msgspec's ``==`` compares types, so it
+        is not equal to the message :meth:`decode` returns. ``None`` says
+        nothing about why: call :meth:`decode` for the reject reason. Never
+        raises.
+        """
+        if len(frame) > self.max_bytes:
+            return None
+        try:
+            msg = self._fast_decoder.decode(frame)
+        except Exception:  # anything: the careful path classifies it
+            return None
+        if msg.protocol_version != PROTOCOL_VERSION:
+            return None
+        return msg
 
     def decode(self, frame: bytes | memoryview) -> T:
         """Decode one frame.
@@ -113,6 +144,32 @@ class BoundedDecoder(Generic[T]):
             return self._decoder.decode(frame)
         except Exception as e:  # see above
             raise FrameRejected(RejectReason.INVALID, repr(e)) from None
+
+
+def _wire_variant(msg_type: type[T]) -> type[T]:
+    """A subclass of ``msg_type`` that decodes only what the careful path accepts.
+
+    Decoding ``msg_type`` itself is more lenient than the header check: msgspec
+    treats the tag of a tagged struct decoded on its own as optional, and
+    ``protocol_version`` has a default. The variant is untagged and instead
+    has two required fields: the tag field as ``Literal[tag]`` and
+    ``protocol_version``; every other field keeps its type and constraints.
+    """
+    config = msg_type.__struct_config__
+    tag, tag_field = config.tag, config.tag_field
+    if not isinstance(tag, str) or not tag_field:
+        raise TypeError(f"{msg_type.__name__} must be a tagged msgspec.Struct")
+    fields = {f.name: f for f in msgspec.structs.fields(msg_type)}
+    if "protocol_version" not in fields:
+        raise TypeError(f"{msg_type.__name__} has no protocol_version field")
+    return msgspec.defstruct(
+        f"_Wire{msg_type.__name__}",
+        [(tag_field, Literal[tag]), ("protocol_version", fields["protocol_version"].type)],
+        bases=(msg_type,),
+        tag=False,
+        kw_only=True,
+        module=__name__,
+    )
 
 
 def encode(msg: msgspec.Struct) -> bytes:

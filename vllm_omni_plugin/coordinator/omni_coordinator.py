@@ -51,6 +51,10 @@ _RECV_BATCH = 256
 #: Minimum seconds between two log lines about the same reject reason.
 _REJECT_LOG_INTERVAL_S = 30.0
 
+_UP = ReplicaStatus.UP
+_NOBLOCK = int(zmq.NOBLOCK)
+_RCVMORE = int(zmq.RCVMORE)
+
 
 class _Record:
     """Registry entry: the published info plus monotonic last-seen time."""
@@ -305,39 +309,97 @@ class OmniCoordinator:
         return next_check
 
     def _drain_router(self) -> None:
-        assert self._router is not None
-        for _ in range(_RECV_BATCH):
-            try:
-                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            try:
-                self._handle_frames(frames)
-            except Exception:  # never let one frame kill the loop
-                with self._lock:
-                    self._stats["internal_errors"] += 1
-                logger.exception("OmniCoordinator: error handling a frame (dropped)")
+        """Receive up to ``_RECV_BATCH`` frames, then apply the accepted events together.
 
-    def _handle_frames(self, frames: list[zmq.Frame]) -> None:
+        Per frame, the fast path receives the parts as bytes (for ~200-byte
+        frames a copy is cheaper than zero-copy ``zmq.Frame`` objects; libzmq's
+        ``MAXMSGSIZE`` bounds what one copy can cost), checks the signature when
+        a token is set (after the size check), and decodes once
+        (:meth:`BoundedDecoder.try_decode`: size check, one typed parse,
+        version check). A frame it refuses goes through :meth:`_check_frames`,
+        which classifies and counts it exactly as a lone frame would be (and
+        accepts what the careful checks accept). Accepted events are applied in
+        arrival order under one lock acquisition with one read of each clock,
+        so the per-event cost is the decode and the registry update.
+        """
+        router = self._router
+        assert router is not None
+        # recv_multipart() inlined: the same calls without its keyword-argument
+        # overhead, ~0.5 µs less per frame.
+        recv = router.recv
+        more = router.get
+        try_decode = self._decoder.try_decode
+        max_bytes = self._decoder.max_bytes
+        key = self._key
+        parts = 2 if key is None else 3  # [identity, payload(, hmac)]
+        events: list[ReplicaEvent] = []
+        try:
+            for _ in range(_RECV_BATCH):
+                try:
+                    frames = [recv(_NOBLOCK)]
+                except zmq.Again:
+                    return
+                while more(_RCVMORE):  # the rest of a multipart message is already here
+                    frames.append(recv(_NOBLOCK))
+                try:
+                    event = None
+                    if len(frames) == parts and (
+                        key is None
+                        or (len(frames[1]) <= max_bytes and auth.verify(key, frames[1], frames[2]))
+                    ):
+                        event = try_decode(frames[1])
+                    if event is None:
+                        event = self._check_frames(frames)
+                except Exception:  # never let one frame kill the loop
+                    with self._lock:
+                        self._stats["internal_errors"] += 1
+                    logger.exception("OmniCoordinator: error handling a frame (dropped)")
+                    continue
+                if event is not None:
+                    events.append(event)
+        finally:
+            if events:  # also when recv raised: received events are applied and counted
+                self._apply_received(events)
+
+    def _check_frames(self, frames: list[bytes]) -> ReplicaEvent | None:
+        """The careful path: every check in order; the event, or ``None`` if rejected.
+
+        A rejected frame is counted (``frames_received`` and its
+        ``rejected.<reason>``) here; an accepted one is counted when applied.
+        """
         # ROUTER prepends the sender identity: [identity, payload] or
         # [identity, payload, hmac].
         try:
             if len(frames) not in (2, 3):
                 raise FrameRejected(RejectReason.BAD_ENVELOPE, f"{len(frames)} parts")
-            payload = frames[1].buffer
+            payload = frames[1]
             self._decoder.check_size(payload)
             if self._key is not None:
-                mac = frames[2].buffer if len(frames) == 3 else None
+                mac = frames[2] if len(frames) == 3 else None
                 if not auth.verify(self._key, payload, mac):
                     raise FrameRejected(RejectReason.BAD_TOKEN, "missing or wrong signature")
-            event = self._decoder.decode(payload)
+            return self._decoder.decode(payload)
         except FrameRejected as rej:
             self._count_reject(rej)
-            return
+            return None
+
+    def _apply_received(self, events: list[ReplicaEvent]) -> None:
+        """Count and apply received events in order: one lock, one clock read each."""
+        failed: list[Exception] = []
         with self._lock:
-            self._stats["frames_received"] += 1
-            self._stats["events_accepted"] += 1
-            self._apply_locked(event, time.time(), time.monotonic())
+            stats = self._stats
+            stats["frames_received"] += len(events)
+            stats["events_accepted"] += len(events)
+            wall, mono = time.time(), time.monotonic()
+            apply = self._apply_locked
+            for event in events:
+                try:
+                    apply(event, wall, mono)
+                except Exception as e:  # never let one event kill the loop
+                    stats["internal_errors"] += 1
+                    failed.append(e)
+        for e in failed:
+            logger.error("OmniCoordinator: error applying an event (dropped)", exc_info=e)
 
     def _count_reject(self, rej: FrameRejected) -> None:
         now = time.monotonic()
@@ -365,7 +427,9 @@ class OmniCoordinator:
     def _apply_locked(self, event: ReplicaEvent, wall: float, mono: float) -> None:
         """Apply one event. Any event proves liveness; its status is authoritative."""
         addr = event.input_addr
-        status = ReplicaStatus(event.status)
+        status = event.status
+        if status.__class__ is not ReplicaStatus:  # decoded events hold members already;
+            status = ReplicaStatus(status)  # the Enum call costs ~0.3 µs, so only when needed
         rec = self._replicas.get(addr)
         if rec is None:
             info = ReplicaInfo(
@@ -389,6 +453,16 @@ class OmniCoordinator:
         rec.last_seen = mono
         info.last_heartbeat = wall
         old_status = info.status
+        if (  # fast path, the common heartbeat: at most the queue length changed
+            old_status is status
+            and info.stage_id == event.stage_id
+            and info.output_addr == event.output_addr
+        ):
+            if info.queue_length != event.queue_length:
+                info.queue_length = event.queue_length
+                if status is _UP:
+                    self._dirty = True
+            return
         changed = (
             old_status is not status
             or info.queue_length != event.queue_length
