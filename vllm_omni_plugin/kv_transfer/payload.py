@@ -35,15 +35,14 @@ class PayloadError(RuntimeError):
 
 
 def default_run_dir() -> str:
-    """A fresh per-run directory under ``VLLM_OMNI_PLUGIN_PAYLOAD_DIR``, else
-    ``/dev/shm``, else the temp dir."""
+    """Path of a fresh per-run directory under ``VLLM_OMNI_PLUGIN_PAYLOAD_DIR``,
+    else ``/dev/shm``, else the temp dir. Not created here: :class:`PayloadStore`
+    creates it when a stage first uses it, so parsing arguments leaves nothing behind."""
     from vllm_omni_plugin import envs
 
     base = envs.payload_dir() or (
         "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
-    path = os.path.join(base, f"vllm-omni-plugin-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    os.makedirs(path, exist_ok=True)
-    return path
+    return os.path.join(base, f"vllm-omni-plugin-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
 def safe_key(text: str) -> str:
