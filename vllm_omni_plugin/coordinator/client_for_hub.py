@@ -9,9 +9,7 @@ routing costs one dict lookup.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -23,7 +21,7 @@ from vllm_omni_plugin.logger import init_logger
 from . import auth
 from .codec import BoundedDecoder, FrameRejected, RejectReason, reject_stat_keys
 from .messages import MAX_LIST_FRAME_BYTES, ReplicaList, empty_replica_list
-from .sockets import connect
+from .sockets import WakePipe, connect
 
 logger = init_logger(__name__)
 
@@ -76,7 +74,7 @@ class OmniCoordClientForHub:
             zmq.MAXMSGSIZE: 2 * MAX_LIST_FRAME_BYTES,
             zmq.SUBSCRIBE: b"",
         })
-        self._wake_r, self._wake_w = os.pipe()
+        self._waker = WakePipe()
         self._thread = threading.Thread(target=self._run, name="OmniCoordHub", daemon=True)
         self._thread.start()
 
@@ -143,14 +141,11 @@ class OmniCoordClientForHub:
                 return
             self._closed = True
             self._cond.notify_all()
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"\0")
+        self._waker.wake()
         self._thread.join(timeout=5.0)
         self._socket.close(linger=0)
         self._ctx.term()
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        self._waker.close()
 
     def __enter__(self) -> OmniCoordClientForHub:
         return self
@@ -163,10 +158,10 @@ class OmniCoordClientForHub:
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._waker.fd, zmq.POLLIN)
         while not self._closed:
             ready = dict(poller.poll())
-            if self._closed or self._wake_r in ready:
+            if self._closed or self._waker.fd in ready:
                 return
             latest: ReplicaList | None = None
             while True:  # drain; only the newest valid list matters

@@ -28,10 +28,8 @@ until they are released. See ``docs/design/coordinator.md`` ("Master server").
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import ipaddress
-import os
 import queue
 import socket
 import threading
@@ -59,7 +57,7 @@ from .master_messages import (
     check_replica_address,
     peek_request,
 )
-from .sockets import ROUTER_HARD_MAX_BYTES, bind, drain_pipe
+from .sockets import ROUTER_HARD_MAX_BYTES, WakePipe, bind
 
 logger = init_logger(__name__)
 
@@ -354,9 +352,7 @@ class OmniMasterServer:
         self._call_lock = threading.Lock()  # closed flag vs. enqueue
         self._ctx = zmq.Context()
         self._router: zmq.Socket | None = None
-        self._wake_lock = threading.Lock()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_w, False)
+        self._waker = WakePipe()
         self._stop = threading.Event()
         self._closed = False
         try:
@@ -440,7 +436,7 @@ class OmniMasterServer:
                 return
             self._closed = True
         self._stop.set()
-        self._wake()
+        self._waker.wake()
         self._thread.join(timeout=5.0)
         if self._thread.is_alive():  # pragma: no cover - defensive
             logger.warning("OmniMasterServer thread did not stop within 5 s")
@@ -462,7 +458,7 @@ class OmniMasterServer:
             if self._closed:
                 raise MasterError(MasterErrorCode.CLOSED.value, "OmniMasterServer is closed")
             self._calls.put((body, fut))
-        self._wake()
+        self._waker.wake()
         try:
             reply: MasterReply = fut.result(timeout=timeout)
         except TimeoutError:
@@ -507,14 +503,14 @@ class OmniMasterServer:
         assert self._router is not None
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._waker.fd, zmq.POLLIN)
         while not self._stop.is_set():
             try:
                 ready = dict(poller.poll())
                 if self._stop.is_set():
                     break
-                if self._wake_r in ready:
-                    drain_pipe(self._wake_r)
+                if self._waker.fd in ready:
+                    self._waker.drain()
                 self._drain_calls()
                 if self._router in ready:
                     self._drain_router()
@@ -655,21 +651,11 @@ class OmniMasterServer:
                 "counted in stats", rej, _REJECT_LOG_INTERVAL_S,
             )
 
-    def _wake(self) -> None:
-        with self._wake_lock:
-            if self._wake_w >= 0:
-                with contextlib.suppress(BlockingIOError):
-                    os.write(self._wake_w, b"\0")
-
     def _release_resources(self) -> None:
         if self._router is not None:
             self._router.close(linger=0)
             self._router = None
         self._ctx.term()
-        with self._wake_lock:
-            for fd in (self._wake_r, self._wake_w):
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-            self._wake_r = self._wake_w = -1
+        self._waker.close()
 
 

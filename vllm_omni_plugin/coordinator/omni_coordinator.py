@@ -20,8 +20,6 @@ State machine and wire schema: ``docs/design/coordinator.md``.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import threading
 import time
 from collections.abc import Iterable
@@ -41,7 +39,7 @@ from .messages import (
     ReplicaList,
     ReplicaStatus,
 )
-from .sockets import ROUTER_HARD_MAX_BYTES, bind, drain_pipe
+from .sockets import ROUTER_HARD_MAX_BYTES, WakePipe, bind
 
 logger = init_logger(__name__)
 
@@ -155,9 +153,7 @@ class OmniCoordinator:
         self._ctx = zmq.Context()
         self._router: zmq.Socket | None = None
         self._pub: zmq.Socket | None = None
-        self._wake_lock = threading.Lock()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_w, False)
+        self._waker = WakePipe()
         self._stop = threading.Event()
         self._closed = False
         try:
@@ -257,7 +253,7 @@ class OmniCoordinator:
             return
         self._closed = True
         self._stop.set()
-        self._wake()
+        self._waker.wake()
         self._thread.join(timeout=5.0)
         if self._thread.is_alive():  # pragma: no cover - defensive
             logger.warning("OmniCoordinator thread did not stop within 5 s")
@@ -276,7 +272,7 @@ class OmniCoordinator:
         assert self._router is not None
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._waker.fd, zmq.POLLIN)
         next_check = time.monotonic() + self._check_interval
         while not self._stop.is_set():
             try:
@@ -297,8 +293,8 @@ class OmniCoordinator:
         ready = dict(poller.poll(timeout_ms))
         if self._stop.is_set():
             return next_check
-        if self._wake_r in ready:
-            drain_pipe(self._wake_r)
+        if self._waker.fd in ready:
+            self._waker.drain()
         if self._router in ready:
             self._drain_router()
         now = time.monotonic()
@@ -422,7 +418,7 @@ class OmniCoordinator:
     def _apply_local(self, event: ReplicaEvent) -> None:
         with self._lock:
             self._apply_locked(event, time.time(), time.monotonic())
-        self._wake()
+        self._waker.wake()
 
     def _apply_locked(self, event: ReplicaEvent, wall: float, mono: float) -> None:
         """Apply one event. Any event proves liveness; its status is authoritative."""
@@ -568,12 +564,6 @@ class OmniCoordinator:
             seq=self._seq,
         )
 
-    def _wake(self) -> None:
-        with self._wake_lock:  # never write to a closed (possibly reused) fd
-            if self._wake_w >= 0:
-                with contextlib.suppress(BlockingIOError):  # full pipe: already awake
-                    os.write(self._wake_w, b"\0")
-
     def _release_resources(self) -> None:
         with self._pub_lock:
             for sock in (self._router, self._pub):
@@ -582,11 +572,7 @@ class OmniCoordinator:
             self._router = None
             self._pub = None
         self._ctx.term()
-        with self._wake_lock:
-            for fd in (self._wake_r, self._wake_w):
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-            self._wake_r = self._wake_w = -1
+        self._waker.close()
 
 
 def _short(addrs: Iterable[str], limit: int = 5) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 
 import zmq
 
@@ -21,10 +22,36 @@ def bind(sock: zmq.Socket, addr: str) -> None:
     sock.bind(addr)
 
 
-def drain_pipe(fd: int) -> None:
-    """Empty a non-blocking wake-up pipe."""
-    with contextlib.suppress(BlockingIOError, OSError):
-        os.read(fd, 4096)
+class WakePipe:
+    """A pipe a poller thread registers (:attr:`fd`) so other threads can wake it.
+
+    :meth:`wake` never blocks (a full pipe means the poller is already due to
+    wake) and never writes to a closed, possibly reused, descriptor.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)
+
+    def wake(self) -> None:
+        with self._lock:
+            if self._write_fd >= 0:
+                with contextlib.suppress(BlockingIOError):
+                    os.write(self._write_fd, b"\0")
+
+    def drain(self) -> None:
+        """Empty the pipe (call from the poller thread when :attr:`fd` is ready)."""
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.read(self.fd, 4096)
+
+    def close(self) -> None:
+        """Close both ends; later :meth:`wake` calls do nothing. Idempotent."""
+        with self._lock:
+            for fd in (self.fd, self._write_fd):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self.fd = self._write_fd = -1
 
 
 def connect(ctx: zmq.Context, socket_type: int, addr: str,
