@@ -122,3 +122,10 @@ def register_attention() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+
+
+def use_paged_attention(config):
+    """Make HF modules built from ``config`` attend through the paged KV cache."""
+    register_attention()
+    config._attn_implementation = ATTN_IMPLEMENTATION
+    return config

@@ -26,7 +26,7 @@ from vllm_omni_plugin.models.stage_model import (
     StepOutput,
     decoder_kv_shapes,
 )
-from vllm_omni_plugin.reference.paged_attention import ATTN_IMPLEMENTATION, register_attention
+from vllm_omni_plugin.reference.paged_attention import use_paged_attention
 
 
 class Qwen3OmniTalkerStage(OmniStageModel):
@@ -47,9 +47,9 @@ class Qwen3OmniTalkerStage(OmniStageModel):
     def build(self) -> None:
         from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf
 
-        register_attention()
         talker_config = self.hf_config.talker_config
-        talker_config.text_config._attn_implementation = ATTN_IMPLEMENTATION
+        use_paged_attention(talker_config.text_config)
+        # the code predictor keeps HF's own per-frame cache
         talker_config.code_predictor_config._attn_implementation = "sdpa"
         self.talker = hf.Qwen3OmniMoeTalkerForConditionalGeneration(talker_config)
         self.speakers = {v: k for k, v in (talker_config.speaker_id or {}).items()}

@@ -27,13 +27,7 @@ from vllm_omni_plugin.models.stage_model import (
     StepOutput,
     decoder_kv_shapes,
 )
-from vllm_omni_plugin.reference.paged_attention import ATTN_IMPLEMENTATION, register_attention
-
-
-def _text_config_with_paged_attention(text_config):
-    register_attention()
-    text_config._attn_implementation = ATTN_IMPLEMENTATION
-    return text_config
+from vllm_omni_plugin.reference.paged_attention import use_paged_attention
 
 
 class Qwen3OmniThinkerStage(OmniStageModel):
@@ -45,7 +39,7 @@ class Qwen3OmniThinkerStage(OmniStageModel):
         from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf
 
         thinker_config = self.hf_config.thinker_config
-        _text_config_with_paged_attention(thinker_config.text_config)
+        use_paged_attention(thinker_config.text_config)
         self.thinker = hf.Qwen3OmniMoeThinkerForConditionalGeneration(thinker_config)
         self.accept_hidden_layer = self.hf_config.talker_config.accept_hidden_layer
 
