@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -52,8 +53,30 @@ class ServeProcess:
             time.sleep(0.5)
         raise RuntimeError(f"vllm serve not ready after {timeout_s}s:\n{self.log()[-6000:]}")
 
+    def wait_for_log(self, pattern: str, timeout_s: float = 420) -> re.Match:
+        """The first match of regex ``pattern`` in the log, waiting up to ``timeout_s``.
+
+        Raises:
+            RuntimeError: the process exited or the pattern did not appear (log tail).
+        """
+        start = time.monotonic()
+        while time.monotonic() - start < timeout_s:
+            match = re.search(pattern, self.log())
+            if match:
+                return match
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n"
+                                   f"{self.log()[-6000:]}")
+            time.sleep(0.5)
+        raise RuntimeError(f"{pattern!r} not in the log after {timeout_s}s:\n{self.log()[-6000:]}")
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the whole process group (vllm serve and its EngineCores)."""
+        os.killpg(self.proc.pid, sig)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGCONT)  # a stopped process cannot exit
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout=30)
@@ -64,3 +87,13 @@ class ServeProcess:
 
     def chat(self, body: dict, timeout: float = 300) -> requests.Response:
         return requests.post(f"{self.url}/v1/chat/completions", json=body, timeout=timeout)
+
+    def metrics(self) -> dict[tuple[str, frozenset], float]:
+        """``/metrics`` samples as ``{(name, frozenset(labels.items())): value}``."""
+        samples = {}
+        for line in requests.get(f"{self.url}/metrics", timeout=10).text.splitlines():
+            match = re.match(r"^([^#\s{]+)(?:\{(.*)\})?\s+(\S+)$", line)
+            if match:
+                labels = frozenset(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
+                samples[(match.group(1), labels)] = float(match.group(3))
+        return samples

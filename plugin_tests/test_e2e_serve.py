@@ -55,7 +55,8 @@ def server(tiny_qwen3_omni, tmp_path_factory):
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [_write_test_plugin(root),
                                                       env.get("PYTHONPATH")]))
     proc = ServeProcess([tiny_qwen3_omni, "--stage-configs-path", str(yaml_path),
-                         "--max-model-len", "2048", "--dtype", "float32"],
+                         "--max-model-len", "2048", "--dtype", "float32",
+                         "--omni-replica-wait-timeout", "3"],
                         str(root / "serve.log"), env=env)
     try:
         proc.wait_ready()
@@ -193,14 +194,17 @@ def test_parity_with_hf_reference(server):
 
 
 def test_dead_stage_fails_audio_but_text_keeps_serving(server):
-    """kill -9 of the code2wav EngineCore: audio requests fail naming the
-    stage, text requests still succeed."""
+    """kill -9 of the code2wav EngineCore (the stage's only replica): audio
+    requests fail with 503 naming the stage, text requests still succeed."""
     pids = re.findall(r"\(EngineCore pid=(\d+)\).*stage 2: loaded", server.log())
     assert pids, "code2wav EngineCore pid not found in the log"
     os.kill(int(pids[-1]), signal.SIGKILL)
     time.sleep(2)
     r = server.chat(_audio_body(server))
-    assert r.status_code == 500, r.text
-    assert "stage 2 (code2wav)" in r.json()["error"]["message"]
+    assert r.status_code == 503, r.text
+    assert "stage 2 (code2wav): no replica available for stage 2" in r.json()["error"]["message"]
+    metrics = server.metrics()
+    assert metrics[("vllm_omni:replica_status", frozenset(
+        {("stage", "2"), ("replica", "0"), ("location", "local"), ("status", "error")}))] == 1
     ok = server.chat(_body(server))
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"]

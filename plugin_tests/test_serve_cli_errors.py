@@ -39,7 +39,7 @@ def test_bad_pipeline_fails_before_engines_start(tmp_path, yaml_text, expected):
 
 def test_plain_serve_args_parse_as_without_plugin():
     """Same argv, plugin on vs off (VLLM_PLUGINS=none): identical namespaces
-    apart from the plugin's own (unset) flag."""
+    apart from the plugin's own flags, all at their defaults."""
     code = """
 import json, sys
 from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -60,5 +60,49 @@ print(json.dumps({k: repr(v) for k, v in sorted(vars(ns).items()) if k != "dispa
         assert out.returncode == 0, out.stderr[-3000:]
         results.append(__import__("json").loads(out.stdout.strip().splitlines()[-1]))
     with_plugin, without = results
+    from vllm_omni_plugin.config.cli import FLAG_DEFAULTS
+
     assert with_plugin.pop("stage_configs_path") == "None"
+    for name, default in FLAG_DEFAULTS.items():
+        assert with_plugin.pop(name) == repr(default), name
     assert with_plugin == without
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--headless", "--stage-id", "1"], "--headless --stage-id needs --omni-master-port"),
+    (["--headless", "--stage-id", "0", "-omp", "9"], "--stage-id 0 is the entry stage"),
+    (["--headless", "--stage-id", "7", "-omp", "9"], "--stage-id 7: the pipeline has no such"),
+    (["--stage-id", "1"], "--stage-id 1: without --headless"),
+    (["-ora", "10.0.0.2"], "--omni-replica-address applies to headless replicas"),
+    (["--omni-dp-size-local", "2"], "--omni-dp-size-local applies to headless replicas"),
+    (["--omni-heartbeat-timeout", "0"], "--omni-heartbeat-timeout must be positive"),
+    (["--omni-lb-policy", "fastest"], "invalid choice: 'fastest'"),
+], ids=["headless-no-port", "headless-entry", "headless-unknown-stage", "stage-id-on-head",
+        "ora-on-head", "dp-size-on-head", "bad-timeout", "bad-policy"])
+def test_bad_omni_flags_fail_naming_the_flag(tmp_path, flags, expected):
+    env = {**os.environ, "VLLM_OMNI_PLUGIN_BACKEND": "reference"}
+    out = subprocess.run([VLLM, "serve", str(tmp_path), "--stage-configs-path", QWEN3_OMNI_YAML,
+                          *flags], capture_output=True, text=True, timeout=240, env=env)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0
+    assert expected in text, text[-3000:]
+    assert "EngineCore" not in text
+
+
+def test_deprecated_replica_id_warns_and_is_ignored():
+    import argparse
+    import logging
+
+    from vllm_omni_plugin.config.cli import logger, validate_omni_args
+
+    ns = argparse.Namespace(replica_id=3)
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logger.addHandler(handler)
+    try:
+        validate_omni_args(ns)
+    finally:
+        logger.removeHandler(handler)
+    assert any("--replica-id is deprecated and ignored" in r.getMessage() for r in records)
+    assert ns.omni_dp_size_local == 1  # defaults filled in, nothing derived from the id

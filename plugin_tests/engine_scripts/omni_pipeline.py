@@ -64,7 +64,7 @@ async def main(ckpt, yaml_path, out_dir, scenarios):
             final = out
         return final
 
-    talker = client.orchestrator.engines[1].engine
+    talker = client.orchestrator.pools[1].replicas[0].engine
     try:
         if "parity" in scenarios:
             final = await run("parity", "parity")

@@ -13,6 +13,7 @@ import importlib
 PATCH_MODULES = (
     "vllm_omni_plugin.compat.serve_args",
     "vllm_omni_plugin.compat.engine_client",
+    "vllm_omni_plugin.compat.serve_headless",
 )
 
 MARKER = "__vllm_omni_plugin_patched__"

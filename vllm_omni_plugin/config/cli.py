@@ -9,8 +9,17 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import dataclass
 
+from vllm_omni_plugin import envs
 from vllm_omni_plugin.config.settings import ADDITIONAL_CONFIG_KEY
+from vllm_omni_plugin.logger import init_logger
+
+logger = init_logger(__name__)
+
+#: Entry-engine settings every downstream stage inherits unless its YAML sets them.
+INHERITED_FIELDS = ("tokenizer", "dtype", "seed", "trust_remote_code", "revision",
+                    "download_dir", "load_format")
 
 GROUP_TITLE = "Omni"
 
@@ -33,6 +42,174 @@ def add_omni_args(parser: argparse.ArgumentParser) -> None:
         "Switches on omni mode: the served model becomes the pipeline's entry stage and "
         "the other stages start as their own vLLM engines. Validated before any engine starts.",
     )
+    group.add_argument(
+        "--stage-id", type=int, default=None, metavar="N",
+        help="Stage this process serves. With --headless: start replicas of stage N that "
+        "register with the head at --omni-master-address/--omni-master-port (no API "
+        "server). Without --headless it may only name the entry stage.")
+    group.add_argument(
+        "--omni-master-address", "-oma", type=str, default="127.0.0.1", metavar="HOST",
+        help="Head: the address its omni master and coordinator bind to (only this one; "
+        "use a routable IP for headless replicas on other hosts). Headless: the head's "
+        "address to register with.")
+    group.add_argument(
+        "--omni-master-port", "-omp", type=int, default=0, metavar="PORT",
+        help="Port of the head's omni master. Head: 0 picks a free one (logged). "
+        "Headless: required.")
+    group.add_argument(
+        "--omni-dp-size-local", type=int, default=1, metavar="N",
+        help="Headless: number of replicas of --stage-id this process runs (one vLLM "
+        "engine each). The head's own replicas per stage come from runtime.num_replicas "
+        "in the stage config.")
+    group.add_argument(
+        "--omni-lb-policy", type=str, default="random",
+        choices=[p.value for p in _policies()],
+        help="Head: how each stage picks one of its replicas for a request.")
+    group.add_argument(
+        "--omni-heartbeat-timeout", type=float, default=30.0, metavar="SECONDS",
+        help="Head: seconds without a heartbeat after which a replica is marked ERROR "
+        "and its requests fail over. Headless replicas heartbeat at 1/6 of it.")
+    group.add_argument(
+        "--omni-replica-wait-timeout", type=float, default=30.0, metavar="SECONDS",
+        help="Head: how long a request waits for a replica of a stage when none is up "
+        "before it fails with HTTP 503 'no replica available for stage N'.")
+    group.add_argument(
+        "--omni-replica-address", "-ora", type=str, default=None, metavar="HOST",
+        help="Headless: the address its replicas bind to and the head connects to "
+        "(default: this host's address on the route to the master).")
+    group.add_argument(
+        "--omni-cluster-token", type=str, default=None, metavar="TOKEN",
+        help="Shared secret of the head and its headless replicas: control-plane and task "
+        "frames are signed with it (HMAC-SHA256) and unsigned ones dropped. Prefer the "
+        f"{envs.CLUSTER_TOKEN} environment variable: command lines are visible to other "
+        "users.")
+    group.add_argument(
+        "--replica-id", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def _policies():
+    from vllm_omni_plugin.coordinator.load_balancer import LoadBalancingPolicy
+
+    return list(LoadBalancingPolicy)
+
+
+def _positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+
+
+#: Defaults of the omni flags, for a namespace not built by vLLM's parser.
+FLAG_DEFAULTS = {"stage_id": None, "omni_master_address": "127.0.0.1", "omni_master_port": 0,
+                 "omni_dp_size_local": 1, "omni_lb_policy": "random",
+                 "omni_heartbeat_timeout": 30.0, "omni_replica_wait_timeout": 30.0,
+                 "omni_replica_address": None, "omni_cluster_token": None, "replica_id": None}
+
+
+def validate_omni_args(args: argparse.Namespace) -> None:
+    """Check the omni flags that argparse cannot, and apply the cluster token.
+
+    Missing attributes (a namespace built by hand) get :data:`FLAG_DEFAULTS`.
+
+    Raises:
+        ValueError: the message names the flag.
+    """
+    for name, value in FLAG_DEFAULTS.items():
+        if not hasattr(args, name):
+            setattr(args, name, value)
+    if getattr(args, "replica_id", None) is not None:
+        logger.warning("--replica-id is deprecated and ignored: the head's omni master "
+                       "assigns replica ids")
+    _positive("--omni-heartbeat-timeout", args.omni_heartbeat_timeout)
+    _positive("--omni-replica-wait-timeout", args.omni_replica_wait_timeout)
+    if args.omni_dp_size_local < 1:
+        raise ValueError(f"--omni-dp-size-local must be >= 1, got {args.omni_dp_size_local}")
+    if not 0 <= args.omni_master_port <= 65535:
+        raise ValueError(f"--omni-master-port must be 0..65535, got {args.omni_master_port}")
+    if args.omni_cluster_token:
+        os.environ[envs.CLUSTER_TOKEN] = args.omni_cluster_token
+    if is_omni_headless(args):
+        if not args.omni_master_port:
+            raise ValueError("--headless --stage-id needs --omni-master-port (the head's "
+                             "omni master port, logged by the head at startup)")
+        return
+    if getattr(args, "headless", False):
+        return  # vLLM's own data-parallel headless mode
+    for flag, attr in (("--omni-replica-address", "omni_replica_address"),):
+        if getattr(args, attr) is not None:
+            raise ValueError(f"{flag} applies to headless replicas (--headless --stage-id N)")
+    if args.omni_dp_size_local != 1:
+        raise ValueError("--omni-dp-size-local applies to headless replicas (--headless "
+                         "--stage-id N); the head's replicas per stage come from "
+                         "runtime.num_replicas in the stage config, and the entry stage "
+                         "scales with vLLM's --data-parallel-size")
+
+
+def is_omni_headless(args: argparse.Namespace) -> bool:
+    """``--headless`` with ``--stage-id`` in omni mode: start omni headless replicas."""
+    return bool(getattr(args, "stage_configs_path", None) and getattr(args, "headless", False)
+                and getattr(args, "stage_id", None) is not None)
+
+
+@dataclass
+class HeadlessPlan:
+    stage: object  # StageConfig
+    settings: dict
+    base_args: dict
+    master_host: str
+    master_port: int
+    replica_host: str
+    num_replicas: int
+
+
+def headless_plan(args: argparse.Namespace) -> HeadlessPlan:
+    """Everything ``--headless --stage-id N`` needs, validated.
+
+    Raises:
+        StageConfigError: invalid YAML, or no stage ``N``.
+        ValueError: bad flags (named).
+        OSError: no route to the master's host.
+    """
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from vllm_omni_plugin.config.loader import load_pipeline_config
+    from vllm_omni_plugin.config.schema import StageConfigError
+    from vllm_omni_plugin.coordinator.master_client import route_probe_address
+
+    validate_omni_args(args)
+    path = args.stage_configs_path
+    pipeline = load_pipeline_config(path)
+    require_stage_backend()
+    stage = next((s for s in pipeline.stages if s.stage_id == args.stage_id), None)
+    if stage is None:
+        raise StageConfigError(f"--stage-id {args.stage_id}: the pipeline has no such stage "
+                               f"(stages: {[s.stage_id for s in pipeline.stages]})",
+                               path=path, field="stage_id")
+    if stage.stage_id == pipeline.entry_stage.stage_id:
+        raise ValueError(f"--stage-id {stage.stage_id} is the entry stage, which the head "
+                         "serves itself; scale it with vLLM's --data-parallel-size")
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    return HeadlessPlan(
+        stage=stage,
+        settings={"stage_id": stage.stage_id, "stage_configs_path": os.path.abspath(path),
+                  "entry": False},
+        base_args=base_args_from(engine_args),
+        master_host=args.omni_master_address,
+        master_port=args.omni_master_port,
+        replica_host=route_probe_address(args.omni_master_address, args.omni_master_port,
+                                         override=args.omni_replica_address),
+        num_replicas=args.omni_dp_size_local,
+    )
+
+
+def base_args_from(source) -> dict:
+    """Model path and the inherited ``EngineArgs`` fields of ``source`` (a
+    ``ModelConfig`` or ``EngineArgs``), the base of every stage replica's engine."""
+    base = {"model": source.model}
+    for name in INHERITED_FIELDS:
+        value = getattr(source, name, None)
+        if value is not None:
+            base[name] = value if name != "dtype" else str(value).removeprefix("torch.")
+    return base
 
 
 def apply_omni_args(args: argparse.Namespace, engine_args) -> None:
@@ -46,14 +223,19 @@ def apply_omni_args(args: argparse.Namespace, engine_args) -> None:
         StageConfigError: the YAML is invalid (names file, stage and field).
     """
     path = getattr(args, "stage_configs_path", None)
-    if not path:
-        return
+    if not path or is_omni_headless(args):
+        return  # headless replicas are configured by headless_plan
     from vllm_omni_plugin.config.loader import load_pipeline_config
     from vllm_omni_plugin.kv_transfer.payload import default_run_dir
 
+    validate_omni_args(args)
     pipeline = load_pipeline_config(path)
     require_stage_backend()
     entry = pipeline.entry_stage
+    if args.stage_id is not None and args.stage_id != entry.stage_id:
+        raise ValueError(f"--stage-id {args.stage_id}: without --headless this process "
+                         f"serves the entry stage ({entry.stage_id}); start other stages' "
+                         "replicas with --headless --stage-id N")
     apply_stage_engine_args(engine_args, entry.engine_args)
     extra = dict(engine_args.additional_config or {})
     extra[ADDITIONAL_CONFIG_KEY] = {
@@ -61,6 +243,13 @@ def apply_omni_args(args: argparse.Namespace, engine_args) -> None:
         "stage_configs_path": os.path.abspath(path),
         "payload_dir": default_run_dir(),
         "entry": True,
+        "cluster": {
+            "host": args.omni_master_address,
+            "port": args.omni_master_port,
+            "heartbeat_timeout": args.omni_heartbeat_timeout,
+            "lb_policy": args.omni_lb_policy,
+            "wait_timeout": args.omni_replica_wait_timeout,
+        },
     }
     engine_args.additional_config = extra
     middleware = list(getattr(args, "middleware", None) or [])

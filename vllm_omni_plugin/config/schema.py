@@ -92,12 +92,14 @@ class RuntimeConfig(BaseModel):
     """Placement of a stage's engine.
 
     ``devices``: comma-separated device indices (``"0"``, ``"0,1"``); a YAML
-    int or list of ints is accepted. ``num_replicas``: engine copies, >= 1.
+    int or list of ints is accepted. ``num_replicas``: engine copies the head
+    runs for this stage; ``0`` (not for the entry stage) leaves the stage to
+    headless replicas (``vllm serve --headless --stage-id N``).
     """
 
     model_config = ConfigDict(extra="forbid")
     devices: str | None = None
-    num_replicas: int = Field(default=1, ge=1)
+    num_replicas: int = Field(default=1, ge=0)
 
     @field_validator("devices", mode="before")
     @classmethod
@@ -191,6 +193,10 @@ class PipelineConfig(BaseModel):
             listed = ", ".join(f"{s.stage_id} ({s.name!r})" for s in entries)
             raise entries[-1]._error(
                 "inputs", f"exactly one entry stage (empty 'inputs') is allowed; found {listed}")
+        if entries[0].runtime.num_replicas != 1:
+            raise entries[0]._error(
+                "runtime.num_replicas", "the entry stage runs once in the head (got "
+                f"{entries[0].runtime.num_replicas}); scale it with vLLM's --data-parallel-size")
         if not any(s.final_output for s in self.stages):
             raise StageConfigError("no stage has 'final_output: true'", field="final_output")
         return self

@@ -7,13 +7,8 @@ ports are read back, so there is no window between choosing and binding.
 
 from __future__ import annotations
 
+from .master_messages import tcp_address
 from .omni_coordinator import OmniCoordinator
-
-
-def _tcp(host: str, port: int) -> str:
-    if ":" in host and not host.startswith("["):  # bare IPv6 literal
-        host = f"[{host}]"
-    return f"tcp://{host}:{port}"
 
 
 class OmniCoordinatorRuntime:
@@ -57,8 +52,8 @@ class OmniCoordinatorRuntime:
             raise ValueError(f"heartbeat_timeout must be positive, got {heartbeat_timeout!r}")
         self._closed = False
         self._coordinator = OmniCoordinator(
-            router_zmq_addr=_tcp(host, router_port),
-            pub_zmq_addr=_tcp(host, pub_port),
+            router_zmq_addr=tcp_address(host, router_port),
+            pub_zmq_addr=tcp_address(host, pub_port),
             heartbeat_timeout=heartbeat_timeout,
             **coordinator_kwargs,  # type: ignore[arg-type]
         )
@@ -69,6 +64,14 @@ class OmniCoordinatorRuntime:
     def stats(self) -> dict[str, int]:
         """The coordinator's counters (see :attr:`OmniCoordinator.stats`)."""
         return self._coordinator.stats
+
+    def get_all_replicas(self):
+        """Every replica the coordinator knows, any status (a :class:`ReplicaList`).
+
+        For the process that owns the runtime (e.g. ``/metrics`` on the head);
+        everyone else reads the published list through a hub client.
+        """
+        return self._coordinator.get_all_replicas()
 
     def close(self) -> None:
         """Tear down the coordinator. Idempotent."""

@@ -17,7 +17,6 @@ import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,45 +77,88 @@ RESULTS = ResultBox()
 
 
 class Orchestrator:
-    def __init__(self, client, pipeline, store: PayloadStore, engines: dict):
+    def __init__(self, client, pipeline, store: PayloadStore, pools: dict, cluster):
         self.client = client
         self.pipeline = pipeline
         self.store = store
-        self.engines = engines  # stage_id -> StageEngine (downstream stages)
+        self.pools = pools  # stage_id -> StagePool (downstream stages)
+        self.cluster = cluster  # HeadCluster: master, coordinator, remote replicas
         self.entry = pipeline.entry_stage
         self._inflight: dict[str, set[tuple[int, str]]] = {}
         self._aborted: set[str] = set()
+        self._started = False
 
     @classmethod
     def start(cls, client, vllm_config, settings: dict) -> Orchestrator:
+        """Start the head's control plane and its replicas of every downstream stage.
+
+        Raises:
+            RuntimeError: a stage engine failed to start (names the stage).
+            zmq.ZMQError: the master or coordinator address cannot be bound.
+        """
+        from vllm_omni_plugin.config.cli import base_args_from
         from vllm_omni_plugin.config.loader import load_pipeline_config
+        from vllm_omni_plugin.coordinator import build_load_balancer_factory
         from vllm_omni_plugin.engine.stages import start_stage_engine
+        from vllm_omni_plugin.replicas.cluster import HeadCluster
+        from vllm_omni_plugin.replicas.metrics import register_metrics
+        from vllm_omni_plugin.replicas.pool import StagePool
+        from vllm_omni_plugin.replicas.replica import LocalReplica
 
         pipeline = load_pipeline_config(settings["stage_configs_path"])
+        conf = {"host": "127.0.0.1", "port": 0, "heartbeat_timeout": 30.0,
+                "lb_policy": "random", "wait_timeout": 30.0, **settings.get("cluster", {})}
         store = PayloadStore(settings["payload_dir"])
         downstream = [s for s in pipeline.topological_order()
                       if s.stage_id != pipeline.entry_stage.stage_id]
-        # Stage engines start concurrently: each start is mostly an EngineCore
+        cluster = HeadCluster(conf["host"], int(conf["port"]), float(conf["heartbeat_timeout"]))
+        balancer = build_load_balancer_factory(conf["lb_policy"])
+        pools = {s.stage_id: StagePool(s.stage_id, balancer(), float(conf["wait_timeout"]))
+                 for s in downstream}
+        base = base_args_from(vllm_config.model_config)
+        plan = [(s, replica_id) for s in downstream
+                for replica_id in cluster.register_local(s.stage_id, s.runtime.num_replicas)
+                ] if downstream else []
+        # Engines start concurrently: each start is mostly an EngineCore
         # process spawning, importing and handshaking.
-        engines, errors = {}, []
-        with ThreadPoolExecutor(max_workers=max(1, len(downstream)),
+        replicas, errors = [], []
+        with ThreadPoolExecutor(max_workers=max(1, len(plan)),
                                 thread_name_prefix="omni-stage-start") as pool:
-            futures = {s.stage_id: pool.submit(start_stage_engine, s, vllm_config, settings)
-                       for s in downstream}
-            for stage_id, future in futures.items():
+            futures = [(s, rid, pool.submit(start_stage_engine, s, base, settings))
+                       for s, rid in plan]
+            for stage, replica_id, future in futures:
                 try:
-                    engines[stage_id] = future.result()
+                    replicas.append(LocalReplica(stage.stage_id, replica_id,
+                                                 future.result().engine, store.root))
                 except BaseException as exc:
                     errors.append(exc)
         if errors:
-            for e in engines.values():
-                e.engine.shutdown()
+            for replica in replicas:
+                replica.engine.shutdown()
+            cluster.close()
             store.close()
             raise errors[0]
-        return cls(client, pipeline, store, engines)
+        for replica in replicas:
+            pools[replica.stage_id].add(replica)
+        register_metrics(pools)
+        orchestrator = cls(client, pipeline, store, pools, cluster)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass  # built outside an event loop: start on the first request
+        else:
+            orchestrator._ensure_started()
+        return orchestrator
+
+    def _ensure_started(self) -> None:
+        """Start attaching remote replicas (needs the API server's event loop)."""
+        if not self._started:
+            self._started = True
+            self.cluster.start(self.pools)
 
     # -- request flow ---------------------------------------------------------
     async def generate(self, prompt, sampling_params, request_id, *args, **kwargs):
+        self._ensure_started()
         extra = dict(sampling_params.extra_args or {})
         modalities = extra.get(xargs.MODALITIES) or ["text"]
         if list(modalities) == ["text"]:
@@ -163,14 +205,13 @@ class Orchestrator:
 
     async def _run_downstream(self, request_id, base, outputs, extra, keys) -> StageResult | None:
         """Run every downstream stage; None when the request was aborted meanwhile."""
+        from vllm_omni_plugin.processors.hookspecs import UpstreamOutput
         from vllm_omni_plugin.processors.registry import get_processor
 
         last, last_input = None, {}
         for stage in self.pipeline.topological_order():
             if stage.stage_id == self.entry.stage_id:
                 continue
-            in_key, out_key = f"{base}.s{stage.stage_id}.in", f"{base}.s{stage.stage_id}.out"
-            keys += [in_key, out_key]
             try:
                 processor = get_processor(stage.input_processor)
                 extras = {**extra, "hf_config": self.client.model_config.hf_config}
@@ -182,16 +223,15 @@ class Orchestrator:
             except Exception as exc:
                 raise StageError(stage.stage_id, stage.name,
                                  f"input processor {stage.input_processor!r}: {exc}") from exc
-            await asyncio.to_thread(self.store.put, in_key, stage_input.payload)
-            self.store.create(out_key)
             last_input = stage_input.payload
             if request_id in self._aborted:
                 return None
-            final = await self._run_stage(request_id, stage, stage_input, in_key, out_key)
-            if request_id in self._aborted:
+            run = await self._run_stage(request_id, stage, stage_input)
+            if run is None or request_id in self._aborted:
                 return None
-            outputs[stage.stage_id] = _stage_output(stage.stage_id, final,
-                                                    await self._payload(stage, out_key))
+            outputs[stage.stage_id] = UpstreamOutput(
+                stage_id=stage.stage_id, prompt_token_ids=run.prompt_token_ids,
+                output_token_ids=run.output_token_ids, payload=run.payload)
             last = stage
         if last is None or not last.final_output:
             raise StageError(self.entry.stage_id, self.entry.name,
@@ -202,41 +242,35 @@ class Orchestrator:
                            sample_rate=int(rate[0]) if rate is not None else None,
                            final_input=last_input)
 
-    async def _run_stage(self, request_id, stage, stage_input, in_key, out_key):
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+    async def _run_stage(self, request_id, stage, stage_input):
+        """Run ``stage`` for the request on one of its replicas; None when aborted."""
+        from vllm_omni_plugin.replicas.pool import NoReplicaAvailable, ReplicaFailed
+        from vllm_omni_plugin.replicas.task import StageTask, TaskAborted, TaskError
 
-        params_dict = {**stage.default_sampling_params, **stage_input.sampling_overrides}
-        try:
-            params = SamplingParams(**params_dict)
-        except Exception as exc:
-            raise StageError(stage.stage_id, stage.name,
-                             f"sampling params {params_dict}: {exc}") from exc
-        params.extra_args = {xargs.PAYLOAD: {"in": in_key, "out": out_key}}
-        engine = self.engines[stage.stage_id].engine
         sub_id = f"{request_id}-s{stage.stage_id}"
+        task = StageTask(
+            request_id=sub_id, prompt_token_ids=list(stage_input.prompt_token_ids),
+            sampling={**stage.default_sampling_params, **stage_input.sampling_overrides},
+            payload=stage_input.payload)
+        pool = self.pools[stage.stage_id]
         self._inflight.setdefault(request_id, set()).add((stage.stage_id, sub_id))
-        final = None
-        prompt = TokensPrompt(prompt_token_ids=list(stage_input.prompt_token_ids))
         try:
-            async with aclosing(engine.generate(prompt, params, sub_id)) as stream:
-                async for out in stream:
-                    final = out
-                    # abort() may have run before this engine knew sub_id
-                    if request_id in self._aborted:
-                        await engine.abort(sub_id)
-                        break
+            return await pool.run(task)
         except asyncio.CancelledError:
             raise
+        except TaskAborted:
+            return None
+        except (NoReplicaAvailable, ReplicaFailed, TaskError) as exc:
+            if request_id in self._aborted:
+                return None
+            raise StageError(stage.stage_id, stage.name, str(exc), status=exc.status) from exc
         except Exception as exc:
+            if request_id in self._aborted:
+                return None
             raise StageError(stage.stage_id, stage.name, f"{type(exc).__name__}: {exc}") from exc
         finally:
             self._inflight.get(request_id, set()).discard((stage.stage_id, sub_id))
-        if request_id in self._aborted:
-            return None  # the caller stops the pipeline
-        if final is None or not final.finished:
-            raise StageError(stage.stage_id, stage.name, "produced no final output")
-        return final
+            pool.forget(sub_id)
 
     # Payload I/O runs in a thread: tensors can be large and the API server's
     # event loop must keep serving.
@@ -257,15 +291,16 @@ class Orchestrator:
                 continue
             self._aborted.add(rid)
             for stage_id, sub_id in list(self._inflight.get(rid, ())):
-                await self.engines[stage_id].engine.abort(sub_id)
+                await self.pools[stage_id].abort(sub_id)
 
     def shutdown(self) -> None:
-        for stage_engine in self.engines.values():
-            try:
-                stage_engine.engine.shutdown()
-            except Exception:
-                logger.exception("stage %d shutdown failed", stage_engine.stage_id)
-        self.engines = {}
+        from vllm_omni_plugin.replicas.metrics import unregister_metrics
+
+        unregister_metrics(self.pools)
+        self.cluster.close()
+        for pool in self.pools.values():
+            pool.close()
+        self.pools = {}
         if os.path.isdir(self.store.root):
             self.store.close()
 

@@ -1,8 +1,11 @@
 """Downstream stage engines: one vLLM ``AsyncLLM`` (a real EngineCore) per stage.
 
-The entry stage is the engine ``vllm serve`` itself builds; every other stage
-of the pipeline is started here from its YAML ``engine_args`` on top of the
-served model's path, with the plugin's settings in ``additional_config``.
+The entry stage is the engine ``vllm serve`` itself builds; every replica of
+every other stage is started here from its YAML ``engine_args`` on top of the
+served model's path (and the inherited fields, see
+:func:`~vllm_omni_plugin.config.cli.base_args_from`), with the plugin's
+settings in ``additional_config``. The head starts its own replicas, a
+headless process (``--headless --stage-id N``) those of one stage.
 """
 
 from __future__ import annotations
@@ -16,11 +19,6 @@ from vllm_omni_plugin.logger import init_logger
 
 logger = init_logger(__name__)
 
-#: Entry-engine settings every downstream stage inherits unless its YAML sets them.
-INHERITED_FIELDS = ("tokenizer", "dtype", "seed", "trust_remote_code", "revision",
-                    "download_dir", "load_format")
-
-
 @dataclass
 class StageEngine:
     stage_id: int
@@ -28,8 +26,12 @@ class StageEngine:
     engine: object  # vllm.v1.engine.async_llm.AsyncLLM
 
 
-def start_stage_engine(stage, entry_vllm_config, settings: dict) -> StageEngine:
-    """Build and start the engine of ``stage`` (a ``StageConfig``).
+def start_stage_engine(stage, base_args: dict, settings: dict) -> StageEngine:
+    """Build and start one engine of ``stage`` (a ``StageConfig``).
+
+    Args:
+        base_args: ``EngineArgs`` fields under the YAML's (model path first).
+        settings: The plugin's settings for this engine (``additional_config``).
 
     Raises:
         RuntimeError: the engine failed to start; the message names the stage.
@@ -38,19 +40,17 @@ def start_stage_engine(stage, entry_vllm_config, settings: dict) -> StageEngine:
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    model_config = entry_vllm_config.model_config
-    args = AsyncEngineArgs(model=model_config.model)
-    for name in INHERITED_FIELDS:
-        value = getattr(model_config, name, None)
-        if value is not None and hasattr(args, name):
-            setattr(args, name, value if name != "dtype" else str(value).removeprefix("torch."))
+    args = AsyncEngineArgs(model=base_args["model"])
+    for name, value in base_args.items():
+        if hasattr(args, name):
+            setattr(args, name, value)
     apply_stage_engine_args(args, stage.engine_args)
-    apply_stage_engine_args(args, {"hf_overrides": _model_hf_overrides(args, model_config)})
     args.additional_config = {
         ADDITIONAL_CONFIG_KEY: {**settings, "stage_id": stage.stage_id, "entry": False}
     }
     start = time.perf_counter()
     try:
+        apply_stage_engine_args(args, {"hf_overrides": _model_hf_overrides(args)})
         vllm_config = args.create_engine_config(UsageContext.OPENAI_API_SERVER)
         engine = AsyncLLM.from_vllm_config(vllm_config, disable_log_stats=True)
     except Exception as exc:
@@ -62,9 +62,15 @@ def start_stage_engine(stage, entry_vllm_config, settings: dict) -> StageEngine:
     return StageEngine(stage.stage_id, stage.name, engine)
 
 
-def _model_hf_overrides(args, model_config) -> dict:
+def _model_hf_overrides(args) -> dict:
     from vllm_omni_plugin.models import stage_model_class
 
     archs = (args.hf_overrides or {}).get("architectures") or []
     cls = stage_model_class(archs[0]) if archs else None
-    return cls.engine_hf_overrides(model_config.hf_config) if cls else {}
+    if cls is None:
+        return {}
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code,
+                                           revision=args.revision)
+    return cls.engine_hf_overrides(hf_config)

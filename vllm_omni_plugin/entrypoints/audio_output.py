@@ -77,7 +77,8 @@ def parse_audio_request(body: dict) -> tuple[list[str] | None, str | None]:
 
 
 def _error_body(message: str, code: int, param: str | None = None) -> bytes:
-    kind = "BadRequestError" if code == 400 else "InternalServerError"
+    kind = {400: "BadRequestError", 503: "ServiceUnavailableError"}.get(
+        code, "InternalServerError")
     return json.dumps({"error": {"message": message, "type": kind, "param": param,
                                  "code": code}}).encode()
 

@@ -1,0 +1,174 @@
+"""Replicated stages with real processes: a head `vllm serve` plus two headless
+`vllm serve --headless --stage-id 1` processes serving the talker.
+
+Every part is real: three `vllm serve` processes, five EngineCores, the master,
+the coordinator, heartbeats and task channels over TCP. The faults are real
+signals to the replica's process group: SIGSTOP/SIGCONT (a replica that stops
+heartbeating, then resumes) and SIGKILL (a replica that dies mid-request).
+The tests run in file order and share the processes; each says what state it
+leaves.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import yaml
+
+from plugin_tests.conftest import QWEN3_OMNI_YAML
+from plugin_tests.serve_utils import ServeProcess, free_port
+
+HEARTBEAT_TIMEOUT = 4.0
+WAIT_TIMEOUT = 5.0
+TALKER_MAX_FRAMES = 96  # a few seconds per request on the reference backend
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_qwen3_omni, tmp_path_factory):
+    root = tmp_path_factory.mktemp("replicas")
+    with open(QWEN3_OMNI_YAML) as f:
+        pipeline = yaml.safe_load(f)
+    talker = pipeline["stages"][1]
+    talker["default_sampling_params"]["max_tokens"] = TALKER_MAX_FRAMES
+    talker["runtime"] = {"num_replicas": 0}  # headless replicas only
+    yaml_path = root / "pipeline.yaml"
+    yaml_path.write_text(yaml.safe_dump(pipeline))
+    env = {**os.environ, "VLLM_OMNI_PLUGIN_BACKEND": "reference"}
+    master_port = free_port()
+    common = [tiny_qwen3_omni, "--stage-configs-path", str(yaml_path), "--dtype", "float32",
+              "--max-model-len", "2048", "-oma", "127.0.0.1", "-omp", str(master_port)]
+    head = ServeProcess([*common, "--omni-lb-policy", "round-robin",
+                         "--omni-heartbeat-timeout", str(HEARTBEAT_TIMEOUT),
+                         "--omni-replica-wait-timeout", str(WAIT_TIMEOUT)],
+                        str(root / "head.log"), env=env)
+    headless = []
+    try:
+        head.wait_for_log(r"omni master on tcp://")
+        headless = [ServeProcess([*common, "--headless", "--stage-id", "1"],
+                                 str(root / f"headless{i}.log"), env=env) for i in range(2)]
+        head.wait_ready()
+        replicas = {}
+        for proc in headless:
+            match = proc.wait_for_log(r"stage 1 replica (\d+) serving on")
+            replicas[int(match.group(1))] = proc
+        assert sorted(replicas) == [0, 1]
+        _wait(lambda: _attached(head) == {0, 1}, 60, head)
+        yield head, replicas
+    finally:
+        for proc in [*headless, head]:
+            proc.stop()
+
+
+def _wait(predicate, timeout, head, interval=0.25):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise AssertionError(f"condition not met in {timeout}s; head log:\n{head.log()[-4000:]}")
+
+
+def _stage1(head, name, **labels):
+    found = {}
+    for (metric, lbls), value in head.metrics().items():
+        d = dict(lbls)
+        if metric == name and d.get("stage") == "1" and all(d.get(k) == v
+                                                           for k, v in labels.items()):
+            found[int(d["replica"])] = value
+    return found
+
+
+def _attached(head) -> set[int]:
+    return {r for r, v in _stage1(head, "vllm_omni:replica_status", status="up").items() if v}
+
+
+def _audio(head, content="Say hello.", timeout=300):
+    return head.chat({"model": head_model(head), "messages": [{"role": "user",
+                      "content": content}], "max_tokens": 6, "temperature": 0,
+                      "modalities": ["text", "audio"]}, timeout=timeout)
+
+
+def head_model(head) -> str:
+    import requests
+
+    return requests.get(f"{head.url}/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def test_requests_spread_over_headless_replicas_round_robin(cluster):
+    head, _ = cluster
+    before = _stage1(head, "vllm_omni:replica_requests_total")
+    for i in range(4):
+        response = _audio(head, f"Request {i}.")
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["message"]["audio"]["data"]
+    after = _stage1(head, "vllm_omni:replica_requests_total")
+    assert {r: after[r] - before.get(r, 0) for r in after} == {0: 2, 1: 2}
+    # the head's code2wav replica is in-process
+    assert head.metrics()[("vllm_omni:replica_status", frozenset(
+        {("stage", "2"), ("replica", "0"), ("location", "local"), ("status", "up")}))] == 1
+
+
+def test_stopped_replica_goes_error_then_up_and_its_requests_are_resubmitted(cluster):
+    """SIGSTOP: no heartbeats. Tasks sent there produce no output, so when the
+    coordinator marks it ERROR they run on the other replica; SIGCONT: UP again."""
+    head, replicas = cluster
+    resubmitted = _resubmissions(head)
+    replicas[0].signal(signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            responses = list(pool.map(lambda i: _audio(head, f"Stopped {i}."), range(2)))
+        for response in responses:
+            assert response.status_code == 200, response.text
+        assert _resubmissions(head) >= resubmitted + 1
+        assert 0 not in _attached(head)
+        assert "is error: detached" in head.log()
+    finally:
+        replicas[0].signal(signal.SIGCONT)
+    _wait(lambda: _attached(head) == {0, 1}, 30, head)
+    assert "is up again" in head.log()
+
+
+def _resubmissions(head) -> float:
+    return head.metrics().get(("vllm_omni:stage_resubmissions_total",
+                               frozenset({("stage", "1")})), 0.0)
+
+
+def test_kill_9_mid_request_fails_it_naming_stage_and_replica(cluster):
+    head, replicas = cluster
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(_audio, head, "Killed mid-request.")
+        _wait(lambda: sum(_stage1(head, "vllm_omni:replica_requests_running").values()) == 1,
+              120, head, interval=0.05)
+        victim = next(r for r, v in _stage1(head, "vllm_omni:replica_requests_running").items()
+                      if v)
+        time.sleep(1.0)  # the talker has produced codec frames by now
+        replicas[victim].signal(signal.SIGKILL)
+        response = pending.result(timeout=120)
+    assert response.status_code == 500, response.text
+    message = response.json()["error"]["message"]
+    assert "stage 1" in message and f"replica {victim}" in message, message
+    # the head keeps serving, on the remaining replica
+    survivor = 1 - victim
+    before = _stage1(head, "vllm_omni:replica_requests_total")[survivor]
+    response = _audio(head, "After the kill.")
+    assert response.status_code == 200, response.text
+    assert _stage1(head, "vllm_omni:replica_requests_total")[survivor] == before + 1
+    assert _attached(head) == {survivor}
+
+
+def test_no_replica_left_answers_503_and_text_still_served(cluster):
+    head, replicas = cluster
+    for proc in replicas.values():
+        if proc.proc.poll() is None:
+            proc.signal(signal.SIGKILL)
+    _wait(lambda: not _attached(head), HEARTBEAT_TIMEOUT + 10, head)
+    response = _audio(head, "Nobody home.")
+    assert response.status_code == 503, response.text
+    assert "no replica available for stage 1" in response.json()["error"]["message"]
+    text = head.chat({"model": head_model(head), "max_tokens": 4, "temperature": 0,
+                      "messages": [{"role": "user", "content": "Text only."}]})
+    assert text.status_code == 200, text.text

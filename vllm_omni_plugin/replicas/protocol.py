@@ -1,0 +1,149 @@
+"""Wire types between the head and a remote stage replica (the task channel).
+
+The head opens one ZMQ DEALER per remote replica; the replica binds one ROUTER
+on the port the master assigned it (endpoint ``"task"``). Messages are tagged
+``msgspec`` structs in msgpack, carry the control plane's ``protocol_version``,
+are decoded with a size bound, and are HMAC-signed when a cluster token is set
+(same scheme as the coordinator, :mod:`vllm_omni_plugin.coordinator.auth`).
+Never pickle.
+
+Head -> replica: :class:`TaskSubmit`, :class:`TaskAbort`.
+Replica -> head: :class:`TaskProgress` (the replica's engine produced output
+for the task: from then on the task cannot be resubmitted elsewhere),
+:class:`TaskDone`, :class:`TaskFailed`.
+
+Tensors travel as one safetensors blob (``payload``), so a replica on another
+host needs no shared file system.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from vllm_omni_plugin.coordinator import auth
+from vllm_omni_plugin.coordinator.codec import BoundedDecoder, FrameRejected, RejectReason, encode
+from vllm_omni_plugin.coordinator.messages import PROTOCOL_VERSION
+
+#: Name of the one endpoint the master assigns each remote replica a port for.
+TASK_ENDPOINT = "task"
+
+#: Largest accepted task-channel frame, in bytes. Input payloads (e.g. the
+#: thinker's hidden states for the talker) are the bulk: a 4096-token prompt of
+#: 2048-dim fp32 rows in two layers is 64 MiB.
+MAX_TASK_FRAME_BYTES = 512 * 1024 * 1024
+
+_Id = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+_Tokens = Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=2**31)]],
+                    msgspec.Meta(max_length=1 << 22)]
+
+
+class TaskSubmit(msgspec.Struct, tag="task_submit", tag_field="type"):
+    """Run one request on the replica's stage engine.
+
+    Attributes:
+        request_id: The stage sub-request id (unique per head).
+        prompt_token_ids: Stage prompt.
+        sampling: ``vllm.SamplingParams`` keyword arguments (JSON-like values).
+        payload: Input tensors as a safetensors blob (``b""``: none).
+    """
+
+    request_id: _Id
+    prompt_token_ids: _Tokens
+    sampling: dict[str, Any]
+    payload: bytes = b""
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class TaskAbort(msgspec.Struct, tag="task_abort", tag_field="type"):
+    request_id: _Id
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class TaskProgress(msgspec.Struct, tag="task_progress", tag_field="type"):
+    """The engine produced ``num_tokens`` output tokens so far."""
+
+    request_id: _Id
+    num_tokens: int
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class TaskDone(msgspec.Struct, tag="task_done", tag_field="type"):
+    request_id: _Id
+    prompt_token_ids: _Tokens
+    output_token_ids: _Tokens
+    payload: bytes = b""
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class TaskFailed(msgspec.Struct, tag="task_failed", tag_field="type"):
+    """``status``: HTTP status for the API layer (400 bad input, 500 otherwise)."""
+
+    request_id: _Id
+    error: str
+    status: int = 500
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class ToReplica(msgspec.Struct, tag="to_replica", tag_field="type"):
+    msg: TaskSubmit | TaskAbort
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class ToHead(msgspec.Struct, tag="to_head", tag_field="type"):
+    msg: TaskProgress | TaskDone | TaskFailed
+    protocol_version: int = PROTOCOL_VERSION
+
+
+def pack_tensors(tensors: dict[str, torch.Tensor]) -> bytes:
+    """Tensors -> safetensors blob (``b""`` for an empty dict)."""
+    if not tensors:
+        return b""
+    return st_save({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
+
+
+def unpack_tensors(blob: bytes) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`pack_tensors`; raises ``ValueError`` on a corrupt blob."""
+    if not blob:
+        return {}
+    try:
+        return dict(st_load(bytes(blob)))
+    except Exception as exc:
+        raise ValueError(f"corrupt tensor payload: {exc}") from exc
+
+
+class Channel:
+    """Frame encoding for one side of the task channel.
+
+    Args:
+        incoming: :class:`ToReplica` (replica side) or :class:`ToHead` (head side).
+        cluster_token: ``None`` reads ``VLLM_OMNI_PLUGIN_CLUSTER_TOKEN``; ``""`` disables.
+    """
+
+    def __init__(self, incoming: type[ToReplica] | type[ToHead],
+                 cluster_token: str | None = None) -> None:
+        self._key = auth.resolve_key(cluster_token)
+        self._decoder = BoundedDecoder(incoming, MAX_TASK_FRAME_BYTES)
+
+    def frames(self, msg: msgspec.Struct) -> list[bytes]:
+        """The frames that carry ``msg`` (plus its signature when signing)."""
+        body = encode(msg)
+        return [body, auth.sign(self._key, body)] if self._key else [body]
+
+    def decode(self, frames: list[bytes]):
+        """Decode a message's frames.
+
+        Raises:
+            FrameRejected: bad envelope, oversize, bad signature, malformed,
+                wrong version or type, or invalid fields.
+        """
+        if len(frames) != (2 if self._key else 1):
+            raise FrameRejected(RejectReason.BAD_ENVELOPE, f"{len(frames)} parts")
+        self._decoder.check_size(frames[0])
+        if self._key and not auth.verify(self._key, frames[0], frames[1]):
+            raise FrameRejected(RejectReason.BAD_TOKEN)
+        return self._decoder.decode(frames[0]).msg

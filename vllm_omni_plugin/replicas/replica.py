@@ -1,0 +1,230 @@
+"""Replicas as the head sees them: in-process (local) or behind the task channel (remote).
+
+Both run :class:`~.task.StageTask`\\ s and keep the counters ``/metrics``
+reports. A replica is *attached* while the head can send it work: a local
+one until its engine dies, a remote one while the coordinator lists it ``UP``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import zmq
+import zmq.asyncio
+
+from vllm_omni_plugin.coordinator.codec import FrameRejected
+from vllm_omni_plugin.kv_transfer.payload import PayloadStore
+from vllm_omni_plugin.logger import init_logger
+
+from .protocol import (
+    Channel,
+    TaskAbort,
+    TaskDone,
+    TaskFailed,
+    TaskProgress,
+    TaskSubmit,
+    ToHead,
+    ToReplica,
+    pack_tensors,
+    unpack_tensors,
+)
+from .task import ReplicaLost, StageRun, StageTask, TaskAborted, TaskError, run_on_engine
+
+logger = init_logger(__name__)
+
+
+class Replica:
+    """Common state: identity, status and per-replica request counters."""
+
+    location = "local"
+
+    def __init__(self, stage_id: int, replica_id: int, address: str) -> None:
+        self.stage_id = stage_id
+        self.replica_id = replica_id
+        self.address = address
+        self.status = "up"  # "up" | "error" | "down"
+        self.requests_total = 0
+        self.running: set[str] = set()
+
+    @property
+    def name(self) -> str:
+        return f"stage {self.stage_id} replica {self.replica_id} ({self.location} {self.address})"
+
+    @property
+    def attached(self) -> bool:
+        return self.status == "up"
+
+    async def run(self, task: StageTask) -> StageRun:
+        """Run ``task``.
+
+        Raises:
+            TaskError: the task failed on a healthy replica.
+            TaskAborted: :meth:`abort` was called for it.
+            ReplicaLost: the replica died or left meanwhile.
+        """
+        raise NotImplementedError
+
+    async def abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    def lost(self, reason: str) -> None:
+        """Mark the replica gone: running tasks end with :class:`ReplicaLost`."""
+        self.status = "error"
+
+    def close(self) -> None:
+        self.status = "down"
+
+
+class LocalReplica(Replica):
+    """A stage engine (``AsyncLLM``, own EngineCore process) in the head process."""
+
+    def __init__(self, stage_id: int, replica_id: int, engine, payload_dir: str) -> None:
+        super().__init__(stage_id, replica_id, f"in-process:{os.getpid()}")
+        self.engine = engine
+        self.store = PayloadStore(payload_dir)
+        self._aborted: set[str] = set()
+
+    @property
+    def queue_length(self) -> int:
+        return len(self.running)
+
+    async def run(self, task: StageTask) -> StageRun:
+        self.requests_total += 1
+        self.running.add(task.request_id)
+        try:
+            result = await run_on_engine(self.engine, self.store, task,
+                                         aborted=lambda: task.request_id in self._aborted)
+        except ReplicaLost:
+            self.lost("engine died")
+            raise
+        except TaskError:
+            if task.request_id in self._aborted:
+                raise TaskAborted(task.request_id) from None
+            raise
+        finally:
+            self.running.discard(task.request_id)
+            aborted = task.request_id in self._aborted
+            self._aborted.discard(task.request_id)
+        if aborted:
+            raise TaskAborted(task.request_id)
+        return result
+
+    async def abort(self, request_id: str) -> None:
+        if request_id in self.running:
+            self._aborted.add(request_id)
+            await self.engine.abort(request_id)
+
+    def close(self) -> None:
+        super().close()
+        try:
+            self.engine.shutdown()
+        except Exception:
+            logger.exception("%s: shutdown failed", self.name)
+        self.store.close()
+
+
+class _Pending:
+    __slots__ = ("future", "produced")
+
+    def __init__(self, future: asyncio.Future) -> None:
+        self.future = future
+        self.produced = False
+
+
+class RemoteReplica(Replica):
+    """A headless replica, reached over its task channel (one DEALER socket).
+
+    Args:
+        address: The replica's task endpoint, ``tcp://host:port``.
+        cluster_token: As :class:`~.protocol.Channel`.
+    """
+
+    location = "remote"
+
+    def __init__(self, stage_id: int, replica_id: int, address: str,
+                 cluster_token: str | None = None) -> None:
+        super().__init__(stage_id, replica_id, address)
+        from .protocol import MAX_TASK_FRAME_BYTES
+
+        self.reported_queue_length = 0  # last value the coordinator published
+        self.rejected_frames = 0
+        self._channel = Channel(ToHead, cluster_token)
+        self._pending: dict[str, _Pending] = {}
+        self._socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_TASK_FRAME_BYTES + 4096)
+        self._socket.connect(address)
+        self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+
+    @property
+    def queue_length(self) -> int:
+        """The replica's load: its last heartbeat's queue length, or this head's
+        tasks in flight there when higher (heartbeats lag)."""
+        return max(self.reported_queue_length, len(self.running))
+
+    async def run(self, task: StageTask) -> StageRun:
+        if not self.attached:
+            raise ReplicaLost(f"{self.name} is not attached", produced_output=False)
+        self.requests_total += 1
+        pending = _Pending(asyncio.get_running_loop().create_future())
+        self._pending[task.request_id] = pending
+        self.running.add(task.request_id)
+        try:
+            blob = await asyncio.to_thread(pack_tensors, task.payload)
+            submit = TaskSubmit(request_id=task.request_id,
+                                prompt_token_ids=list(task.prompt_token_ids),
+                                sampling=dict(task.sampling), payload=blob)
+            await self._socket.send_multipart(self._channel.frames(ToReplica(msg=submit)))
+            done: TaskDone = await pending.future
+            payload = await asyncio.to_thread(unpack_tensors, done.payload)
+            return StageRun(list(done.prompt_token_ids), list(done.output_token_ids), payload)
+        finally:
+            self._pending.pop(task.request_id, None)
+            self.running.discard(task.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        pending = self._pending.get(request_id)
+        if pending is None:
+            return
+        if not pending.future.done():
+            pending.future.set_exception(TaskAborted(request_id))
+        if self.attached:
+            await self._socket.send_multipart(
+                self._channel.frames(ToReplica(msg=TaskAbort(request_id=request_id))))
+
+    async def _read_loop(self) -> None:
+        while True:
+            frames = await self._socket.recv_multipart(copy=True)
+            try:
+                msg = self._channel.decode(frames)
+            except FrameRejected as rej:
+                self.rejected_frames += 1
+                logger.warning("%s: dropped a frame (%s)", self.name, rej)
+                continue
+            pending = self._pending.get(msg.request_id)
+            if pending is None or pending.future.done():
+                continue  # finished, aborted or failed over meanwhile
+            if isinstance(msg, TaskProgress):
+                pending.produced = True
+            elif isinstance(msg, TaskDone):
+                pending.future.set_result(msg)
+            elif isinstance(msg, TaskFailed):
+                pending.future.set_exception(TaskError(msg.error, msg.status))
+
+    def lost(self, reason: str) -> None:
+        super().lost(reason)
+        for request_id, pending in list(self._pending.items()):
+            if not pending.future.done():
+                pending.future.set_exception(ReplicaLost(
+                    f"{self.name} {reason} while running {request_id}", pending.produced))
+
+    def reattach(self) -> None:
+        self.status = "up"
+
+    def close(self) -> None:
+        if self.status == "up":
+            self.lost("was detached")
+        super().close()
+        self._reader.cancel()
+        self._socket.close(linger=0)

@@ -1,0 +1,233 @@
+"""Headless stage replicas: ``vllm serve MODEL --stage-configs-path YAML --headless --stage-id N``.
+
+One process registers ``--omni-dp-size-local`` replicas of stage ``N`` with the
+head's master (ids and task ports come from there), starts one vLLM engine per
+replica (``AsyncLLM``, its own EngineCore process), binds each replica's task
+endpoint (ROUTER) on the registered address only, and reports liveness and
+queue length to the head's coordinator. It runs until SIGINT/SIGTERM, or
+until a replica's engine dies (the replica then reports ``ERROR`` and the
+process exits non-zero so a supervisor can restart it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import zmq
+import zmq.asyncio
+
+from vllm_omni_plugin.coordinator import OmniCoordClientForStage, ReplicaStatus
+from vllm_omni_plugin.coordinator.codec import FrameRejected
+from vllm_omni_plugin.coordinator.sockets import bind
+from vllm_omni_plugin.kv_transfer.payload import PayloadStore
+from vllm_omni_plugin.logger import init_logger
+
+from .protocol import (
+    MAX_TASK_FRAME_BYTES,
+    TASK_ENDPOINT,
+    Channel,
+    TaskAbort,
+    TaskDone,
+    TaskFailed,
+    TaskProgress,
+    TaskSubmit,
+    ToHead,
+    ToReplica,
+    pack_tensors,
+    unpack_tensors,
+)
+from .task import ReplicaLost, StageTask, TaskAborted, TaskError, run_on_engine
+
+logger = init_logger(__name__)
+
+
+class ReplicaServer:
+    """Serves one replica's task endpoint on top of its stage engine.
+
+    Args:
+        stage_id, replica_id: Identity (from the master).
+        engine: The replica's ``AsyncLLM``.
+        payload_dir: The replica's payload store directory (its engine's).
+        address: Task endpoint to bind, ``tcp://host:port``.
+        coordinator: The head coordinator's ROUTER address.
+        heartbeat_interval: Seconds between heartbeats.
+    """
+
+    def __init__(self, stage_id: int, replica_id: int, engine, payload_dir: str,
+                 address: str, coordinator: str, heartbeat_interval: float) -> None:
+        self.stage_id, self.replica_id, self.engine = stage_id, replica_id, engine
+        self.address = address
+        self.store = PayloadStore(payload_dir)
+        self.channel = Channel(ToReplica)
+        self.tasks: dict[str, asyncio.Task] = {}
+        self.aborted: set[str] = set()
+        self.rejected_frames = 0
+        self.socket = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_TASK_FRAME_BYTES + 4096)
+        bind(self.socket, address)
+        self.coord = OmniCoordClientForStage(
+            coordinator, address, address, stage_id,
+            heartbeat_interval=heartbeat_interval,
+            queue_length_provider=lambda: len(self.tasks))
+        logger.info("stage %d replica %d serving on %s", stage_id, replica_id, address)
+
+    async def serve(self) -> None:
+        """Receive tasks until the engine dies (raises ``ReplicaLost``) or cancelled."""
+        self._dead: asyncio.Future = asyncio.get_running_loop().create_future()
+        receiver = asyncio.ensure_future(self._receive())
+        try:
+            await asyncio.wait([receiver, self._dead], return_when=asyncio.FIRST_COMPLETED)
+            if self._dead.done():
+                raise self._dead.exception()
+        finally:
+            receiver.cancel()
+
+    async def _receive(self) -> None:
+        while True:
+            identity, *frames = await self.socket.recv_multipart()
+            try:
+                msg = self.channel.decode(frames)
+            except FrameRejected as rej:
+                self.rejected_frames += 1
+                logger.warning("stage %d replica %d dropped a frame (%s)",
+                               self.stage_id, self.replica_id, rej)
+                continue
+            if isinstance(msg, TaskSubmit):
+                if msg.request_id not in self.tasks:
+                    self.tasks[msg.request_id] = asyncio.ensure_future(self._run(identity, msg))
+            elif isinstance(msg, TaskAbort) and msg.request_id in self.tasks:
+                self.aborted.add(msg.request_id)
+                await self.engine.abort(msg.request_id)
+
+    async def _reply(self, identity: bytes, msg) -> None:
+        await self.socket.send_multipart([identity, *self.channel.frames(ToHead(msg=msg))])
+
+    async def _run(self, identity: bytes, submit: TaskSubmit) -> None:
+        rid = submit.request_id
+        loop = asyncio.get_running_loop()
+
+        def progress(num_tokens: int) -> None:
+            loop.create_task(self._reply(identity, TaskProgress(rid, num_tokens)))
+
+        try:
+            try:
+                payload = await asyncio.to_thread(unpack_tensors, submit.payload)
+            except ValueError as exc:
+                raise TaskError(str(exc), status=400) from exc
+            task = StageTask(rid, list(submit.prompt_token_ids), dict(submit.sampling), payload)
+            run = await run_on_engine(self.engine, self.store, task, progress,
+                                      aborted=lambda: rid in self.aborted)
+            blob = await asyncio.to_thread(pack_tensors, run.payload)
+            await self._reply(identity, TaskDone(rid, run.prompt_token_ids,
+                                                 run.output_token_ids, blob))
+        except TaskAborted:
+            pass  # the head stopped waiting when it sent the abort
+        except TaskError as exc:
+            await self._reply(identity, TaskFailed(rid, str(exc), exc.status))
+        except ReplicaLost as exc:
+            # Say ERROR at once; the head detaches this replica and fails over.
+            self.coord.update_info(status=ReplicaStatus.ERROR)
+            if not self._dead.done():
+                self._dead.set_exception(exc)
+        except Exception as exc:  # keep serving other tasks
+            logger.exception("stage %d replica %d: task %s failed",
+                             self.stage_id, self.replica_id, rid)
+            await self._reply(identity, TaskFailed(rid, f"{type(exc).__name__}: {exc}"))
+        finally:
+            self.tasks.pop(rid, None)
+            self.aborted.discard(rid)
+
+    def close(self) -> None:
+        """Report DOWN, close the endpoint, shut the engine down."""
+        self.coord.close()
+        self.socket.close(linger=0)
+        try:
+            self.engine.shutdown()
+        finally:
+            self.store.close()
+
+
+def run_headless_replicas(args) -> None:
+    """Entry of ``vllm serve --headless --stage-id N`` in omni mode (blocks).
+
+    Raises:
+        SystemExit: bad flags, the master cannot be reached, or a replica's
+            engine died (exit status 1).
+    """
+    import uvloop
+
+    from vllm_omni_plugin.config.cli import headless_plan
+    from vllm_omni_plugin.coordinator import OmniMasterClient
+    from vllm_omni_plugin.coordinator.master_messages import MasterError, tcp_address
+
+    plan = headless_plan(args)
+    master_address = tcp_address(plan.master_host, plan.master_port)
+    master = OmniMasterClient(master_address, timeout=5.0, retries=5)
+    try:
+        try:
+            assignments = master.register(plan.stage.stage_id, plan.replica_host,
+                                          plan.num_replicas)
+        except MasterError as exc:
+            raise SystemExit(
+                f"stage {plan.stage.stage_id}: registration with the omni master at "
+                f"{master_address} failed ({exc}); start the head first and check "
+                "--omni-master-address/--omni-master-port and the cluster token") from exc
+        info = master.cluster_info
+        try:
+            uvloop.run(_serve(plan, assignments, info))
+        finally:
+            master.deregister(plan.stage.stage_id, [a.replica_id for a in assignments])
+    finally:
+        master.close()
+
+
+async def _serve(plan, assignments, info: dict) -> None:
+    from vllm_omni_plugin.engine.stages import start_stage_engine
+    from vllm_omni_plugin.kv_transfer.payload import default_run_dir
+
+    from .cluster import INFO_COORDINATOR, INFO_HEARTBEAT_TIMEOUT
+
+    timeout = float(info.get(INFO_HEARTBEAT_TIMEOUT, "30.0"))
+    run_dir = default_run_dir()
+    servers: list[ReplicaServer] = []
+
+    def start(assignment):
+        payload_dir = os.path.join(run_dir, f"r{assignment.replica_id}")
+        settings = {**plan.settings, "payload_dir": payload_dir}
+        engine = start_stage_engine(plan.stage, plan.base_args, settings).engine
+        return assignment, engine, payload_dir
+
+    started = await asyncio.gather(*(asyncio.to_thread(start, a) for a in assignments),
+                                   return_exceptions=True)
+    errors = [s for s in started if isinstance(s, BaseException)]
+    for s in started:
+        if not isinstance(s, BaseException):
+            a, engine, payload_dir = s
+            if errors:
+                engine.shutdown()
+                continue
+            servers.append(ReplicaServer(
+                a.stage_id, a.replica_id, engine, payload_dir, a.endpoint(TASK_ENDPOINT),
+                info[INFO_COORDINATOR], heartbeat_interval=max(0.1, timeout / 6.0)))
+    if errors:
+        raise SystemExit(str(errors[0]))
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    serving = [asyncio.ensure_future(s.serve()) for s in servers]
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        done, _ = await asyncio.wait([*serving, stopper], return_when=asyncio.FIRST_COMPLETED)
+        for fut in done:
+            if fut is not stopper and fut.exception() is not None:
+                raise SystemExit(f"stage {plan.stage.stage_id}: {fut.exception()}")
+        logger.info("stage %d: shutting down %d replica(s)", plan.stage.stage_id, len(servers))
+    finally:
+        for fut in [*serving, stopper]:
+            fut.cancel()
+        for server in servers:
+            server.close()

@@ -1,0 +1,144 @@
+"""One stage task on one vLLM engine: the unit a replica runs.
+
+Shared by the head's in-process replicas (:class:`~.local.LocalReplica`) and
+by headless replicas (:class:`~.server.ReplicaServer`): write the input
+tensors to the replica's payload store, run the request on the stage's
+``AsyncLLM``, read the output tensors back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vllm_omni_plugin import extra_args as xargs
+from vllm_omni_plugin.kv_transfer.payload import PayloadError, PayloadStore, safe_key
+
+
+@dataclass
+class StageTask:
+    """One request for one stage.
+
+    Attributes:
+        request_id: Sub-request id at this stage (unique per head).
+        prompt_token_ids: Stage prompt.
+        sampling: ``vllm.SamplingParams`` keyword arguments.
+        payload: Input tensors (name -> tensor, any dtype/shape).
+        parent_request_id: For a CFG companion, its parent's ``request_id``:
+            the companion is routed to the parent's replica.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]
+    payload: dict[str, torch.Tensor] = field(default_factory=dict)
+    parent_request_id: str | None = None
+
+
+@dataclass
+class StageRun:
+    """What a stage produced for a task."""
+
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    payload: dict[str, torch.Tensor]
+
+
+class TaskError(RuntimeError):
+    """The task failed on a healthy replica; ``status`` is the HTTP status (400/500)."""
+
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class TaskAborted(RuntimeError):
+    """The task was aborted (client disconnect or abort)."""
+
+
+class ReplicaLost(RuntimeError):
+    """The replica died or left while running the task.
+
+    ``produced_output``: the engine had already produced output for the task,
+    so it must not be run again elsewhere.
+    """
+
+    def __init__(self, message: str, produced_output: bool) -> None:
+        super().__init__(message)
+        self.produced_output = produced_output
+
+
+def engine_is_dead(exc: BaseException) -> bool:
+    """True when ``exc`` says the engine itself is gone (vLLM's ``EngineDeadError``)."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    return isinstance(exc, EngineDeadError)
+
+
+async def run_on_engine(engine, store: PayloadStore, task: StageTask,
+                        on_progress: Callable[[int], None] | None = None,
+                        aborted: Callable[[], bool] | None = None) -> StageRun:
+    """Run ``task`` on ``engine`` (an ``AsyncLLM`` of the stage).
+
+    ``on_progress(num_tokens)`` is called once, when the engine first reports
+    output tokens for the task. ``aborted()`` is polled on every output: an
+    abort that reached the replica before its engine knew the request stops
+    it there.
+
+    Raises:
+        TaskError: bad sampling parameters, engine error or missing output.
+        ReplicaLost: the engine died (``EngineDeadError``).
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    try:
+        params = SamplingParams(**task.sampling)
+    except Exception as exc:
+        raise TaskError(f"sampling params {task.sampling}: {exc}") from exc
+    base = safe_key(task.request_id)
+    in_key, out_key = f"{base}.in", f"{base}.out"
+    params.extra_args = {xargs.PAYLOAD: {"in": in_key, "out": out_key}}
+    produced = False
+    final = None
+    try:
+        await asyncio.to_thread(store.put, in_key, task.payload)
+        store.create(out_key)
+        prompt = TokensPrompt(prompt_token_ids=list(task.prompt_token_ids))
+        try:
+            async with aclosing(engine.generate(prompt, params, task.request_id)) as stream:
+                async for out in stream:
+                    final = out
+                    if aborted is not None and aborted():
+                        await engine.abort(task.request_id)
+                        raise TaskAborted(task.request_id)
+                    if not produced and out.outputs and len(out.outputs[0].token_ids):
+                        produced = True
+                        if on_progress is not None:
+                            on_progress(len(out.outputs[0].token_ids))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if engine_is_dead(exc):
+                raise ReplicaLost(f"engine died: {exc}", produced) from exc
+            raise TaskError(f"{type(exc).__name__}: {exc}") from exc
+        if final is None or not final.finished:
+            raise TaskError("produced no final output")
+        try:
+            payload = await asyncio.to_thread(store.get, out_key)
+        except PayloadError as exc:
+            raise TaskError(str(exc)) from exc
+        return StageRun(prompt_token_ids=list(final.prompt_token_ids or []),
+                        output_token_ids=list(final.outputs[0].token_ids), payload=payload)
+    finally:
+        await asyncio.to_thread(_delete, store, (in_key, out_key))
+
+
+def _delete(store: PayloadStore, keys) -> None:
+    for key in keys:
+        store.delete(key)
