@@ -9,15 +9,13 @@ import subprocess
 import pytest
 
 from plugin_tests.conftest import PYTHON, QWEN3_OMNI_YAML, VLLM
+from plugin_tests.env_utils import FAKE_VLLM, child_env, shadow_vllm_version
 
 
 def _run(code: str, env_extra: dict | None = None,
          timeout: int = 180) -> subprocess.CompletedProcess:
-    import os
-
-    env = {**os.environ, **(env_extra or {})}
     return subprocess.run([PYTHON, "-c", code], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+                          timeout=timeout, env=child_env(env_extra))
 
 
 def test_register_is_idempotent_and_patches_once():
@@ -51,51 +49,150 @@ def test_stage_models_registered_lazily():
 
 
 
-def test_vllm_discovers_plugin_and_adds_omni_group():
-    """vLLM itself loads the entry point (not a direct call); `vllm serve --help`
-    shows the Omni group."""
-    # vLLM's PyPI wheel needs a platform even for --help on a machine without
-    # a GPU; VLLM_TARGET_DEVICE=cpu gives it vLLM's own CPU platform.
-    env = {**__import__("os").environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_PLUGINS": "omni"}
-    out = subprocess.run([VLLM, "serve", "--help=Omni"], capture_output=True, text=True,
-                         timeout=180, env=env)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "--stage-configs-path" in out.stdout and "Switches on omni mode" in out.stdout
+# -- discovery by vLLM itself (fresh subprocesses) ---------------------------------
+# vLLM's PyPI wheel needs a platform even for --help on a machine without a GPU;
+# VLLM_TARGET_DEVICE=cpu gives it vLLM's own CPU platform. The plugin's backend
+# is left to choose (auto) unless a test says otherwise.
+def _platform_env() -> dict:
+    import torch
+
+    cpu = {} if torch.cuda.is_available() else {"VLLM_TARGET_DEVICE": "cpu"}
+    return {**cpu, "VLLM_OMNI_PLUGIN_BACKEND": None}
 
 
-def test_vllm_plugins_env_switches_plugin_off():
-    out = subprocess.run([VLLM, "serve", "--help=all"], capture_output=True, text=True,
-                         timeout=180, env={**__import__("os").environ, "VLLM_PLUGINS": "none",
-                                              "VLLM_TARGET_DEVICE": "cpu"})
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "--stage-configs-path" not in out.stdout
+#: Ask for the reference backend; VLLM_TARGET_DEVICE=cpu would make vLLM skip
+#: platform plugins altogether.
+_REFERENCE = {"VLLM_TARGET_DEVICE": None, "VLLM_OMNI_PLUGIN_BACKEND": "reference"}
 
 
-def test_out_of_range_vllm_registers_nothing():
-    code = """
-import logging, json
-import vllm_omni_plugin
-from vllm_omni_plugin.compat import version
-version.vllm_version.cache_clear()
-version.vllm_version = lambda: "0.12.0"
+#: Run vLLM's own general-plugin loader (what every vLLM process does) and report
+#: what the plugin did. register() is called directly only a second time, after
+#: vLLM ran it, to show that it warns once.
+_LOADER = """
+import json, logging
+import vllm.logger  # configures vLLM's logging, which resets handlers below "vllm"
 records = []
 class H(logging.Handler):
     def emit(self, r): records.append(r.getMessage())
 logging.getLogger("vllm.omni_plugin").addHandler(H())
-vllm_omni_plugin.register()
-vllm_omni_plugin.register()
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+import sys
+plugin = sys.modules.get("vllm_omni_plugin")
+if plugin is not None and (plugin._registered or plugin._warned):  # vLLM ran register()
+    plugin.register()  # a second call warns no more and changes nothing
 from vllm import ModelRegistry
 from vllm.engine.arg_utils import EngineArgs
-print(json.dumps({"warnings": records,
+from vllm.platforms import current_platform
+print(json.dumps({"warnings": [m for m in records if "supports vLLM" in m],
   "registered": "OmniPluginQwen3OmniThinker" in ModelRegistry.get_supported_archs(),
-  "patched": hasattr(EngineArgs.add_cli_args, "__vllm_omni_plugin_patched__")}))
+  "patched": hasattr(EngineArgs.add_cli_args, "__vllm_omni_plugin_patched__"),
+  "platform": type(current_platform).__name__}))
 """
-    out = _run(code, {"VLLM_PLUGINS": "none"})
-    assert out.returncode == 0, out.stderr[-2000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(result["warnings"]) == 1
-    assert "0.12.0" in result["warnings"][0] and ">=0.30.0,<0.34" in result["warnings"][0]
+
+
+def _loader(env_extra: dict) -> dict:
+    out = _run(_LOADER, env_extra)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _serve_help(section: str, env_extra: dict) -> subprocess.CompletedProcess:
+    out = subprocess.run([VLLM, "serve", f"--help={section}"], capture_output=True, text=True,
+                         timeout=180, env=child_env({**_platform_env(), **env_extra}))
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def test_installed_entry_points_are_the_declared_ones():
+    """The environment vLLM runs in carries this checkout's entry points (setup.cfg)."""
+    import configparser
+    from importlib.metadata import entry_points
+
+    from plugin_tests.conftest import REPO
+
+    cfg = configparser.ConfigParser()
+    cfg.read(f"{REPO}/setup.cfg")
+    for group in ("vllm.general_plugins", "vllm.platform_plugins"):
+        declared = dict(line.split("=", 1) for line in
+                        cfg["options.entry_points"][group].strip().splitlines())
+        declared = {k.strip(): v.strip() for k, v in declared.items()}
+        installed = {ep.name: ep for ep in entry_points(group=group) if ep.name == "omni"}
+        assert declared == {name: ep.value for name, ep in installed.items()}, group
+        assert installed["omni"].dist.metadata["Name"] == "vllm-omni-plugin"
+
+
+def test_vllm_loads_plugin():
+    """VLLM_PLUGINS unset: vLLM's loader finds the general entry point and runs it
+    (models registered, patches on); the platform entry point stays out (no omni
+    flag, backend auto)."""
+    result = _loader({**_platform_env(), "VLLM_PLUGINS": None})
+    assert result["warnings"] == [] and result["registered"] and result["patched"]
+    assert result["platform"] != "ReferencePlatform"
+
+
+def test_vllm_loads_plugin_named_in_vllm_plugins():
+    """VLLM_PLUGINS=omni: both entry points run; vLLM takes the plugin's platform."""
+    result = _loader({"VLLM_PLUGINS": "omni", **_REFERENCE})
+    assert result["warnings"] == [] and result["registered"] and result["patched"]
+    assert result["platform"] == "ReferencePlatform"
+
+
+def test_vllm_plugins_filter_keeps_plugin_out():
+    """VLLM_PLUGINS naming other plugins: neither entry point runs, even with the
+    reference backend asked for."""
+    result = _loader({"VLLM_PLUGINS": "some_other", **_REFERENCE})
+    assert result["warnings"] == [] and not result["registered"] and not result["patched"]
+    assert result["platform"] != "ReferencePlatform"
+
+
+def test_vllm_discovers_plugin_and_adds_omni_group():
+    """`vllm serve --help=Omni`: vLLM's CLI loads the entry point and shows the group."""
+    out = _serve_help("Omni", {"VLLM_PLUGINS": "omni"})
+    assert "--stage-configs-path" in out.stdout and "Switches on omni mode" in out.stdout
+
+
+def test_vllm_plugins_env_switches_plugin_off():
+    out = _serve_help("all", {"VLLM_PLUGINS": "none"})
+    assert "--stage-configs-path" not in out.stdout and "--max-model-len" in out.stdout
+
+
+# -- a vLLM outside the supported range --------------------------------------------
+@pytest.fixture
+def fake_vllm_version(tmp_path) -> dict:
+    return shadow_vllm_version(tmp_path)
+
+
+def _supported_range() -> str:
+    from vllm_omni_plugin.compat.version import SUPPORTED_RANGE
+
+    return SUPPORTED_RANGE
+
+
+def test_out_of_range_vllm_registers_nothing(fake_vllm_version):
+    """One warning naming the range and the installed version; no model, no patch,
+    and the reference platform stays out even when asked for."""
+    result = _loader({**fake_vllm_version, **_REFERENCE})
+    assert len(result["warnings"]) == 1, result["warnings"]
+    warning = result["warnings"][0]
+    assert FAKE_VLLM in warning and _supported_range() in warning
+    assert "VLLM_OMNI_PLUGIN_ALLOW_UNSUPPORTED_VLLM" in warning
     assert not result["registered"] and not result["patched"]
+    assert result["platform"] != "ReferencePlatform"
+
+
+def test_out_of_range_vllm_serve_help_still_works(fake_vllm_version):
+    out = _serve_help("all", fake_vllm_version)
+    assert "--max-model-len" in out.stdout and "--stage-configs-path" not in out.stdout
+    both = out.stdout + out.stderr
+    assert both.count(f"supports vLLM {_supported_range()} but vLLM {FAKE_VLLM}") == 1, both[-3000:]
+
+
+def test_out_of_range_override_registers_anyway(fake_vllm_version):
+    result = _loader({**_platform_env(), **fake_vllm_version,
+                      "VLLM_OMNI_PLUGIN_ALLOW_UNSUPPORTED_VLLM": "1"})
+    assert result["registered"] and result["patched"]
+    assert len(result["warnings"]) == 1 and "trying anyway" in result["warnings"][0]
 
 
 def test_plain_engine_client_without_omni_flags():

@@ -6,6 +6,8 @@
 # removes the CUDA builds of torchvision/torchaudio/torchcodec that vLLM pulls
 # in: with a CPU torch they break `transformers` model imports
 # ("operator torchvision::nms does not exist"), and no stage needs them.
+# transformers is left to each vLLM release's own pin, as users get it (0.30.0
+# does not cap it); a venv keeps what it resolved until setup.cfg changes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VLLM_OMNI_PLUGIN_VENV:-.venv}"

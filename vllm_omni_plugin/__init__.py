@@ -23,15 +23,18 @@ def register() -> None:
 
     logger = init_logger(__name__)
     try:
-        installed = version.vllm_version()
-        if not version.is_supported(installed) and not envs.allow_unsupported_vllm():
-            if not _warned:
-                _warned = True
-                logger.warning(
-                    "vllm-omni-plugin %s supports vLLM %s but vLLM %s is installed; the plugin "
-                    "is disabled. Install a supported vLLM, or set %s=1 to try anyway.",
-                    __version__, version.SUPPORTED_RANGE, installed, envs.ALLOW_UNSUPPORTED_VLLM,
-                )
+        supported = version.is_supported()
+        allowed = supported or envs.allow_unsupported_vllm()
+        if not supported and not _warned:
+            _warned = True
+            logger.warning(
+                "vllm-omni-plugin %s supports vLLM %s but vLLM %s is installed; %s",
+                __version__, version.SUPPORTED_RANGE, version.vllm_version(),
+                f"{envs.ALLOW_UNSUPPORTED_VLLM} is set: trying anyway." if allowed else
+                "the plugin is disabled. Install a supported vLLM, or set "
+                f"{envs.ALLOW_UNSUPPORTED_VLLM}=1 to try anyway.",
+            )
+        if not allowed:
             return
         from vllm_omni_plugin.compat import apply_all
         from vllm_omni_plugin.models import register_models

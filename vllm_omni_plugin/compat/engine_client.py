@@ -7,8 +7,9 @@ does not mark it a downstream stage) the wrapper constructs
 :class:`~vllm_omni_plugin.engine.omni_client.OmniEngineClient`, an ``AsyncLLM``
 subclass, with the same arguments; otherwise it calls vLLM's method unchanged.
 Upstream reason: ``from_vllm_config`` is the only constructor the API server
-uses (same signature 0.25-0.33).
-Remove when: vLLM lets a plugin supply the engine client class.
+uses (same signature 0.30-0.32).
+Remove when: vLLM lets a plugin supply the engine client class (none in
+0.30-0.32; ``plugin_tests/test_compat_shims.py`` fails once that changes).
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from __future__ import annotations
 import functools
 
 from vllm_omni_plugin.compat import MARKER
+
+#: What :func:`apply` patches (``module:attribute path``), for the environment report.
+TARGETS = ("vllm.v1.engine.async_llm:AsyncLLM.from_vllm_config",)
 
 
 def apply() -> bool:

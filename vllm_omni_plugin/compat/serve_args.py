@@ -5,9 +5,10 @@ are loaded right before ``EngineArgs.add_cli_args`` builds the parser, so
 wrapping it is the narrowest seam; the parsed omni flags then reach every
 vLLM process through ``additional_config`` by wrapping ``EngineArgs.from_cli_args``.
 Upstream reason: ``EngineArgs`` only maps its own dataclass fields
-(vllm/engine/arg_utils.py, 0.30-0.33).
+(vllm/engine/arg_utils.py, 0.30-0.32).
 Remove when: vLLM offers a plugin hook for CLI arguments and for extra engine
-config (none as of 0.33).
+config (none in 0.30-0.32; ``plugin_tests/test_compat_shims.py`` fails once
+that changes).
 """
 
 from __future__ import annotations
@@ -15,6 +16,12 @@ from __future__ import annotations
 import functools
 
 from vllm_omni_plugin.compat import MARKER
+
+#: What :func:`apply` patches (``module:attribute path``), for the environment report.
+TARGETS = (
+    "vllm.engine.arg_utils:EngineArgs.add_cli_args",
+    "vllm.engine.arg_utils:EngineArgs.from_cli_args",
+)
 
 
 def apply() -> bool:

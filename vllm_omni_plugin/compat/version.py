@@ -1,24 +1,38 @@
-"""vLLM version detection: one cached helper and the supported range."""
+"""vLLM version detection: one cached helper and the supported range.
+
+Version checks are the last resort: compat modules detect features
+(attributes, signatures, import locations) first. The range here only decides
+whether the plugin switches itself on at all.
+"""
 
 from __future__ import annotations
 
 import functools
 
-#: Inclusive lower, exclusive upper bound of the vLLM releases this plugin
-#: supports (kept in step with setup.cfg's install_requires).
-SUPPORTED_MIN = (0, 30, 0)
-SUPPORTED_MAX_EXCLUSIVE = (0, 34, 0)
-SUPPORTED_RANGE = ">=0.30.0,<0.34"
+#: The vLLM releases this plugin supports, as in setup.cfg's install_requires
+#: (plugin_tests/test_compat_matrix.py keeps the two, the README table and the
+#: CI matrix in step). Every minor release in it is tested by ``.ci/run``.
+SUPPORTED_RANGE = ">=0.30.0,<0.33"
 
 
 def _parse(version: str) -> tuple[int, int, int]:
     parts = []
     for piece in version.split("+")[0].split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit()) or "0"
-        parts.append(int(digits))
+        digits = ""
+        for ch in piece:  # "0rc1" -> "0": a pre-release counts as its release
+            if not ch.isdigit():
+                break
+            digits += ch
+        parts.append(int(digits or "0"))
     while len(parts) < 3:
         parts.append(0)
     return tuple(parts)  # type: ignore[return-value]
+
+
+_LOWER, _UPPER = SUPPORTED_RANGE.split(",")
+#: Inclusive lower and exclusive upper bound of :data:`SUPPORTED_RANGE`.
+SUPPORTED_MIN = _parse(_LOWER.removeprefix(">="))
+SUPPORTED_MAX_EXCLUSIVE = _parse(_UPPER.removeprefix("<"))
 
 
 @functools.lru_cache(maxsize=1)
@@ -32,3 +46,11 @@ def vllm_version() -> str:
 def is_supported(version: str | None = None) -> bool:
     v = _parse(version or vllm_version())
     return SUPPORTED_MIN <= v < SUPPORTED_MAX_EXCLUSIVE
+
+
+def plugin_enabled() -> bool:
+    """Whether the plugin switches itself on: the installed vLLM is in range, or
+    ``VLLM_OMNI_PLUGIN_ALLOW_UNSUPPORTED_VLLM`` says to try anyway."""
+    from vllm_omni_plugin import envs
+
+    return is_supported() or envs.allow_unsupported_vllm()

@@ -39,15 +39,28 @@ def _omni_requested(argv: list[str]) -> bool:
     return any(a == "--stage-configs-path" or a.startswith("--stage-configs-path=") for a in argv)
 
 
+def omni_backend() -> str:
+    """The backend stage models get in omni mode: ``"reference"`` or
+    ``"accelerator"``, from ``VLLM_OMNI_PLUGIN_BACKEND`` and whether an
+    accelerator is usable. Raises ``ValueError`` on an unknown setting."""
+    backend = envs.backend()
+    if backend == "auto":
+        return "accelerator" if _accelerator_usable() else "reference"
+    return backend
+
+
 def activate() -> str | None:
     """vLLM platform-plugin hook: the platform qualname, or None to stay out."""
     try:
-        backend = envs.backend()
-    except ValueError:
-        return None
-    if backend == "accelerator":
-        return None
-    if backend == "auto" and (_accelerator_usable() or not _omni_requested(sys.argv)):
+        if envs.backend() == "auto" and not _omni_requested(sys.argv):
+            return None
+        if omni_backend() != "reference":
+            return None
+        from vllm_omni_plugin.compat.version import plugin_enabled
+
+        if not plugin_enabled():  # register() says why, once
+            return None
+    except Exception:  # unknown backend value, or no vLLM metadata: stay out
         return None
     if os.environ.get(envs.BACKEND) != "reference":
         # Chosen automatically here: export it so child processes agree, and

@@ -1,0 +1,122 @@
+"""The compatibility matrix is written down in several places; they must agree.
+
+setup.cfg's vLLM requirement, ``compat/version.py``, the CI matrix in ``.ci/run``,
+the README's compatibility table, the unreleased CHANGELOG entry's "Tested with"
+line and the defaults of ``scripts/setup_env.sh``.
+"""
+
+from __future__ import annotations
+
+import configparser
+import re
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+import vllm_omni_plugin
+from plugin_tests.conftest import REPO
+from vllm_omni_plugin.compat import version as compat_version
+
+ROOT = Path(REPO)
+
+
+def _setup_cfg() -> configparser.ConfigParser:
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    return cfg
+
+
+def _declared_vllm() -> SpecifierSet:
+    lines = _setup_cfg()["options"]["install_requires"].strip().splitlines()
+    (line,) = [x.strip() for x in lines if re.match(r"\s*vllm\b", x)]
+    return SpecifierSet(line.removeprefix("vllm"))
+
+
+def _ci_matrix() -> list[tuple[str, str]]:
+    """[(vLLM release, "fast" | "full")] from ``.ci/run``'s MATRIX line."""
+    (line,) = re.findall(r'^MATRIX="([^"]*)"$', (ROOT / ".ci/run").read_text(), re.M)
+    return [tuple(entry.split(":")) for entry in line.split()]
+
+
+def _setup_env_default(name: str) -> str:
+    text = (ROOT / "scripts/setup_env.sh").read_text()
+    (value,) = re.findall(rf'^{name}="\${{{name}:-([^}}]+)}}"$', text, re.M)
+    return value
+
+
+def _readme_table() -> list[dict[str, str]]:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## Compatibility\n", 1)[1].split("\n## ", 1)[0]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")]
+            for line in section.splitlines() if line.startswith("|")]
+    header, _rule, *body = rows
+    assert header == ["plugin", "vLLM", "CI suite", "Python", "torch"], header
+    return [dict(zip(header, row, strict=True)) for row in body]
+
+
+def _changelog_tested_with() -> list[str]:
+    text = (ROOT / "CHANGELOG.md").read_text()
+    unreleased = text.split("## [Unreleased]", 1)[1].split("\n## [", 1)[0]
+    (line,) = re.findall(r"^Tested with: vLLM ([^(]*)\(", unreleased, re.M)
+    return re.findall(r"\d+\.\d+\.\d+", line)
+
+
+def _minor(release: str) -> tuple[int, int]:
+    return Version(release).release[:2]
+
+
+def test_declared_range_is_the_version_module_range():
+    assert _declared_vllm() == SpecifierSet(compat_version.SUPPORTED_RANGE)
+    low, high = compat_version.SUPPORTED_MIN, compat_version.SUPPORTED_MAX_EXCLUSIVE
+    assert _declared_vllm() == SpecifierSet(
+        ">={}.{}.{},<{}.{}".format(*low, *high[:2]))
+    readme = (ROOT / "README.md").read_text()
+    assert f"`vllm{compat_version.SUPPORTED_RANGE}`" in readme
+
+
+def test_ci_tests_every_supported_minor_release():
+    matrix = _ci_matrix()
+    releases = [release for release, _ in matrix]
+    assert len(set(releases)) == len(releases)
+    assert all(compat_version.is_supported(r) and r in _declared_vllm() for r in releases)
+    low, high = compat_version.SUPPORTED_MIN, compat_version.SUPPORTED_MAX_EXCLUSIVE
+    assert low[0] == high[0] == 0, "a major-version range needs its own minor list"
+    assert {_minor(r) for r in releases} == {(0, m) for m in range(low[1], high[1])}
+    # the end-to-end suite runs against the newest release, the fast suite elsewhere
+    newest = max(releases, key=Version)
+    assert [r for r, suite in matrix if suite == "full"] == [newest]
+    assert {suite for _, suite in matrix} <= {"fast", "full"}
+    # the README's two-command path and test.sh install the newest release
+    assert _setup_env_default("VLLM_VERSION") == newest
+
+
+def test_readme_table_is_the_ci_matrix():
+    rows = _readme_table()
+    plugin_version = _setup_cfg()["metadata"]["version"]
+    assert plugin_version == vllm_omni_plugin.__version__
+    current = [row for row in rows if row["plugin"] == plugin_version]
+    assert [(row["vLLM"], row["CI suite"].split()[0]) for row in current] == _ci_matrix()
+    torch_default = _setup_env_default("TORCH_VERSION")
+    assert {row["torch"] for row in current} == {torch_default}
+    readme = (ROOT / "README.md").read_text()
+    newest = max((r for r, _ in _ci_matrix()), key=Version)
+    assert f"with vLLM {newest} and torch {torch_default}" in readme  # quick start
+
+
+def test_changelog_names_the_ci_releases():
+    assert _changelog_tested_with() == [release for release, _ in _ci_matrix()]
+
+
+def test_this_environment_matches_its_table_row():
+    """Run inside each CI environment: its Python and torch are the table's."""
+    installed = version("vllm")
+    row = next((r for r in _readme_table()
+                if r["plugin"] == vllm_omni_plugin.__version__ and r["vLLM"] == installed), None)
+    if row is None:
+        pytest.skip(f"vLLM {installed} is not a CI release (developer environment)")
+    assert row["Python"] == "{}.{}".format(*sys.version_info[:2])
+    assert row["torch"] == Version(version("torch")).base_version

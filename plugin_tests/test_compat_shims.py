@@ -1,0 +1,146 @@
+"""Every compat shim exists because of a gap in vLLM (or in what it installs).
+
+These tests assert, against the installed vLLM, that each gap is still there.
+CI runs them on every supported release, the lowest included. When one fails,
+upstream has closed that gap in the vLLM under test: use the new hook there
+(feature detection in the shim), and remove the shim once the lowest supported
+vLLM has it. Also checked: each patch module says why it exists and when to
+remove it, and the seams the patches wrap are the ones vLLM still calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import inspect
+import re
+import sys
+from argparse import Namespace
+
+import pytest
+
+from vllm_omni_plugin.compat import MARKER, PATCH_MODULES
+
+
+def _vllm_plugin_groups() -> set[str]:
+    """vLLM's own entry-point groups (``vllm.plugins.*_PLUGINS_GROUP``)."""
+    import vllm.plugins
+
+    groups = {v for k, v in vars(vllm.plugins).items() if k.endswith("_PLUGINS_GROUP")}
+    assert "vllm.general_plugins" in groups  # the detection itself still works
+    return groups
+
+
+def _unpatched(cls, name: str):
+    """The function vLLM defines for ``cls.name`` (static or class method), with
+    the plugin's wrapper, if any, peeled off."""
+    return inspect.unwrap(cls.__dict__[name].__func__)
+
+
+# -- serve_args: no plugin hook for `vllm serve` flags or extra engine config ----------
+def test_shim_needed_serve_args_no_cli_plugin_group():
+    groups = _vllm_plugin_groups()
+    assert not [g for g in groups if re.search(r"cli|arg|pars|config", g)], groups
+
+
+def test_shim_needed_serve_args_endpoint_plugins_add_no_flags():
+    """Endpoint plugins (the nearest hook) add routes and state, no CLI flags."""
+    from vllm.plugins.endpoint_plugins.interface import EndpointPlugin
+
+    members = [m for m in dir(EndpointPlugin) if not m.startswith("_")]
+    assert "attach_router" in members
+    assert not [m for m in members if re.search(r"cli|arg|pars", m)], members
+
+
+def test_shim_needed_serve_args_add_cli_args_loads_no_plugins():
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = _unpatched(EngineArgs, "add_cli_args")
+    assert list(inspect.signature(original).parameters) == ["parser"]
+    source = inspect.getsource(original)
+    assert "entry_points" not in source and "load_plugins" not in source
+
+
+def test_shim_needed_serve_args_from_cli_args_drops_unknown_flags():
+    """vLLM's from_cli_args maps its own dataclass fields only: a plugin's parsed
+    flag never reaches the engine config without the wrapper."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = _unpatched(EngineArgs, "from_cli_args")
+    engine_args = original(EngineArgs, Namespace(model="m", omni_probe_flag="omni-probe-value"))
+    assert "omni-probe-value" not in repr(vars(engine_args))
+
+
+# -- engine_client: no way to choose the API server's engine client class ----------
+def _entry_module():
+    """Where vLLM builds the API server's engine client (0.30-0.32 location)."""
+    return importlib.import_module("vllm.entrypoints.launchers.api_server.entry")
+
+
+def test_shim_needed_engine_client_no_client_class_option():
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    entry = _entry_module()
+    for fn in (entry.build_async_engine_client,
+               entry.build_async_engine_client_from_engine_args):
+        params = list(inspect.signature(fn).parameters)
+        assert not [p for p in params if re.search(r"cls|class|factory", p)], (fn, params)
+    fields = [f.name for f in dataclasses.fields(AsyncEngineArgs)]
+    assert not [f for f in fields if re.search(r"(engine|client|llm).*(cls|class)", f)], fields
+    assert not [g for g in _vllm_plugin_groups() if re.search(r"engine|client", g)]
+
+
+def test_engine_client_seam_is_what_vllm_calls():
+    """The patch wraps AsyncLLM.from_vllm_config because the API server builds its
+    client there; if vLLM moves that call, the patch silently stops working."""
+    source = inspect.getsource(_entry_module().build_async_engine_client_from_engine_args)
+    assert "AsyncLLM.from_vllm_config(" in source
+
+
+# -- hf_layout: vLLM still allows transformers releases with the old thinker layout --
+def test_shim_needed_hf_layout_old_transformers_allowed():
+    """compat/hf_layout.py renames checkpoint keys only for transformers >= 5.21.
+    Needed while the vLLM under test admits a transformers older than 5.21."""
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    reqs = [Requirement(r) for r in requires("vllm") or []]
+    spec = next(r.specifier for r in reqs if r.name == "transformers" and r.marker is None)
+    lower = [Version(s.version) for s in spec if s.operator in (">=", ">", "==", "~=")]
+    assert not lower or min(lower) < Version("5.21"), str(spec)
+
+
+# -- every patch documents itself and reports whether it is on ----------------------
+@pytest.mark.parametrize("module", [*PATCH_MODULES, "vllm_omni_plugin.compat.hf_layout"])
+def test_shim_documents_why_and_when_to_remove(module):
+    doc = importlib.import_module(module).__doc__ or ""
+    assert "Why:" in doc and "Remove when:" in doc, module
+    if module in PATCH_MODULES:
+        assert "Upstream reason:" in doc, module
+
+
+def test_patch_status_after_register():
+    """compat.status sees the markers register() leaves on every declared target."""
+    import vllm_omni_plugin
+    from vllm_omni_plugin.compat.status import patch_status
+
+    vllm_omni_plugin.register()
+    status = {p.name: p for p in patch_status()}
+    assert list(status) == [m.rsplit(".", 1)[1] for m in PATCH_MODULES]
+    for name in ("serve_args", "engine_client"):
+        assert status[name].targets and status[name].active is True, status[name]
+    for p in status.values():
+        for target in p.targets:  # every declared target names a real attribute
+            module, _, path = target.partition(":")
+            if module not in sys.modules:  # importing it here could let a patch apply late
+                assert importlib.util.find_spec(module) is not None, target
+                continue
+            obj = sys.modules[module]
+            for attr in path.split("."):
+                obj = getattr(obj, attr)
+            assert callable(obj), target
+            if p.active:
+                assert getattr(obj, MARKER, False), target

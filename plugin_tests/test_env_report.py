@@ -1,0 +1,111 @@
+"""`python -m vllm_omni_plugin.tools.env_report`: run as a user would, in a fresh process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from importlib.metadata import version
+
+from plugin_tests.conftest import PYTHON
+from plugin_tests.env_utils import FAKE_VLLM, child_env, shadow_vllm_version
+from vllm_omni_plugin.compat import PATCH_MODULES
+from vllm_omni_plugin.compat.version import SUPPORTED_RANGE
+from vllm_omni_plugin.models import STAGE_MODELS
+
+#: the plugin decides its backend itself; vLLM's platform is not forced
+_CLEAN = {"VLLM_PLUGINS": None, "VLLM_OMNI_PLUGIN_BACKEND": None,
+          "VLLM_OMNI_PLUGIN_ALLOW_UNSUPPORTED_VLLM": None}
+
+
+def _report(*args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([PYTHON, "-m", "vllm_omni_plugin.tools.env_report", *args],
+                          capture_output=True, text=True, timeout=180,
+                          env=child_env({**_CLEAN, **(env_extra or {})}))
+
+
+def _json(env_extra: dict | None = None, rc: int = 0) -> dict:
+    out = _report("--json", env_extra=env_extra)
+    assert out.returncode == rc, out.stdout[-2000:] + out.stderr[-3000:]
+    return json.loads(out.stdout)  # stdout holds the report and nothing else
+
+
+def _accelerator() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def test_json_report():
+    r = _json()
+    packages = {p["name"]: p for p in r["packages"]}
+    assert list(packages) == ["vllm", "torch", "transformers", "pyzmq", "msgspec", "mooncake"]
+    for name, dist in [("vllm", "vllm"), ("torch", "torch"), ("transformers", "transformers"),
+                       ("pyzmq", "pyzmq"), ("msgspec", "msgspec")]:
+        assert packages[name]["installed"] == version(dist), name
+        assert packages[name]["in_range"] is True, packages[name]
+    # ranges come from the installed distributions' metadata
+    vllm_reqs = {q["by"]: q["specifier"] for q in packages["vllm"]["requirements"]}
+    assert set(vllm_reqs) == {"vllm-omni-plugin"}
+    assert set(vllm_reqs["vllm-omni-plugin"].split(",")) == set(SUPPORTED_RANGE.split(","))
+    assert {q["by"] for q in packages["transformers"]["requirements"]} == {"vllm"}
+    mooncake = packages["mooncake"]
+    assert [q["extra"] for q in mooncake["requirements"]] == ["pd"]
+    if mooncake["installed"] is None:
+        assert mooncake["in_range"] is None  # optional: missing is fine
+
+    assert r["plugin"]["enabled"] and r["plugin"]["vllm"] == version("vllm") and r["ok"]
+    patches = {p["name"]: p for p in r["patches"]}
+    assert list(patches) == [m.rsplit(".", 1)[1] for m in PATCH_MODULES]
+    assert patches["serve_args"]["active"] is True and patches["engine_client"]["active"] is True
+
+    eps = {e["group"]: e for e in r["extension_points"]["vllm"]}
+    assert eps["vllm.general_plugins"]["value"] == "vllm_omni_plugin:register"
+    assert eps["vllm.general_plugins"]["loaded"] is True
+    assert eps["vllm.platform_plugins"]["value"] == "vllm_omni_plugin.reference.platform:activate"
+    assert all(e["distribution"] == "vllm-omni-plugin" and e["allowed_by_VLLM_PLUGINS"]
+               for e in eps.values())
+    assert r["extension_points"]["model_registry"] == {"registered": list(STAGE_MODELS),
+                                                       "missing": []}
+    procs = r["extension_points"]["stage_input_processors"]
+    assert procs["group"] == "vllm_omni_plugin.stage_input_processors" and procs["error"] is None
+    assert {"thinker2talker", "talker2code2wav"} <= set(procs["processors"])
+
+    backend = r["backend"]
+    assert backend["setting"] == "auto" and backend["accelerator_usable"] == _accelerator()
+    assert backend["omni_mode"] == ("accelerator" if _accelerator() else "reference")
+
+
+def test_text_report():
+    out = _report()
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[1] == f"plugin: enabled (vLLM {version('vllm')} is in {SUPPORTED_RANGE})"
+    row = next(line.split() for line in lines if line.startswith("vllm "))
+    assert row[:3] == ["vllm", version("vllm"), "yes"]
+    assert any(line.split()[:2] == ["serve_args", "applied"] for line in lines)
+    assert any("vllm.general_plugins" in line and "loaded by vLLM" in line for line in lines)
+    assert lines[-1].startswith("backend in omni mode: ")
+
+
+def test_out_of_range_vllm_is_reported(tmp_path):
+    """vLLM reporting 0.12.0: the plugin is off, nothing patched, exit status 1."""
+    r = _json(shadow_vllm_version(tmp_path), rc=1)
+    vllm = next(p for p in r["packages"] if p["name"] == "vllm")
+    assert vllm["installed"] == FAKE_VLLM and vllm["in_range"] is False
+    assert r["plugin"]["enabled"] is False and r["ok"] is False
+    assert not [p for p in r["patches"] if p["active"]]
+    general = next(e for e in r["extension_points"]["vllm"]
+                   if e["group"] == "vllm.general_plugins")
+    assert general["loaded"] is False
+    assert r["extension_points"]["model_registry"]["registered"] == []
+
+
+def test_vllm_plugins_filter_and_backend_setting():
+    """VLLM_PLUGINS naming another plugin: reported as filtered, nothing applied,
+    the environment itself still fine; the backend setting is followed."""
+    r = _json({"VLLM_PLUGINS": "some_other", "VLLM_OMNI_PLUGIN_BACKEND": "accelerator"})
+    assert r["ok"] is True
+    assert not [e for e in r["extension_points"]["vllm"] if e["allowed_by_VLLM_PLUGINS"]]
+    assert not [p for p in r["patches"] if p["active"]]
+    assert r["backend"]["setting"] == "accelerator"
+    assert r["backend"]["omni_mode"] == "accelerator"
