@@ -10,6 +10,7 @@ remove it, and the seams the patches wrap are the ones vLLM still calls.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
 import importlib.util
@@ -17,6 +18,7 @@ import inspect
 import re
 import sys
 from argparse import Namespace
+from pathlib import Path
 
 import pytest
 
@@ -96,6 +98,39 @@ def test_engine_client_seam_is_what_vllm_calls():
     client there; if vLLM moves that call, the patch silently stops working."""
     source = inspect.getsource(_entry_module().build_async_engine_client_from_engine_args)
     assert "AsyncLLM.from_vllm_config(" in source
+
+
+# -- serve_headless: no hook for what a headless `vllm serve` runs -----------------
+def _vllm_source(module: str) -> ast.Module:
+    """Parsed source of a vLLM module, read without importing it (importing the CLI's
+    serve module in this process would let serve_headless apply late)."""
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.origin, module
+    return ast.parse(Path(spec.origin).read_text())
+
+
+def _function(tree: ast.AST, name: str) -> ast.FunctionDef:
+    found = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name]
+    assert len(found) == 1, name
+    return found[0]
+
+
+def test_shim_needed_serve_headless_no_runner_hook():
+    """vLLM's CLI has a fixed list of subcommand modules (no entry points), and
+    ``run_headless`` takes the parsed args only: nothing to plug a runner into."""
+    main = ast.unparse(_vllm_source("vllm.entrypoints.cli.main"))
+    assert "CMD_MODULES" in main and "entry_points" not in main
+    run_headless = _function(_vllm_source("vllm.entrypoints.cli.serve"), "run_headless")
+    assert [a.arg for a in run_headless.args.args] == ["args"]
+
+
+def test_serve_headless_seam_is_what_vllm_calls():
+    """ServeSubcommand.cmd calls the module-level run_headless by name, so
+    replacing the module attribute reaches it."""
+    cmd = _function(_vllm_source("vllm.entrypoints.cli.serve"), "cmd")
+    calls = [n.func.id for n in ast.walk(cmd)
+             if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
+    assert "run_headless" in calls
 
 
 # -- hf_layout: vLLM still allows transformers releases with the old thinker layout --
