@@ -28,6 +28,17 @@ def venv_bin(name: str) -> str:
     return str(candidate) if candidate.exists() else name
 
 
+def make_checkpoint(path: Path) -> float:
+    """Write the tiny Qwen3-Omni checkpoint (seed 0) to ``path``; returns seconds taken."""
+    start = time.perf_counter()
+    subprocess.run(
+        [sys.executable, "-m", "vllm_omni_plugin.tools.tiny_checkpoint", "qwen3-omni", str(path),
+         "--seed", "0"],
+        check=True, cwd=str(REPO), stdout=subprocess.DEVNULL, timeout=600,
+    )
+    return time.perf_counter() - start
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

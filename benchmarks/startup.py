@@ -49,7 +49,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -64,6 +63,7 @@ from _common import (  # noqa: E402
     fmt,
     free_port,
     install_sigterm_as_interrupt,
+    make_checkpoint,
     median,
     post_json,
     table,
@@ -83,16 +83,6 @@ RE_LISTENING = re.compile(r"Starting vLLM (?:API )?server on")
 
 
 # --------------------------------------------------------------------------- setup
-
-
-def make_checkpoint(path: Path) -> float:
-    start = time.perf_counter()
-    subprocess.run(
-        [sys.executable, "-m", "vllm_omni_plugin.tools.tiny_checkpoint", "qwen3-omni", str(path),
-         "--seed", "0"],
-        check=True, cwd=str(REPO), stdout=subprocess.DEVNULL, timeout=600,
-    )
-    return time.perf_counter() - start
 
 
 def stage_names(yaml_path: Path) -> dict[int, str]:

@@ -21,15 +21,20 @@ def free_port() -> int:
 
 
 class ServeProcess:
-    """``vllm serve ARGS`` in its own process group, log in ``log_path``."""
+    """``vllm serve ARGS`` in its own process group, log in ``log_path``.
 
-    def __init__(self, args: list[str], log_path: str, env: dict | None = None):
+    ``prefix``: command words before ``vllm`` (e.g. ``ip netns exec NS``).
+    """
+
+    def __init__(self, args: list[str], log_path: str, env: dict | None = None,
+                 prefix: list[str] | None = None):
         self.port = free_port()
         self.log_path = log_path
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(
-            [VLLM, "serve", *args, "--host", "127.0.0.1", "--port", str(self.port)],
+            [*(prefix or []), VLLM, "serve", *args, "--host", "127.0.0.1",
+             "--port", str(self.port)],
             stdout=self._log, stderr=subprocess.STDOUT, env=env or os.environ.copy(),
             start_new_session=True,
         )

@@ -1,8 +1,9 @@
 """Replicated stages with real processes: a head `vllm serve` plus two headless
 `vllm serve --headless --stage-id 1` processes serving the talker.
 
-Every part is real: three `vllm serve` processes, five EngineCores, the master,
-the coordinator, heartbeats and task channels over TCP. The faults are real
+Every part is real: three `vllm serve` processes, six EngineCores (the head
+runs two local code2wav replicas), the master, the coordinator, heartbeats
+and task channels over TCP, all signed with a cluster token. The faults are real
 signals to the replica's process group: SIGSTOP/SIGCONT (a replica that stops
 heartbeating, then resumes) and SIGKILL (a replica that dies mid-request).
 The tests run in file order and share the processes; each says what state it
@@ -25,6 +26,7 @@ from plugin_tests.serve_utils import ServeProcess, free_port
 HEARTBEAT_TIMEOUT = 4.0
 WAIT_TIMEOUT = 5.0
 TALKER_MAX_FRAMES = 96  # a few seconds per request on the reference backend
+TOKEN = "test-cluster-secret"
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +37,11 @@ def cluster(tiny_qwen3_omni, tmp_path_factory):
     talker = pipeline["stages"][1]
     talker["default_sampling_params"]["max_tokens"] = TALKER_MAX_FRAMES
     talker["runtime"] = {"num_replicas": 0}  # headless replicas only
+    pipeline["stages"][2]["runtime"] = {"num_replicas": 2}  # two local code2wav replicas
     yaml_path = root / "pipeline.yaml"
     yaml_path.write_text(yaml.safe_dump(pipeline))
-    env = {**os.environ, "VLLM_OMNI_PLUGIN_BACKEND": "reference"}
+    env = {**os.environ, "VLLM_OMNI_PLUGIN_BACKEND": "reference",
+           "VLLM_OMNI_PLUGIN_CLUSTER_TOKEN": TOKEN}
     master_port = free_port()
     common = [tiny_qwen3_omni, "--stage-configs-path", str(yaml_path), "--dtype", "float32",
               "--max-model-len", "2048", "-oma", "127.0.0.1", "-omp", str(master_port)]
@@ -53,8 +57,9 @@ def cluster(tiny_qwen3_omni, tmp_path_factory):
         head.wait_ready()
         replicas = {}
         for proc in headless:
-            match = proc.wait_for_log(r"stage 1 replica (\d+) serving on")
+            match = proc.wait_for_log(r"stage 1 replica (\d+) serving on (tcp://\S+)")
             replicas[int(match.group(1))] = proc
+            proc.task_address = match.group(2)
         assert sorted(replicas) == [0, 1]
         _wait(lambda: _attached(head) == {0, 1}, 60, head)
         yield head, replicas
@@ -107,9 +112,51 @@ def test_requests_spread_over_headless_replicas_round_robin(cluster):
         assert response.json()["choices"][0]["message"]["audio"]["data"]
     after = _stage1(head, "vllm_omni:replica_requests_total")
     assert {r: after[r] - before.get(r, 0) for r in after} == {0: 2, 1: 2}
-    # the head's code2wav replica is in-process
-    assert head.metrics()[("vllm_omni:replica_status", frozenset(
-        {("stage", "2"), ("replica", "0"), ("location", "local"), ("status", "up")}))] == 1
+    # code2wav: the head's two in-process replicas (runtime.num_replicas: 2)
+    code2wav = {dict(labels)["replica"]: value for (name, labels), value in head.metrics().items()
+                if name == "vllm_omni:replica_requests_total"
+                and ("stage", "2") in labels and ("location", "local") in labels}
+    assert code2wav == {"0": 2, "1": 2}
+
+
+def test_bad_frames_at_a_replica_are_dropped_and_it_keeps_serving(cluster):
+    """Random, truncated, large and unsigned frames at a headless replica's
+    task endpoint: dropped (logged, rate-limited), nothing runs, the replica
+    still serves."""
+    import random
+
+    import msgspec
+    import zmq
+
+    head, replicas = cluster
+    target = replicas[0]
+    rng = random.Random(0)
+    valid = msgspec.msgpack.encode({"type": "to_replica", "protocol_version": 1, "msg": {
+        "type": "task_submit", "request_id": "forged", "prompt_token_ids": [1],
+        "sampling": {}, "payload": b"", "protocol_version": 1}})
+    frames = [[bytes(rng.randrange(256) for _ in range(rng.randrange(1, 200)))]
+              for _ in range(20)]
+    frames += [[valid[:n]] for n in (1, 7, len(valid) // 2)]
+    frames += [[valid], [valid, b"\0" * 32], [b"x" * 200_000, b"\0" * 32]]  # bad token
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(target.task_address)
+    try:
+        for parts in frames:
+            sock.send_multipart(parts)
+        _wait(lambda: "dropped a task-channel frame" in target.log(), 30, head)
+        # an unsigned task never runs: no reply of any kind comes back
+        assert not sock.poll(3000), sock.recv_multipart()
+    finally:
+        sock.close()
+        ctx.term()
+    before = _stage1(head, "vllm_omni:replica_requests_total")
+    for i in range(2):
+        response = _audio(head, f"After garbage {i}.")
+        assert response.status_code == 200, response.text
+    after = _stage1(head, "vllm_omni:replica_requests_total")
+    assert after[0] == before[0] + 1 and after[1] == before[1] + 1
 
 
 def test_stopped_replica_goes_error_then_up_and_its_requests_are_resubmitted(cluster):

@@ -200,7 +200,9 @@ class RemoteReplica(Replica):
                 msg = self._channel.decode(frames)
             except FrameRejected as rej:
                 self.rejected_frames += 1
-                logger.warning("%s: dropped a frame (%s)", self.name, rej)
+                if self.rejected_frames == 1:
+                    logger.warning("%s: dropped a task-channel frame (%s); further ones are "
+                                   "only counted", self.name, rej)
                 continue
             pending = self._pending.get(msg.request_id)
             if pending is None or pending.future.done():

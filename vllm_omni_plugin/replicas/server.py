@@ -12,8 +12,10 @@ process exits non-zero so a supervisor can restart it).
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import signal
+import time
 
 import zmq
 import zmq.asyncio
@@ -42,6 +44,9 @@ from .task import ReplicaLost, StageTask, TaskAborted, TaskError, run_on_engine
 
 logger = init_logger(__name__)
 
+#: Minimum seconds between two log lines about dropped task-channel frames.
+_REJECT_LOG_INTERVAL_S = 30.0
+
 
 class ReplicaServer:
     """Serves one replica's task endpoint on top of its stage engine.
@@ -64,6 +69,7 @@ class ReplicaServer:
         self.tasks: dict[str, asyncio.Task] = {}
         self.aborted: set[str] = set()
         self.rejected_frames = 0
+        self._last_reject_log = -math.inf
         self.socket = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_TASK_FRAME_BYTES + 4096)
@@ -91,9 +97,7 @@ class ReplicaServer:
             try:
                 msg = self.channel.decode(frames)
             except FrameRejected as rej:
-                self.rejected_frames += 1
-                logger.warning("stage %d replica %d dropped a frame (%s)",
-                               self.stage_id, self.replica_id, rej)
+                self._count_reject(rej)
                 continue
             if isinstance(msg, TaskSubmit):
                 if msg.request_id not in self.tasks:
@@ -101,6 +105,16 @@ class ReplicaServer:
             elif isinstance(msg, TaskAbort) and msg.request_id in self.tasks:
                 self.aborted.add(msg.request_id)
                 await self.engine.abort(msg.request_id)
+
+    def _count_reject(self, rej: FrameRejected) -> None:
+        """Count a dropped frame; log at most every ``_REJECT_LOG_INTERVAL_S``."""
+        self.rejected_frames += 1
+        now = time.monotonic()
+        if now - self._last_reject_log >= _REJECT_LOG_INTERVAL_S:
+            self._last_reject_log = now
+            logger.warning("stage %d replica %d dropped a task-channel frame (%s); %d dropped "
+                           "so far, next report in %.0f s at the earliest", self.stage_id,
+                           self.replica_id, rej, self.rejected_frames, _REJECT_LOG_INTERVAL_S)
 
     async def _reply(self, identity: bytes, msg) -> None:
         await self.socket.send_multipart([identity, *self.channel.frames(ToHead(msg=msg))])

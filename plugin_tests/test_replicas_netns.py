@@ -1,0 +1,94 @@
+"""Head and headless replica in separate network namespaces (real veth link).
+
+The head runs in this namespace and binds its omni master to the veth
+address; the headless replica runs in its own namespace, finds its address
+through the route probe toward the master and is reached over the link.
+Needs root (CAP_NET_ADMIN) and `ip`; skipped with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+
+import pytest
+import yaml
+
+from plugin_tests.conftest import QWEN3_OMNI_YAML
+from plugin_tests.serve_utils import ServeProcess, free_port
+
+HEAD_IP, REPLICA_IP = "10.231.0.1", "10.231.0.2"
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture
+def netns():
+    if shutil.which("ip") is None:
+        pytest.skip("the `ip` command is not installed")
+    name = f"omni-{uuid.uuid4().hex[:6]}"
+    host_if, peer_if = f"vh{name[-6:]}", f"vp{name[-6:]}"
+    probe = _ip("netns", "add", name)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot create a network namespace here: {probe.stderr.strip()}")
+    try:
+        for args in (("link", "add", host_if, "type", "veth", "peer", "name", peer_if),
+                     ("link", "set", peer_if, "netns", name),
+                     ("addr", "add", f"{HEAD_IP}/24", "dev", host_if),
+                     ("link", "set", host_if, "up"),
+                     ("netns", "exec", name, "ip", "addr", "add", f"{REPLICA_IP}/24",
+                      "dev", peer_if),
+                     ("netns", "exec", name, "ip", "link", "set", peer_if, "up"),
+                     ("netns", "exec", name, "ip", "link", "set", "lo", "up")):
+            out = _ip(*args)
+            if out.returncode != 0:
+                pytest.skip(f"cannot set up a veth link: ip {' '.join(args)}: {out.stderr}")
+        yield name
+    finally:
+        _ip("link", "del", host_if)
+        _ip("netns", "del", name)
+
+
+def test_headless_replica_in_another_network_namespace(netns, tiny_qwen3_omni, tmp_path):
+    with open(QWEN3_OMNI_YAML) as f:
+        pipeline = yaml.safe_load(f)
+    pipeline["stages"][1]["default_sampling_params"]["max_tokens"] = 16
+    pipeline["stages"][1]["runtime"] = {"num_replicas": 0}
+    yaml_path = tmp_path / "pipeline.yaml"
+    yaml_path.write_text(yaml.safe_dump(pipeline))
+    env = {**os.environ, "VLLM_OMNI_PLUGIN_BACKEND": "reference"}
+    port = free_port()
+    common = [tiny_qwen3_omni, "--stage-configs-path", str(yaml_path), "--dtype", "float32",
+              "--max-model-len", "2048", "-oma", HEAD_IP, "-omp", str(port)]
+    head = ServeProcess([*common, "--omni-heartbeat-timeout", "10"],
+                        str(tmp_path / "head.log"), env=env)
+    replica = None
+    try:
+        head.wait_for_log(r"omni master on tcp://")
+        replica = ServeProcess([*common, "--headless", "--stage-id", "1"],
+                               str(tmp_path / "headless.log"), env=env,
+                               prefix=["ip", "netns", "exec", netns])
+        head.wait_ready()
+        match = replica.wait_for_log(r"stage 1 replica (\d+) serving on (tcp://\S+)")
+        assert match.group(2).startswith(f"tcp://{REPLICA_IP}:")  # found by the route probe
+        head.wait_for_log(r"stage 1 replica \d+ \(remote tcp://10\.231\.0\.2:\d+\) attached",
+                          timeout_s=60)
+        import requests
+
+        model = requests.get(f"{head.url}/v1/models", timeout=10).json()["data"][0]["id"]
+        response = head.chat({"model": model, "max_tokens": 6, "temperature": 0,
+                              "modalities": ["text", "audio"],
+                              "messages": [{"role": "user", "content": "Across the link."}]})
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["message"]["audio"]["data"]
+        served = [v for (name, labels), v in head.metrics().items()
+                  if name == "vllm_omni:replica_requests_total" and ("stage", "1") in labels]
+        assert served == [1.0]
+    finally:
+        if replica is not None:
+            replica.stop()
+        head.stop()
