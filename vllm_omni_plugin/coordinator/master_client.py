@@ -263,8 +263,8 @@ def route_probe_address(
     source address is what a headless replica should bind on and advertise,
     since the master's host reached us through it. Behind NAT, with several
     NICs where the master's route is not the one peers should use, or in
-    containers with published ports, pass ``override`` (the future
-    ``--omni-replica-address``).
+    containers with published ports, pass ``override``
+    (``--omni-replica-address``).
 
     Args:
         master_host: Host name or IP of the master; ``tcp://host:port`` and
