@@ -117,8 +117,7 @@ class Orchestrator:
                  for s in downstream}
         base = base_args_from(vllm_config.model_config)
         plan = [(s, replica_id) for s in downstream
-                for replica_id in cluster.register_local(s.stage_id, s.runtime.num_replicas)
-                ] if downstream else []
+                for replica_id in cluster.register_local(s.stage_id, s.runtime.num_replicas)]
         # Engines start concurrently: each start is mostly an EngineCore
         # process spawning, importing and handshaking.
         replicas, errors = [], []

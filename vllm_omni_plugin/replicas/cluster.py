@@ -128,6 +128,11 @@ class HeadCluster:
                 if key not in held:
                     pool.remove(replica.replica_id, "deregistered")
                     continue
+                if replica.address not in known:  # the coordinator purged it (long dead)
+                    await asyncio.to_thread(self.master.deregister_local, pool.stage_id,
+                                            [replica.replica_id])
+                    pool.remove(replica.replica_id, "purged by the coordinator")
+                    continue
                 info = up.get(replica.address)
                 if info is not None:
                     replica.reported_queue_length = info.queue_length

@@ -68,6 +68,7 @@ class ReplicaServer:
         self.channel = Channel(ToReplica)
         self.tasks: dict[str, asyncio.Task] = {}
         self.aborted: set[str] = set()
+        self._sending: set[asyncio.Task] = set()
         self.rejected_frames = 0
         self._last_reject_log = -math.inf
         self.socket = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
@@ -124,7 +125,9 @@ class ReplicaServer:
         loop = asyncio.get_running_loop()
 
         def progress(num_tokens: int) -> None:
-            loop.create_task(self._reply(identity, TaskProgress(rid, num_tokens)))
+            sending = loop.create_task(self._reply(identity, TaskProgress(rid, num_tokens)))
+            self._sending.add(sending)  # asyncio keeps only weak references to tasks
+            sending.add_done_callback(self._sending.discard)
 
         try:
             try:
