@@ -1,0 +1,112 @@
+"""StagePool decisions: affinity, CFG companions, bounded wait, failover.
+
+The pool's replicas here are :class:`Replica` instances whose ``run`` is
+scripted, to inject each failure deterministically (a replica lost before or
+after producing output, at a chosen moment). The same paths with real
+processes, signals and sockets are in ``test_replicas_serve.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from vllm_omni_plugin.coordinator import (
+    LeastQueueLengthBalancer,
+    RandomBalancer,
+    RoundRobinBalancer,
+)
+from vllm_omni_plugin.replicas.pool import NoReplicaAvailable, ReplicaFailed, StagePool
+from vllm_omni_plugin.replicas.replica import Replica
+from vllm_omni_plugin.replicas.task import ReplicaLost, StageRun, StageTask
+
+
+class ScriptedReplica(Replica):
+    """Runs tasks by ``outcome``: "ok", "lost-before-output" or "lost-after-output"."""
+
+    def __init__(self, replica_id: int, outcome: str = "ok", queue_length: int = 0):
+        super().__init__(3, replica_id, f"tcp://127.0.0.1:{29000 + replica_id}")
+        self.outcome = outcome
+        self.queue_length = queue_length
+        self.ran: list[str] = []
+
+    async def run(self, task: StageTask) -> StageRun:
+        self.ran.append(task.request_id)
+        await asyncio.sleep(0)
+        if self.outcome != "ok":
+            self.lost("was killed")
+            raise ReplicaLost(f"replica {self.replica_id} was killed",
+                              produced_output=self.outcome == "lost-after-output")
+        return StageRun([1], [self.replica_id], {})
+
+
+def _task(rid: str, parent: str | None = None) -> StageTask:
+    return StageTask(rid, [1, 2], {}, parent_request_id=parent)
+
+
+def _pool(*replicas, balancer=None, wait=0.3) -> StagePool:
+    pool = StagePool(3, balancer or RandomBalancer(seed=1), wait)
+    for r in replicas:
+        pool.add(r)
+    return pool
+
+
+def test_request_keeps_its_replica_and_cfg_companion_follows_parent():
+    replicas = [ScriptedReplica(i) for i in range(4)]
+    pool = _pool(*replicas)
+    first = pool.select(_task("req-a"))
+    assert all(pool.select(_task("req-a")) is first for _ in range(20))
+    assert all(pool.select(_task(f"req-a__cfg{i}", parent="req-a")) is first for i in range(5))
+    # without affinity the random balancer spreads
+    assert len({pool.select(_task(f"other-{i}")).replica_id for i in range(40)}) == 4
+
+
+def test_affinity_yields_when_the_replica_is_detached():
+    a, b = ScriptedReplica(0), ScriptedReplica(1)
+    pool = _pool(a, b, balancer=RoundRobinBalancer())
+    pinned = pool.select(_task("req"))
+    pinned.lost("missed heartbeats")
+    other = pool.select(_task("req"))
+    assert other is not pinned and other.attached
+    assert pool.select(_task("req__cfg", parent="req")) is other
+
+
+def test_least_queue_length_uses_reported_load():
+    pool = _pool(ScriptedReplica(0, queue_length=5), ScriptedReplica(1, queue_length=0),
+                 ScriptedReplica(2, queue_length=3), balancer=LeastQueueLengthBalancer(seed=0))
+    assert {pool.select(_task(f"r{i}")).replica_id for i in range(10)} == {1}
+
+
+def test_no_replica_fails_after_the_wait_with_503():
+    pool = _pool(wait=0.2)
+    with pytest.raises(NoReplicaAvailable, match="no replica available for stage 3") as info:
+        asyncio.run(pool.run(_task("req")))
+    assert info.value.status == 503
+
+
+def test_replica_attaching_during_the_wait_takes_the_task():
+    async def scenario():
+        pool = _pool(wait=10.0)
+        late = ScriptedReplica(7)
+        asyncio.get_running_loop().call_later(0.1, pool.add, late)
+        return await pool.run(_task("req")), late
+
+    result, late = asyncio.run(scenario())
+    assert result.output_token_ids == [7] and late.ran == ["req"]
+
+
+def test_task_without_output_is_resubmitted_elsewhere():
+    dead, alive = ScriptedReplica(0, "lost-before-output"), ScriptedReplica(1)
+    pool = _pool(dead, alive, balancer=RoundRobinBalancer())
+    result = asyncio.run(pool.run(_task("req")))
+    assert dead.ran == ["req"] and alive.ran == ["req"]
+    assert result.output_token_ids == [1] and pool.resubmissions == 1
+
+
+def test_task_with_output_fails_naming_stage_and_replica():
+    pool = _pool(ScriptedReplica(0, "lost-after-output"), ScriptedReplica(1),
+                 balancer=RoundRobinBalancer())
+    with pytest.raises(ReplicaFailed, match="replica 0 of stage 3 failed mid-request") as info:
+        asyncio.run(pool.run(_task("req")))
+    assert info.value.status == 500 and pool.failures == 1 and pool.resubmissions == 0
