@@ -40,20 +40,23 @@ def cluster(tiny_qwen3_omni, tmp_path_factory):
     pipeline["stages"][2]["runtime"] = {"num_replicas": 2}  # two local code2wav replicas
     yaml_path = root / "pipeline.yaml"
     yaml_path.write_text(yaml.safe_dump(pipeline))
-    env = {**os.environ, "VLLM_OMNI_PLUGIN_BACKEND": "reference",
-           "VLLM_OMNI_PLUGIN_CLUSTER_TOKEN": TOKEN}
+    env = {**os.environ, "VLLM_OMNI_PLUGIN_BACKEND": "reference"}
+    # the head gets the token by flag, the replicas by environment: both must agree
+    replica_env = {**env, "VLLM_OMNI_PLUGIN_CLUSTER_TOKEN": TOKEN}
     master_port = free_port()
     common = [tiny_qwen3_omni, "--stage-configs-path", str(yaml_path), "--dtype", "float32",
               "--max-model-len", "2048", "-oma", "127.0.0.1", "-omp", str(master_port)]
     head = ServeProcess([*common, "--omni-lb-policy", "round-robin",
                          "--omni-heartbeat-timeout", str(HEARTBEAT_TIMEOUT),
-                         "--omni-replica-wait-timeout", str(WAIT_TIMEOUT)],
+                         "--omni-replica-wait-timeout", str(WAIT_TIMEOUT),
+                         "--omni-cluster-token", TOKEN],
                         str(root / "head.log"), env=env)
     headless = []
     try:
         head.wait_for_log(r"omni master on tcp://")
         headless = [ServeProcess([*common, "--headless", "--stage-id", "1"],
-                                 str(root / f"headless{i}.log"), env=env) for i in range(2)]
+                                 str(root / f"headless{i}.log"), env=replica_env)
+                    for i in range(2)]
         head.wait_ready()
         replicas = {}
         for proc in headless:
@@ -105,6 +108,7 @@ def head_model(head) -> str:
 
 def test_requests_spread_over_headless_replicas_round_robin(cluster):
     head, _ = cluster
+    assert head.log().count("auth on") == 2  # master and coordinator: signed frames only
     before = _stage1(head, "vllm_omni:replica_requests_total")
     for i in range(4):
         response = _audio(head, f"Request {i}.")
