@@ -2,12 +2,15 @@
 
 1. **Scaling.** The talker (stage 1) is the pipeline's bottleneck: with
    ``--talker-frames`` codec frames per request (default 64) it costs far more
-   than the thinker (``max_tokens`` 4) and code2wav. The same ``vllm serve``
-   pipeline runs with ``runtime.num_replicas`` 1 and then 2 for the talker
-   (local replicas in the head), and for each a burst of ``--requests``
-   concurrent audio chats (after one warm-up chat) is timed. Printed: requests/s
-   of each and the 2-vs-1 ratio (target >= 1.7). Every process runs with
-   ``OMP_NUM_THREADS=1`` so two replicas can use two cores.
+   than the thinker (``max_tokens`` 4) and code2wav. Each talker replica is
+   capacity-bound like an accelerator replica is by its KV cache: at most
+   ``--talker-max-num-seqs`` (default 4) requests run at once in it (vLLM's
+   ``max_num_seqs``). The same ``vllm serve`` pipeline runs with
+   ``runtime.num_replicas`` 1 and then 2 for the talker (local replicas in the
+   head), and for each a burst of ``--requests`` (default 16) concurrent audio
+   chats (after one warm-up chat) is timed. Printed: requests/s of each and the
+   2-vs-1 ratio (target >= 1.7). Every process runs with ``OMP_NUM_THREADS=1``
+   so two replicas can use two cores.
 2. **Failover.** A head plus two headless talker replicas
    (``--headless --stage-id 1``), ``--omni-heartbeat-timeout`` T (default 3 s),
    round-robin. One replica's process group gets SIGKILL at t0 and two
@@ -20,7 +23,7 @@
 Usage (from the repository root)::
 
     .venv/bin/python benchmarks/replicas_bench.py
-    .venv/bin/python benchmarks/replicas_bench.py --requests 8 --talker-frames 64 --skip-failover
+    .venv/bin/python benchmarks/replicas_bench.py --talker-max-num-seqs 0 --skip-failover
 """
 
 from __future__ import annotations
@@ -54,10 +57,12 @@ from _common import (  # noqa: E402
 YAML = REPO / "stage_configs" / "qwen3_omni_moe.yaml"
 
 
-def write_yaml(path: Path, talker_frames: int, talker_replicas: int) -> Path:
+def write_yaml(path: Path, args, talker_replicas: int) -> Path:
     pipeline = yaml.safe_load(YAML.read_text())
     talker = pipeline["stages"][1]
-    talker["default_sampling_params"]["max_tokens"] = talker_frames
+    talker["default_sampling_params"]["max_tokens"] = args.talker_frames
+    if args.talker_max_num_seqs:
+        talker["engine_args"]["max_num_seqs"] = args.talker_max_num_seqs
     # a random-weight talker rarely emits EOS: every request runs all frames
     talker["runtime"] = {"num_replicas": talker_replicas}
     path.write_text(yaml.safe_dump(pipeline))
@@ -108,7 +113,7 @@ def serve(args, ckpt: Path, yaml_path: Path, log: Path, extra: list[str],
 def scaling(args, ckpt: Path, work: Path, env: dict) -> dict[int, float]:
     rates = {}
     for replicas in (1, 2):
-        yaml_path = write_yaml(work / f"scaling{replicas}.yaml", args.talker_frames, replicas)
+        yaml_path = write_yaml(work / f"scaling{replicas}.yaml", args, replicas)
         server, url = serve(args, ckpt, yaml_path, work / f"scaling{replicas}.log", [], env)
         try:
             wait_health(server, f"{url}/health", timeout=600)
@@ -131,7 +136,7 @@ def metric(url: str, name: str, **labels: str) -> float | None:
 
 
 def failover(args, ckpt: Path, work: Path, env: dict) -> dict[str, float]:
-    yaml_path = write_yaml(work / "failover.yaml", args.talker_frames, 0)
+    yaml_path = write_yaml(work / "failover.yaml", args, 0)
     master_port = free_port()
     common = ["-oma", "127.0.0.1", "-omp", str(master_port)]
     head, url = serve(args, ckpt, yaml_path, work / "head.log",
@@ -191,8 +196,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", type=Path, default=None,
                     help="reuse this tiny checkpoint (made there if it has no config.json)")
-    ap.add_argument("--requests", type=int, default=8, help="concurrent chats per burst")
+    ap.add_argument("--requests", type=int, default=16, help="concurrent chats per burst")
     ap.add_argument("--talker-frames", type=int, default=64, help="talker max_tokens")
+    ap.add_argument("--talker-max-num-seqs", type=int, default=4,
+                    help="max_num_seqs of each talker replica (0: vLLM's default)")
     ap.add_argument("--heartbeat-timeout", type=float, default=3.0)
     ap.add_argument("--skip-scaling", action="store_true")
     ap.add_argument("--skip-failover", action="store_true")
@@ -221,7 +228,8 @@ def main() -> None:
         print()
         print(table(["measure", "value", "target"], rows,
                     title=f"replicas ({args.requests} concurrent chats, talker "
-                          f"{args.talker_frames} frames, {os.cpu_count()} CPUs)"))
+                          f"{args.talker_frames} frames, max_num_seqs "
+                          f"{args.talker_max_num_seqs or 'default'}, {os.cpu_count()} CPUs)"))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ import yaml
 from plugin_tests.conftest import QWEN3_OMNI_YAML
 from plugin_tests.serve_utils import ServeProcess, free_port
 
+pytestmark = pytest.mark.e2e
+
 HEAD_IP, REPLICA_IP = "10.231.0.1", "10.231.0.2"
 
 

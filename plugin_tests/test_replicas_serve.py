@@ -23,6 +23,8 @@ import yaml
 from plugin_tests.conftest import QWEN3_OMNI_YAML
 from plugin_tests.serve_utils import ServeProcess, free_port
 
+pytestmark = pytest.mark.e2e
+
 HEARTBEAT_TIMEOUT = 4.0
 WAIT_TIMEOUT = 5.0
 TALKER_MAX_FRAMES = 96  # a few seconds per request on the reference backend
