@@ -114,7 +114,8 @@ def scaling(args, ckpt: Path, work: Path, env: dict) -> dict[int, float]:
     rates = {}
     for replicas in (1, 2):
         yaml_path = write_yaml(work / f"scaling{replicas}.yaml", args, replicas)
-        server, url = serve(args, ckpt, yaml_path, work / f"scaling{replicas}.log", [], env)
+        server, url = serve(args, ckpt, yaml_path, work / f"scaling{replicas}.log",
+                            ["--omni-lb-policy", "least-queue-length"], env)
         try:
             wait_health(server, f"{url}/health", timeout=600)
             chat(url, str(ckpt), "Warm up.")
