@@ -19,6 +19,7 @@ def _run(code: str, env_extra: dict | None = None,
 
 
 def test_register_is_idempotent_and_patches_once():
+    import vllm.entrypoints.cli.serve as serve  # imported by vLLM's CLI before plugins
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -26,11 +27,14 @@ def test_register_is_idempotent_and_patches_once():
     from vllm_omni_plugin.compat import MARKER, apply_all
 
     vllm_omni_plugin.register()
-    first = (EngineArgs.add_cli_args, AsyncLLM.from_vllm_config)
+    # The headless seam applies only once vLLM's CLI module is loaded; if an
+    # earlier test registered before that, apply it now, as the CLI would.
+    apply_all()
+    first = (EngineArgs.add_cli_args, AsyncLLM.from_vllm_config, serve.run_headless)
     vllm_omni_plugin.register()
     assert apply_all() == []  # already applied: nothing applied twice
-    assert (EngineArgs.add_cli_args, AsyncLLM.from_vllm_config) == first
-    assert getattr(EngineArgs.add_cli_args, MARKER)
+    assert (EngineArgs.add_cli_args, AsyncLLM.from_vllm_config, serve.run_headless) == first
+    assert all(getattr(f, MARKER) for f in first)
 
 
 def test_stage_models_registered_lazily():
