@@ -57,6 +57,9 @@ def test_json_report():
     patches = {p["name"]: p for p in r["patches"]}
     assert list(patches) == [m.rsplit(".", 1)[1] for m in PATCH_MODULES]
     assert patches["serve_args"]["active"] is True and patches["engine_client"]["active"] is True
+    # the headless seam patches vLLM's CLI module, which the report never imports
+    assert patches["serve_headless"] == {**patches["serve_headless"], "active": False,
+                                         "loaded": False}
 
     eps = {e["group"]: e for e in r["extension_points"]["vllm"]}
     assert eps["vllm.general_plugins"]["value"] == "vllm_omni_plugin:register"

@@ -23,6 +23,8 @@ class PatchStatus:
     targets: tuple[str, ...]
     #: True/False from the markers; None when the module declares no TARGETS.
     active: bool | None
+    #: Every target's module is imported in this process (else it cannot be patched here).
+    loaded: bool = True
 
 
 def _marked(target: str) -> bool:
@@ -39,5 +41,7 @@ def patch_status() -> list[PatchStatus]:
     for module_name in PATCH_MODULES:
         targets = tuple(getattr(importlib.import_module(module_name), "TARGETS", ()))
         active = all(_marked(t) for t in targets) if targets else None
-        result.append(PatchStatus(module_name.rsplit(".", 1)[1], module_name, targets, active))
+        loaded = all(t.partition(":")[0] in sys.modules for t in targets)
+        result.append(PatchStatus(module_name.rsplit(".", 1)[1], module_name, targets, active,
+                                  loaded))
     return result

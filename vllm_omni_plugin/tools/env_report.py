@@ -191,8 +191,8 @@ def _processors() -> dict:
 def _patches() -> list[dict]:
     from vllm_omni_plugin.compat.status import patch_status
 
-    return [{"name": p.name, "module": p.module, "targets": list(p.targets), "active": p.active}
-            for p in patch_status()]
+    return [{"name": p.name, "module": p.module, "targets": list(p.targets), "active": p.active,
+             "loaded": p.loaded} for p in patch_status()]
 
 
 def _backend() -> dict:
@@ -253,7 +253,8 @@ def format_text(r: dict) -> str:
     lines += ["", "patches (compat/):"]
     for p in r["patches"]:
         state = {True: "applied", False: "not applied", None: "unknown (declares no TARGETS)"}
-        lines.append(f"  {p['name']:<16}{state[p['active']]:<13}{', '.join(p['targets'])}")
+        note = "" if p["loaded"] else " (module not loaded in this process)"
+        lines.append(f"  {p['name']:<16}{state[p['active']]:<13}{', '.join(p['targets'])}{note}")
     if not r["patches"]:
         lines.append("  (none)")
     if r["load_error"]:
