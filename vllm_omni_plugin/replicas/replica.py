@@ -116,12 +116,12 @@ class LocalReplica(Replica):
             await self.engine.abort(request_id)
 
     def close(self) -> None:
+        """Shut the engine down; the payload directory belongs to the orchestrator."""
         super().close()
         try:
             self.engine.shutdown()
         except Exception:
             logger.exception("%s: shutdown failed", self.name)
-        self.store.close()
 
 
 class _Pending:
