@@ -21,7 +21,6 @@ loop never blocks on the control plane.
 from __future__ import annotations
 
 import asyncio
-import math
 
 from vllm_omni_plugin.coordinator import (
     OmniCoordClientForHub,
@@ -153,10 +152,6 @@ class HeadCluster:
             replica = RemoteReplica(stage_id, replica_id, address, self.cluster_token)
             replica.reported_queue_length = up[address].queue_length
             pool.add(replica)
-
-    @property
-    def seconds_since_update(self) -> float:
-        return self.hub.seconds_since_update if self.hub is not None else math.inf
 
     def close(self) -> None:
         if self._task is not None:
