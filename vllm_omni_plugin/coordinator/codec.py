@@ -26,6 +26,9 @@ never anything else.
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from enum import Enum
 from typing import Generic, Literal, TypeVar
 
@@ -175,6 +178,40 @@ def _wire_variant(msg_type: type[T]) -> type[T]:
 def encode(msg: msgspec.Struct) -> bytes:
     """msgpack-encode a wire message."""
     return msgspec.msgpack.encode(msg)
+
+
+#: Default minimum seconds between two log lines about the same reject reason.
+REJECT_LOG_INTERVAL_S = 30.0
+
+
+class RejectLog:
+    """Rate-limited warnings about dropped frames, one clock per reject reason.
+
+    The first reject of a reason is logged, further ones of that reason are
+    only counted (by the caller) until ``interval`` seconds have passed, so a
+    flood of hostile frames cannot flood the log. Thread-safe.
+
+    Args:
+        logger: Where to log.
+        what: Who dropped the frames, e.g. ``"OmniCoordinator dropped a frame"``.
+        interval: Seconds between two lines for the same reason.
+    """
+
+    def __init__(self, logger: logging.Logger, what: str,
+                 interval: float = REJECT_LOG_INTERVAL_S) -> None:
+        self._logger, self._what, self._interval = logger, what, interval
+        self._last: dict[RejectReason, float] = {}
+        self._lock = threading.Lock()
+
+    def note(self, rej: FrameRejected) -> None:
+        """Log ``rej`` unless its reason was logged within the interval."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(rej.reason, float("-inf")) < self._interval:
+                return
+            self._last[rej.reason] = now
+        self._logger.warning("%s (%s); further ones for %.0fs only counted", self._what, rej,
+                             self._interval)
 
 
 def reject_stat_keys() -> dict[str, int]:

@@ -33,7 +33,6 @@ import ipaddress
 import queue
 import socket
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
@@ -44,7 +43,7 @@ import zmq
 from vllm_omni_plugin.logger import init_logger
 
 from . import auth
-from .codec import BoundedDecoder, FrameRejected, RejectReason, encode, reject_stat_keys
+from .codec import BoundedDecoder, FrameRejected, RejectLog, RejectReason, encode, reject_stat_keys
 from .master_messages import (
     MAX_REQUEST_FRAME_BYTES,
     DeregisterRequest,
@@ -79,8 +78,6 @@ _DEDUP_CACHE_BYTES = 16 * 1024 * 1024
 #: Frames handled per poller wake-up.
 _RECV_BATCH = 256
 
-#: Minimum seconds between two log lines about the same reject reason.
-_REJECT_LOG_INTERVAL_S = 30.0
 
 #: Cached "is this IP one of ours" answers kept at most.
 _LOCALITY_CACHE_MAX = 1024
@@ -344,7 +341,7 @@ class OmniMasterServer:
             **reject_stat_keys(),
             **{f"failed.{c.value}": 0 for c in MasterErrorCode},
         }
-        self._last_reject_log: dict[RejectReason, float] = {}
+        self._reject_log = RejectLog(logger, "OmniMasterServer rejected a frame")
         self._dedup: OrderedDict[tuple[str, int], bytes] = OrderedDict()
         self._dedup_bytes = 0
 
@@ -637,19 +634,10 @@ class OmniMasterServer:
             self._dedup_bytes -= len(old)
 
     def _count_reject(self, rej: FrameRejected) -> None:
-        now = time.monotonic()
         with self._lock:
             self._stats["frames_received"] += 1
             self._stats[f"rejected.{rej.reason.value}"] += 1
-            last = self._last_reject_log.get(rej.reason, float("-inf"))
-            log_now = now - last >= _REJECT_LOG_INTERVAL_S
-            if log_now:
-                self._last_reject_log[rej.reason] = now
-        if log_now:
-            logger.warning(
-                "OmniMasterServer rejected a frame (%s); further ones for %.0fs only "
-                "counted in stats", rej, _REJECT_LOG_INTERVAL_S,
-            )
+        self._reject_log.note(rej)
 
     def _release_resources(self) -> None:
         if self._router is not None:

@@ -30,7 +30,7 @@ import zmq
 from vllm_omni_plugin.logger import init_logger
 
 from . import auth
-from .codec import BoundedDecoder, FrameRejected, RejectReason, encode, reject_stat_keys
+from .codec import BoundedDecoder, FrameRejected, RejectLog, RejectReason, encode, reject_stat_keys
 from .messages import (
     MAX_EVENT_FRAME_BYTES,
     MAX_LIST_FRAME_BYTES,
@@ -46,8 +46,6 @@ logger = init_logger(__name__)
 #: Frames handled per poller wake-up before timers get a chance to run.
 _RECV_BATCH = 256
 
-#: Minimum seconds between two log lines about the same reject reason.
-_REJECT_LOG_INTERVAL_S = 30.0
 
 _UP = ReplicaStatus.UP
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -148,7 +146,7 @@ class OmniCoordinator:
             "internal_errors": 0,
             **reject_stat_keys(),
         }
-        self._last_reject_log: dict[RejectReason, float] = {}
+        self._reject_log = RejectLog(logger, "OmniCoordinator dropped a frame")
 
         self._ctx = zmq.Context()
         self._router: zmq.Socket | None = None
@@ -398,20 +396,10 @@ class OmniCoordinator:
             logger.error("OmniCoordinator: error applying an event (dropped)", exc_info=e)
 
     def _count_reject(self, rej: FrameRejected) -> None:
-        now = time.monotonic()
         with self._lock:
             self._stats["frames_received"] += 1
             self._stats[f"rejected.{rej.reason.value}"] += 1
-            last = self._last_reject_log.get(rej.reason, float("-inf"))
-            log_now = now - last >= _REJECT_LOG_INTERVAL_S
-            if log_now:
-                self._last_reject_log[rej.reason] = now
-        if log_now:
-            logger.warning(
-                "OmniCoordinator dropped a frame (%s); further ones for %.0fs only "
-                "counted in stats",
-                rej, _REJECT_LOG_INTERVAL_S,
-            )
+        self._reject_log.note(rej)
 
     # ------------------------------------------------------------ state machine
 

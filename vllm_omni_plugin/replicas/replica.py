@@ -13,7 +13,7 @@ import os
 import zmq
 import zmq.asyncio
 
-from vllm_omni_plugin.coordinator.codec import FrameRejected
+from vllm_omni_plugin.coordinator.codec import FrameRejected, RejectLog
 from vllm_omni_plugin.kv_transfer.payload import PayloadStore
 from vllm_omni_plugin.logger import init_logger
 
@@ -149,6 +149,7 @@ class RemoteReplica(Replica):
 
         self.reported_queue_length = 0  # last value the coordinator published
         self.rejected_frames = 0
+        self._reject_log = RejectLog(logger, f"{self.name}: dropped a task-channel frame")
         self._channel = Channel(ToHead, cluster_token)
         self._pending: dict[str, _Pending] = {}
         self._socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
@@ -200,9 +201,7 @@ class RemoteReplica(Replica):
                 msg = self._channel.decode(frames)
             except FrameRejected as rej:
                 self.rejected_frames += 1
-                if self.rejected_frames == 1:
-                    logger.warning("%s: dropped a task-channel frame (%s); further ones are "
-                                   "only counted", self.name, rej)
+                self._reject_log.note(rej)
                 continue
             pending = self._pending.get(msg.request_id)
             if pending is None or pending.future.done():

@@ -12,16 +12,14 @@ process exits non-zero so a supervisor can restart it).
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import signal
-import time
 
 import zmq
 import zmq.asyncio
 
 from vllm_omni_plugin.coordinator import OmniCoordClientForStage, ReplicaStatus
-from vllm_omni_plugin.coordinator.codec import FrameRejected
+from vllm_omni_plugin.coordinator.codec import FrameRejected, RejectLog
 from vllm_omni_plugin.coordinator.sockets import bind
 from vllm_omni_plugin.kv_transfer.payload import PayloadStore
 from vllm_omni_plugin.logger import init_logger
@@ -43,9 +41,6 @@ from .protocol import (
 from .task import ReplicaLost, StageTask, TaskAborted, TaskError, run_on_engine
 
 logger = init_logger(__name__)
-
-#: Minimum seconds between two log lines about dropped task-channel frames.
-_REJECT_LOG_INTERVAL_S = 30.0
 
 
 class ReplicaServer:
@@ -70,7 +65,8 @@ class ReplicaServer:
         self.aborted: set[str] = set()
         self._sending: set[asyncio.Task] = set()
         self.rejected_frames = 0
-        self._last_reject_log = -math.inf
+        self._reject_log = RejectLog(
+            logger, f"stage {stage_id} replica {replica_id} dropped a task-channel frame")
         self.socket = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_TASK_FRAME_BYTES + 4096)
@@ -98,7 +94,8 @@ class ReplicaServer:
             try:
                 msg = self.channel.decode(frames)
             except FrameRejected as rej:
-                self._count_reject(rej)
+                self.rejected_frames += 1
+                self._reject_log.note(rej)
                 continue
             if isinstance(msg, TaskSubmit):
                 if msg.request_id not in self.tasks:
@@ -106,16 +103,6 @@ class ReplicaServer:
             elif isinstance(msg, TaskAbort) and msg.request_id in self.tasks:
                 self.aborted.add(msg.request_id)
                 await self.engine.abort(msg.request_id)
-
-    def _count_reject(self, rej: FrameRejected) -> None:
-        """Count a dropped frame; log at most every ``_REJECT_LOG_INTERVAL_S``."""
-        self.rejected_frames += 1
-        now = time.monotonic()
-        if now - self._last_reject_log >= _REJECT_LOG_INTERVAL_S:
-            self._last_reject_log = now
-            logger.warning("stage %d replica %d dropped a task-channel frame (%s); %d dropped "
-                           "so far, next report in %.0f s at the earliest", self.stage_id,
-                           self.replica_id, rej, self.rejected_frames, _REJECT_LOG_INTERVAL_S)
 
     async def _reply(self, identity: bytes, msg) -> None:
         await self.socket.send_multipart([identity, *self.channel.frames(ToHead(msg=msg))])
