@@ -90,6 +90,15 @@ class ServeProcess:
                 self.proc.wait(timeout=10)
         self._log.close()
 
+    def chat_body(self, **extra) -> dict:
+        """A greedy 12-token chat request ("Say hello") for ``self.model``, ``extra`` merged."""
+        return {"model": self.model, "messages": [{"role": "user", "content": "Say hello"}],
+                "max_tokens": 12, "temperature": 0, **extra}
+
+    def audio_body(self, **extra) -> dict:
+        """:meth:`chat_body` asking for text and audio."""
+        return self.chat_body(modalities=["text", "audio"], **extra)
+
     def chat(self, body: dict, timeout: float = 300) -> requests.Response:
         return requests.post(f"{self.url}/v1/chat/completions", json=body, timeout=timeout)
 

@@ -76,6 +76,11 @@ PREFIX_PROMPTS = [
 ]
 PREFIX_NEW = 12
 
+# 6: requests whose extra_args carry bad values in the plugin's namespace (the
+# API refuses them; this is the worker's own check behind it), then good ones.
+POISON_ARGS = [{"omni_plugin_payload": "x"}, {"omni_plugin_payload": {"out": "../escape"}},
+               {"omni_plugin_payload": {"bogus": "key"}}, {"omni_plugin_payload": [1, 2]}, None]
+
 ENGINES = [
     {
         "name": "default",
@@ -128,6 +133,13 @@ ENGINES = [
         # cached; then prompt 0 again (48 of 53 tokens cached).
         "batches": [{"prompts": [p], "max_tokens": PREFIX_NEW} for p in PREFIX_PROMPTS]
         + [{"prompts": [PREFIX_PROMPTS[0]], "max_tokens": PREFIX_NEW}],
+    },
+    {
+        "name": "poison",
+        "engine_args": {"enable_prefix_caching": False, **SMALL_KV},
+        "batches": [{"prompts": [BATCH_PROMPTS[0]] * len(POISON_ARGS), "max_tokens": BATCH_NEW,
+                     "extra_args": POISON_ARGS},
+                    {"prompts": [BATCH_PROMPTS[1]], "max_tokens": BATCH_NEW}],
     },
 ]
 
@@ -270,6 +282,21 @@ def test_greedy_tokens_equal_hf(runs):
     alone = [b["token_ids"][0] for b in result["batches"][1:]]
     assert all(len(t) == BATCH_NEW for t in alone)
     _assert_same(alone, BATCH_PROMPTS, BATCH_NEW, runs["hf"])
+
+
+@pytest.mark.engine
+def test_bad_internal_extra_args_fail_only_their_request(runs):
+    """Bad values under the plugin's extra_args key end their own request early
+    (each emits the stop-token fallback, id 0 here); the engine keeps serving:
+    the good request of the same batch and the next batch equal HF."""
+    result = _engine(runs, "v1", "poison")
+    first, second = result["batches"]
+    *poisoned, good = first["token_ids"]
+    assert all(tokens == [0] * BATCH_NEW for tokens in poisoned), poisoned
+    _assert_same([good], [BATCH_PROMPTS[0]], BATCH_NEW, runs["hf"])
+    _assert_same(second["token_ids"], [BATCH_PROMPTS[1]], BATCH_NEW, runs["hf"])
+    log = (runs["logdir"] / "v1.out").read_text() + (runs["logdir"] / "v1.err").read_text()
+    assert log.count("omni_plugin_payload") >= len(poisoned)
 
 
 @pytest.mark.engine

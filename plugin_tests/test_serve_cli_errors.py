@@ -77,8 +77,9 @@ print(json.dumps({k: repr(v) for k, v in sorted(vars(ns).items()) if k != "dispa
     (["--omni-dp-size-local", "2"], "--omni-dp-size-local applies to headless replicas"),
     (["--omni-heartbeat-timeout", "0"], "--omni-heartbeat-timeout must be positive"),
     (["--omni-lb-policy", "fastest"], "invalid choice: 'fastest'"),
+    (["--omni-admission-timeout", "-1"], "--omni-admission-timeout must be >= 0"),
 ], ids=["headless-no-port", "headless-entry", "headless-unknown-stage", "stage-id-on-head",
-        "ora-on-head", "dp-size-on-head", "bad-timeout", "bad-policy"])
+        "ora-on-head", "dp-size-on-head", "bad-timeout", "bad-policy", "bad-admission-timeout"])
 def test_bad_omni_flags_fail_naming_the_flag(tmp_path, flags, expected):
     env = {**os.environ, "VLLM_OMNI_PLUGIN_BACKEND": "reference"}
     out = subprocess.run([VLLM, "serve", str(tmp_path), "--stage-configs-path", QWEN3_OMNI_YAML,

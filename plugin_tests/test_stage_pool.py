@@ -110,3 +110,48 @@ def test_task_with_output_fails_naming_stage_and_replica():
     with pytest.raises(ReplicaFailed, match="replica 0 of stage 3 failed mid-request") as info:
         asyncio.run(pool.run(_task("req")))
     assert info.value.status == 500 and pool.failures == 1 and pool.resubmissions == 0
+
+
+def test_replica_starting_makes_tasks_wait_none_coming_fails_at_once():
+    async def scenario():
+        pool = _pool(ScriptedReplica(0), wait=10.0)
+        replica = pool.replicas[0]
+        replica.status = "starting"  # a local engine being restarted
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.05, lambda: (setattr(replica, "status", "up"), pool.notify()))
+        served = await pool.run(_task("waits"))
+        replica.status = "down"  # given up: nothing is coming back
+        start = loop.time()
+        with pytest.raises(NoReplicaAvailable, match="none is up or starting") as info:
+            await pool.run(_task("refused"))
+        return served, loop.time() - start, info.value
+
+    served, waited, error = asyncio.run(scenario())
+    assert served.output_token_ids == [0]
+    assert waited < 1.0 and error.status == 503 and error.retry_after >= 1
+
+
+def test_resubmission_goes_to_the_restarted_incarnation_of_the_same_replica():
+    async def scenario():
+        replica = ScriptedReplica(0, "lost-before-output")
+        pool = _pool(replica, wait=10.0)
+
+        def restarted():
+            replica.outcome, replica.generation, replica.status = "ok", 1, "up"
+            pool.notify()
+
+        replica.status = "up"
+        original_run = replica.run
+
+        async def run_then_restart(task):
+            try:
+                return await original_run(task)
+            finally:
+                replica.status = "starting"
+                asyncio.get_running_loop().call_later(0.05, restarted)
+
+        replica.run = run_then_restart
+        return await pool.run(_task("req")), pool
+
+    result, pool = asyncio.run(scenario())
+    assert result.output_token_ids == [0] and pool.resubmissions == 1

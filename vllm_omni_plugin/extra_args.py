@@ -1,16 +1,87 @@
-"""Keys the plugin reads from and writes to ``SamplingParams.extra_args``.
+"""The plugin's namespace in ``SamplingParams.extra_args``: its only internal channel
+from the orchestrator to the stage workers.
 
-``extra_args`` is an upstream vLLM field (the OpenAI server fills it from a
-request's ``vllm_xargs``) that travels with a request to the engine and its
-worker, so the plugin passes per-request settings through it instead of
-patching vLLM's request classes.
+``extra_args`` is an upstream vLLM field that travels with a request to the
+engine and its worker, so the plugin passes the payload-store keys of a request
+through it instead of patching vLLM's request classes. The OpenAI server also
+fills it from a request's ``vllm_xargs``, so the namespace is closed at three
+places: the API layer refuses client keys starting with :data:`RESERVED_PREFIX`
+(HTTP 400), the orchestrator drops any such key before a request reaches an
+engine (:func:`without_reserved`), and the worker validates what it reads
+(:func:`payload_keys`), failing that one request on a bad value.
+
+What the client asked for beyond vLLM's fields (modalities, voice) never goes
+through ``extra_args``: see :mod:`vllm_omni_plugin.engine.omni_request`.
 """
 
-#: Output modalities the client asked for, e.g. ``["text", "audio"]`` (API layer).
-MODALITIES = "omni_plugin_modalities"
-#: Key under which the orchestrator hands the final stage's result to the API layer.
-RESULT = "omni_plugin_result_key"
-#: Voice (talker speaker name) requested by the client.
-SPEAKER = "omni_plugin_speaker"
-#: ``{"in": key, "out": key}`` payload-store keys of one stage request (orchestrator -> worker).
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_omni_plugin.kv_transfer.payload import is_payload_key
+
+#: Every key of the plugin in ``extra_args`` (and so in a client's ``vllm_xargs``).
+RESERVED_PREFIX = "omni_plugin_"
+#: ``{"in": key, "out": key, "err": key}`` payload-store keys of one stage request
+#: (orchestrator -> worker); each optional.
 PAYLOAD = "omni_plugin_payload"
+#: Voice (talker speaker name) in the ``extras`` a stage input processor receives.
+SPEAKER = "omni_plugin_speaker"
+
+_SLOTS = ("in", "out", "err")
+
+
+def reserved_keys(extra: Any) -> list[str]:
+    """The keys of ``extra`` (a mapping, or anything else) in the plugin's namespace."""
+    if not isinstance(extra, dict):
+        return []
+    return sorted(k for k in extra if isinstance(k, str) and k.startswith(RESERVED_PREFIX))
+
+
+def without_reserved(extra: dict[str, Any] | None) -> dict[str, Any]:
+    """A copy of ``extra`` without the plugin's keys (``{}`` for None)."""
+    return {k: v for k, v in (extra or {}).items()
+            if not (isinstance(k, str) and k.startswith(RESERVED_PREFIX))}
+
+
+@dataclass(frozen=True)
+class PayloadKeys:
+    """Payload-store keys of one request at one stage.
+
+    Attributes:
+        input: key of the input tensors the worker reads, or None.
+        output: key the worker publishes output tensors under, or None.
+        error: key the worker records a failure under when there is no output
+            key (a text-only request), or None.
+    """
+
+    input: str | None = None
+    output: str | None = None
+    error: str | None = None
+
+    @property
+    def failure_key(self) -> str | None:
+        """Where a failure of this request is recorded (output key first)."""
+        return self.output or self.error
+
+
+def payload_keys(extra: dict[str, Any] | None) -> PayloadKeys:
+    """Read and validate ``extra[PAYLOAD]``.
+
+    Raises:
+        ValueError: the value is not ``{"in"|"out"|"err": "<key>"}`` with keys
+            matching ``[A-Za-z0-9._-]{1,200}``; the message names the field.
+    """
+    value = (extra or {}).get(PAYLOAD)
+    if value is None:
+        return PayloadKeys()
+    if not isinstance(value, dict):
+        raise ValueError(f"extra_args[{PAYLOAD!r}] must be a mapping, got {type(value).__name__}")
+    unknown = sorted(map(str, set(value) - set(_SLOTS)))
+    if unknown:
+        raise ValueError(f"extra_args[{PAYLOAD!r}] has unknown slot(s) {unknown}")
+    for slot, key in value.items():
+        if not is_payload_key(key):
+            raise ValueError(f"extra_args[{PAYLOAD!r}][{slot!r}] is not a payload key")
+    return PayloadKeys(value.get("in"), value.get("out"), value.get("err"))

@@ -36,8 +36,7 @@ async def main(ckpt, yaml_path, out_dir, scenarios):
     from vllm.v1.engine.async_llm import AsyncLLM
 
     import vllm_omni_plugin
-    from vllm_omni_plugin.engine.orchestrator import RESULTS
-    from vllm_omni_plugin.extra_args import MODALITIES, RESULT
+    from vllm_omni_plugin.engine.omni_request import OmniRequest, omni_request_scope
 
     vllm_omni_plugin.register()
     ns = argparse.Namespace(model=ckpt, dtype="float32", max_model_len=2048,
@@ -53,22 +52,28 @@ async def main(ckpt, yaml_path, out_dir, scenarios):
     prompt_ids = tokenizer(text, add_special_tokens=False).input_ids
     report["prompt_ids"] = list(prompt_ids)
 
-    def params(key, max_tokens=12):
-        return SamplingParams(temperature=0, max_tokens=max_tokens,
-                              extra_args={MODALITIES: ["text", "audio"], RESULT: key})
+    results = {}
 
-    async def run(request_id, key):
+    async def run(request_id):
+        """The final output; the pipeline's result lands in ``results[request_id]``."""
         final = None
-        async for out in client.generate(TokensPrompt(prompt_token_ids=prompt_ids),
-                                         params(key), request_id):
-            final = out
+        request = OmniRequest(modalities=("text", "audio"))
+        try:
+            with omni_request_scope(request):
+                async for out in client.generate(TokensPrompt(prompt_token_ids=prompt_ids),
+                                                 SamplingParams(temperature=0, max_tokens=12),
+                                                 request_id):
+                    final = out
+        finally:
+            if request.result is not None:
+                results[request_id] = request.result
         return final
 
     talker = client.orchestrator.pools[1].replicas[0].engine
     try:
         if "parity" in scenarios:
-            final = await run("parity", "parity")
-            result = RESULTS.pop("parity")
+            final = await run("parity")
+            result = results.pop("parity", None)
             assert result is not None and result.error is None, result
             np.savez(os.path.join(out_dir, "served.npz"),
                      codes=result.final_input["codes"].numpy(),
@@ -78,7 +83,7 @@ async def main(ckpt, yaml_path, out_dir, scenarios):
         for scenario in ("cancel", "abort"):
             if scenario not in scenarios:
                 continue
-            task = asyncio.create_task(run(scenario, scenario))
+            task = asyncio.create_task(run(scenario))
             in_talker = await _wait_for_stage(client.orchestrator, scenario, 1)
             if scenario == "cancel":
                 task.cancel()
@@ -93,12 +98,12 @@ async def main(ckpt, yaml_path, out_dir, scenarios):
             report[scenario] = {
                 "was_in_talker": in_talker,
                 "talker_unfinished": talker.output_processor.get_num_unfinished_requests(),
-                "result_stored": RESULTS.pop(scenario) is not None,
+                "result_stored": results.pop(scenario, None) is not None,
                 "payload_dirs_left": sorted(os.listdir(run_dir)),
                 "inflight_left": scenario in client.orchestrator._inflight,
             }
-        after = await run("after", "after")
-        result = RESULTS.pop("after")
+        after = await run("after")
+        result = results.pop("after", None)
         report["after_ok"] = bool(after and after.finished and result and result.error is None)
     finally:
         client.shutdown()

@@ -13,7 +13,8 @@ Input: a JSON spec as ``argv[1]`` (or on stdin when no argument is given)::
           "name": "default",
           "engine_args": {...},                     # extra vllm.LLM(...) kwargs
           "batches": [                              # llm.generate() calls, in order
-            {"prompts": [[1, 2, 3], ...], "max_tokens": 16}   # or one per prompt
+            {"prompts": [[1, 2, 3], ...], "max_tokens": 16,   # or one per prompt
+             "extra_args": [{...} or null, ...]}    # optional: raw extra_args per prompt
           ]
         }
       ]
@@ -170,9 +171,11 @@ def run_engine(model: str, spec: dict) -> dict:
                 for i in range(len(prompts))]
         for key in filter(None, keys):
             store.create(key)  # the consumer opens keys; the worker only writes
+        raw = batch.get("extra_args") or [None] * len(prompts)
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
-                                 extra_args={PAYLOAD: {"out": k}} if k else None)
-                  for n, k in zip(max_tokens, keys, strict=True)]
+                                 extra_args={**(x or {}), **({PAYLOAD: {"out": k}} if k else {})}
+                                 or None)
+                  for n, k, x in zip(max_tokens, keys, raw, strict=True)]
         outs = llm.generate(prompts, params, use_tqdm=False)
         batches.append({
             "token_ids": [list(o.outputs[0].token_ids) for o in outs],

@@ -74,6 +74,11 @@ def add_omni_args(parser: argparse.ArgumentParser) -> None:
         help="Head: how long a request waits for a replica of a stage when none is up "
         "before it fails with HTTP 503 'no replica available for stage N'.")
     group.add_argument(
+        "--omni-admission-timeout", type=float, default=30.0, metavar="SECONDS",
+        help="Head: how long a request for more than text waits when a downstream stage "
+        "already has its bound of requests in flight (runtime.max_inflight in the stage "
+        "config) before it fails with HTTP 429 and a Retry-After header.")
+    group.add_argument(
         "--omni-replica-address", "-ora", type=str, default=None, metavar="HOST",
         help="Headless: the address its replicas bind to and the head connects to "
         "(default: this host's address on the route to the master).")
@@ -102,6 +107,7 @@ def _positive(name: str, value: float) -> None:
 FLAG_DEFAULTS = {"stage_id": None, "omni_master_address": "127.0.0.1", "omni_master_port": 0,
                  "omni_dp_size_local": 1, "omni_lb_policy": "random",
                  "omni_heartbeat_timeout": 30.0, "omni_replica_wait_timeout": 30.0,
+                 "omni_admission_timeout": 30.0,
                  "omni_replica_address": None, "omni_cluster_token": None, "replica_id": None}
 
 
@@ -121,6 +127,9 @@ def validate_omni_args(args: argparse.Namespace) -> None:
                        "assigns replica ids")
     _positive("--omni-heartbeat-timeout", args.omni_heartbeat_timeout)
     _positive("--omni-replica-wait-timeout", args.omni_replica_wait_timeout)
+    if not args.omni_admission_timeout >= 0:
+        raise ValueError("--omni-admission-timeout must be >= 0, got "
+                         f"{args.omni_admission_timeout!r}")
     if args.omni_dp_size_local < 1:
         raise ValueError(f"--omni-dp-size-local must be >= 1, got {args.omni_dp_size_local}")
     if not 0 <= args.omni_master_port <= 65535:
@@ -249,6 +258,7 @@ def apply_omni_args(args: argparse.Namespace, engine_args) -> None:
             "heartbeat_timeout": args.omni_heartbeat_timeout,
             "lb_policy": args.omni_lb_policy,
             "wait_timeout": args.omni_replica_wait_timeout,
+            "admission_timeout": args.omni_admission_timeout,
         },
     }
     engine_args.additional_config = extra

@@ -95,11 +95,19 @@ class RuntimeConfig(BaseModel):
     int or list of ints is accepted. ``num_replicas``: engine copies the head
     runs for this stage; ``0`` (not for the entry stage) leaves the stage to
     headless replicas (``vllm serve --headless --stage-id N``).
+    ``max_inflight``: pipeline requests allowed in flight at this downstream
+    stage before new ones wait for admission (then HTTP 429); default: the
+    stage engine's ``max_num_seqs`` times ``num_replicas`` (at least one).
+    ``max_restarts``: restart attempts for a local replica whose engine
+    died, counted until it has been up for a minute, before it is given up
+    (``down``); ``0`` disables restarts.
     """
 
     model_config = ConfigDict(extra="forbid")
     devices: str | None = None
     num_replicas: int = Field(default=1, ge=0)
+    max_inflight: int | None = Field(default=None, ge=1)
+    max_restarts: int = Field(default=5, ge=0)
 
     @field_validator("devices", mode="before")
     @classmethod

@@ -1,41 +1,80 @@
-"""OpenAI chat-audio output for ``/v1/chat/completions`` in omni mode.
+"""OpenAI chat-audio output for ``/v1/chat/completions`` in omni mode, and the
+API's boundary in front of the pipeline.
 
 An ASGI middleware, installed through vLLM's own ``--middleware`` mechanism
-(the plugin appends it in omni mode). For a chat completion request it
+(the plugin appends it in omni mode). For every JSON ``POST`` it
+
+* refuses a ``vllm_xargs`` that is not an object, or that carries a key in the
+  plugin's namespace (``omni_plugin_*``), with HTTP 400 naming the field: the
+  pipeline's control data is not the client's to write.
+
+For a chat completion request it
 
 * validates ``modalities`` (``["text"]`` or ``["text", "audio"]``) and the
   optional ``audio`` object (``{"voice": str, "format": "wav"}``); anything
   else is answered with HTTP 400 naming the field, before vLLM sees it;
-* forwards them to the engine client in ``vllm_xargs`` (an upstream request
-  field that reaches ``SamplingParams.extra_args``) with a result key;
+* runs vLLM's handler inside an :class:`~vllm_omni_plugin.engine.omni_request.OmniRequest`
+  scope carrying them, where the orchestrator finds them and leaves its result;
 * after vLLM's response, sets ``choices[0].message.audio`` to
   ``{"id", "data" (base64 WAV, 16-bit PCM mono), "expires_at", "transcript"}``,
-  OpenAI's chat-audio shape, or replaces the response with HTTP 500 naming the
-  failed stage.
+  OpenAI's chat-audio shape, or replaces the response with the pipeline's
+  error (HTTP 400/429/500/503 naming the stage, ``Retry-After`` on 429/503).
 
-Without ``modalities`` the request passes through untouched (plain vLLM).
+Non-streamed text-only chat and completion requests get the same error
+replacement when the entry stage's worker failed them; streamed ones pass
+through untouched (vLLM reports the failure in the stream).
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import math
 import time
 import uuid
 
 from vllm_omni_plugin import extra_args as xargs
-from vllm_omni_plugin.engine.orchestrator import RESULTS
+from vllm_omni_plugin.engine.omni_request import (
+    AUDIO,
+    TEXT,
+    OmniRequest,
+    StageResult,
+    omni_request_scope,
+)
 
 MIDDLEWARE_QUALNAME = "vllm_omni_plugin.entrypoints.audio_output.OmniAudioMiddleware"
 CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
 MAX_BODY_BYTES = 64 * 1024 * 1024
 AUDIO_FORMATS = ("wav",)
+#: Longest voice name accepted (speaker names in Qwen3-Omni's config are short words).
+MAX_VOICE_CHARS = 64
+_ERROR_TYPES = {400: "BadRequestError", 413: "RequestTooLargeError", 429: "RateLimitError",
+                503: "ServiceUnavailableError"}
 
 
 class RequestError(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(f"'{field}': {message}")
         self.field = field
+
+
+def check_vllm_xargs(body: dict) -> None:
+    """Refuse a ``vllm_xargs`` that is not an object or writes the plugin's namespace.
+
+    Raises:
+        RequestError: naming ``vllm_xargs`` or ``vllm_xargs.<key>``.
+    """
+    extra = body.get("vllm_xargs")
+    if extra is None:
+        return
+    if not isinstance(extra, dict):
+        raise RequestError("vllm_xargs", "must be an object of extra sampling arguments")
+    reserved = xargs.reserved_keys(extra)
+    if reserved:
+        key = reserved[0][:80]
+        raise RequestError(f"vllm_xargs.{key}", f"keys starting with "
+                           f"{xargs.RESERVED_PREFIX!r} are reserved for the omni pipeline")
 
 
 def parse_audio_request(body: dict) -> tuple[list[str] | None, str | None]:
@@ -52,11 +91,12 @@ def parse_audio_request(body: dict) -> tuple[list[str] | None, str | None]:
         return None, None
     if not isinstance(modalities, list) or not all(isinstance(m, str) for m in modalities):
         raise RequestError("modalities", "must be a list of strings")
-    unknown = sorted(set(modalities) - {"text", "audio"})
+    unknown = sorted(set(modalities) - {TEXT, AUDIO})
     if unknown:
-        raise RequestError("modalities", f"unsupported value(s) {unknown}; "
+        shown = [u[:40] for u in unknown[:5]]
+        raise RequestError("modalities", f"unsupported value(s) {shown}; "
                            "supported: [\"text\"] or [\"text\", \"audio\"]")
-    if "text" not in modalities:
+    if TEXT not in modalities:
         raise RequestError("modalities", "must include \"text\"")
     voice = None
     if audio is not None:
@@ -64,30 +104,43 @@ def parse_audio_request(body: dict) -> tuple[list[str] | None, str | None]:
             raise RequestError("audio", "must be an object {\"voice\": ..., \"format\": \"wav\"}")
         fmt = audio.get("format", "wav")
         if fmt not in AUDIO_FORMATS:
+            shown = fmt[:40] if isinstance(fmt, str) else type(fmt).__name__
             raise RequestError("audio.format",
-                               f"{fmt!r} is not supported; use one of {AUDIO_FORMATS}")
+                               f"{shown!r} is not supported; use one of {AUDIO_FORMATS}")
         voice = audio.get("voice")
-        if voice is not None and not isinstance(voice, str):
-            raise RequestError("audio.voice", "must be a string")
-    if "audio" in modalities and body.get("stream"):
+        if voice is not None:
+            if not isinstance(voice, str) or not voice.strip():
+                raise RequestError("audio.voice", "must be a non-empty string (or left out "
+                                   "for the default voice)")
+            if len(voice) > MAX_VOICE_CHARS:
+                raise RequestError("audio.voice", f"is {len(voice)} characters long; voice "
+                                   f"names have at most {MAX_VOICE_CHARS}")
+    if AUDIO in modalities and body.get("stream"):
         raise RequestError("stream", "audio output is not available with stream=true yet")
-    if "audio" in modalities and body.get("n", 1) != 1:
+    if AUDIO in modalities and body.get("n") not in (None, 1):
         raise RequestError("n", "audio output supports n=1 only")
-    return sorted(set(modalities), key=["text", "audio"].index), voice
+    return sorted(set(modalities), key=[TEXT, AUDIO].index), voice
 
 
 def _error_body(message: str, code: int, param: str | None = None) -> bytes:
-    kind = {400: "BadRequestError", 503: "ServiceUnavailableError"}.get(
-        code, "InternalServerError")
+    kind = _ERROR_TYPES.get(code, "InternalServerError")
     return json.dumps({"error": {"message": message, "type": kind, "param": param,
                                  "code": code}}).encode()
 
 
-async def _send_json(send, status: int, body: bytes) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode())]})
+async def _send_json(send, status: int, body: bytes,
+                     retry_after: float | None = None) -> None:
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode())]
+    if retry_after is not None:
+        headers.append((b"retry-after", str(max(1, math.ceil(retry_after))).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+async def _send_failure(send, result: StageResult) -> None:
+    await _send_json(send, result.status, _error_body(result.error or "", result.status),
+                     result.retry_after)
 
 
 def attach_audio(response: dict, result, sample_rate: int) -> dict:
@@ -105,6 +158,13 @@ def attach_audio(response: dict, result, sample_rate: int) -> dict:
     return response
 
 
+def _is_json(scope) -> bool:
+    for name, value in scope.get("headers", ()):
+        if name.lower() == b"content-type":
+            return value.split(b";")[0].strip().lower() == b"application/json"
+    return False
+
+
 class OmniAudioMiddleware:
     """Pure ASGI middleware; see the module docstring."""
 
@@ -112,7 +172,7 @@ class OmniAudioMiddleware:
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != CHAT_PATH:
+        if scope["type"] != "http" or scope["method"] != "POST" or not _is_json(scope):
             return await self.app(scope, receive, send)
         raw = b""
         more = True
@@ -125,32 +185,32 @@ class OmniAudioMiddleware:
         try:
             body = json.loads(raw) if raw else None
         except ValueError:
-            body = None
+            body = None  # vLLM answers malformed JSON itself
+        path = scope["path"]
         modalities = voice = None
         if isinstance(body, dict):
             try:
-                modalities, voice = parse_audio_request(body)
+                check_vllm_xargs(body)
+                if path == CHAT_PATH:
+                    modalities, voice = parse_audio_request(body)
             except RequestError as exc:
                 return await _send_json(send, 400, _error_body(f"invalid request: {exc}", 400,
                                                                exc.field))
-        if not modalities or modalities == ["text"]:
-            forwarded = json.dumps(body).encode() if isinstance(body, dict) else raw
+        forwarded = json.dumps(body).encode() if isinstance(body, dict) else raw
+        if path not in (CHAT_PATH, COMPLETIONS_PATH) or not isinstance(body, dict):
             return await self.app(scope, _replay(forwarded, receive), send)
-
-        result_key = uuid.uuid4().hex
-        forwarded = dict(body.get("vllm_xargs") or {})
-        forwarded.update({xargs.MODALITIES: modalities, xargs.RESULT: result_key})
-        if voice:
-            forwarded[xargs.SPEAKER] = voice
-        body["vllm_xargs"] = forwarded
+        request = OmniRequest(modalities=tuple(modalities or (TEXT,)), voice=voice)
+        if request.text_only and body.get("stream"):
+            with omni_request_scope(request):
+                return await self.app(scope, _replay(forwarded, receive), send)
         captured = _Capture()
-        await self.app(scope, _replay(json.dumps(body).encode(), receive), captured.send)
-        result = RESULTS.pop(result_key)
+        with omni_request_scope(request):
+            await self.app(scope, _replay(forwarded, receive), captured.send)
+        result = request.result
+        if result is not None and result.error:
+            return await _send_failure(send, result)
         status, payload = captured.status, captured.body
         if status == 200 and result is not None:
-            if result.error:
-                return await _send_json(send, result.status,
-                                        _error_body(result.error, result.status))
             response = json.loads(payload)
             payload = json.dumps(attach_audio(response, result, result.sample_rate)).encode()
         headers = [(k, v) for k, v in captured.headers if k.lower() != b"content-length"]

@@ -34,15 +34,64 @@ class PayloadError(RuntimeError):
     """The producing worker recorded a failure for this key instead of tensors."""
 
 
-def default_run_dir() -> str:
-    """Path of a fresh per-run directory under ``VLLM_OMNI_PLUGIN_PAYLOAD_DIR``,
-    else ``/dev/shm``, else the temp dir. Not created here: :class:`PayloadStore`
-    creates it when a stage first uses it, so parsing arguments leaves nothing behind."""
+_RUN_DIR_PREFIX = "vllm-omni-plugin-"
+_RUN_DIR_RE = re.compile(rf"^{_RUN_DIR_PREFIX}(\d+)-[0-9a-f]{{8}}$")
+
+
+def _run_dir_base() -> str:
     from vllm_omni_plugin import envs
 
-    base = envs.payload_dir() or (
+    return envs.payload_dir() or (
         "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
-    return os.path.join(base, f"vllm-omni-plugin-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def default_run_dir() -> str:
+    """Path of a fresh per-run directory under ``VLLM_OMNI_PLUGIN_PAYLOAD_DIR``,
+    else ``/dev/shm``, else the temp dir, named after this process
+    (``vllm-omni-plugin-<pid>-<8 hex>``). Not created here: :class:`PayloadStore`
+    creates it when a stage first uses it, so parsing arguments leaves nothing behind."""
+    return os.path.join(_run_dir_base(),
+                        f"{_RUN_DIR_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale_run_dirs(base: str | None = None) -> list[str]:
+    """Remove run directories (see :func:`default_run_dir`) under ``base``
+    (default: where this process would create its own) whose owner process no
+    longer exists, e.g. after a ``kill -9``. A directory whose pid is alive,
+    even if reused by another program, is kept.
+
+    Returns:
+        The paths removed.
+    """
+    base = base or _run_dir_base()
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        match = _RUN_DIR_RE.match(name)
+        if match and not _process_exists(int(match.group(1))):
+            path = os.path.join(base, name)
+            shutil.rmtree(path, ignore_errors=True)
+            if not os.path.exists(path):
+                removed.append(path)
+    return removed
+
+
+def is_payload_key(key: object) -> bool:
+    """True for a valid key: a string of 1-200 characters from ``[A-Za-z0-9._-]``."""
+    return isinstance(key, str) and _KEY_RE.match(key) is not None
 
 
 def safe_key(text: str) -> str:
@@ -65,7 +114,7 @@ class PayloadStore:
         os.makedirs(root, exist_ok=True)
 
     def _dir(self, key: str) -> str:
-        if not _KEY_RE.match(key):
+        if not is_payload_key(key):
             raise ValueError(f"invalid payload key {key!r}")
         return os.path.join(self.root, key)
 
@@ -106,6 +155,21 @@ class PayloadStore:
         names = sorted(n for n in os.listdir(d) if n.endswith(".st"))
         return [load_file(os.path.join(d, n)) for n in names]
 
+    def keys(self) -> list[str]:
+        """The keys that exist now (created and not yet deleted)."""
+        try:
+            return sorted(os.listdir(self.root))
+        except FileNotFoundError:
+            return []
+
+    def error(self, key: str) -> str | None:
+        """The failure recorded for ``key`` by :meth:`put_error`, else None."""
+        try:
+            with open(os.path.join(self._dir(key), _ERROR_FILE)) as f:
+                return str(json.load(f).get("error", "unknown error"))
+        except FileNotFoundError:
+            return None
+
     def put_error(self, key: str, message: str) -> None:
         """Record that producing ``key`` failed; :meth:`get` then raises
         :class:`PayloadError`. Dropped when ``key`` does not exist (see :meth:`create`)."""
@@ -126,10 +190,9 @@ class PayloadStore:
         Raises:
             PayloadError: the producer recorded a failure (see :meth:`put_error`).
         """
-        error_path = os.path.join(self._dir(key), _ERROR_FILE)
-        if os.path.exists(error_path):
-            with open(error_path) as f:
-                raise PayloadError(json.load(f).get("error", "unknown error"))
+        error = self.error(key)
+        if error is not None:
+            raise PayloadError(error)
         merged: dict[str, list[torch.Tensor]] = {}
         for chunk in self._chunks(key):
             for name, t in chunk.items():

@@ -41,6 +41,8 @@ class _Request:
     params: Any
     payload: dict[str, torch.Tensor]
     out_key: str | None
+    #: where a failure is recorded (the output key, else the error slot)
+    failure_key: str | None
     generator: torch.Generator | None
     state: dict[str, Any] = field(default_factory=dict)
     failed: bool = False
@@ -148,10 +150,15 @@ class ReferenceWorker(WorkerBase):
             old.block_ids = list(new.block_ids[0])
             return
         params = new.sampling_params
-        keys = (params.extra_args or {}).get(xargs.PAYLOAD, {}) if params else {}
-        if keys and self.store is None:
-            raise RuntimeError(f"stage {self.stage_id}: request {new.req_id} carries payload "
-                               "keys but no payload store is configured (not in omni mode?)")
+        problem = None
+        try:
+            keys = xargs.payload_keys(params.extra_args if params is not None else None)
+        except ValueError as exc:  # not from the orchestrator: fail this request only
+            keys, problem = xargs.PayloadKeys(), exc
+        if keys.failure_key and self.store is None:
+            keys, problem = xargs.PayloadKeys(), RuntimeError(
+                f"request {new.req_id} carries payload keys but no payload store is "
+                "configured (not in omni mode?)")
         generator = None
         if params is not None and params.seed is not None:
             generator = torch.Generator().manual_seed(params.seed)
@@ -162,20 +169,23 @@ class ReferenceWorker(WorkerBase):
             block_ids=list(new.block_ids[0]),
             params=params,
             payload={},
-            out_key=keys.get("out"),
+            out_key=keys.output,
+            failure_key=keys.failure_key,
             generator=generator,
         )
         req = self.requests[new.req_id]
-        if keys and new.num_computed_tokens:
+        if problem is not None:
+            self._fail(req, problem)
+        elif (keys.input or keys.output) and new.num_computed_tokens:
             # Payload positions map one-to-one to fed positions; a prefix-cache
             # hit would skip some (and placeholder prompts would match wrongly).
             self._fail(req, RuntimeError(
                 f"stage {self.stage_id}: a request carrying payloads hit the prefix cache "
                 f"({new.num_computed_tokens} tokens); set enable_prefix_caching: false in "
                 "this stage's engine_args"))
-        elif keys.get("in"):
+        elif keys.input:
             try:
-                req.payload = self.store.get(keys["in"])
+                req.payload = self.store.get(keys.input)
             except Exception as exc:
                 self._fail(req, exc)
 
@@ -239,17 +249,16 @@ class ReferenceWorker(WorkerBase):
         return None
 
     def _fail(self, req: _Request, exc: Exception) -> None:
-        """Isolate a per-request model failure so the stage keeps serving.
-
-        Requests without an output payload key (plain text requests) have no
-        channel to report it, so the exception propagates as in vLLM.
-        """
-        if req.out_key is None:
-            raise exc
+        """Fail one request so the stage keeps serving: it emits its stop token
+        from now on (the scheduler finishes it) and the failure is recorded
+        under its failure key for the orchestrator, which fails the request
+        with an error naming the stage. A request without one (not sent by the
+        orchestrator) just finishes; the log has the error."""
         logger.error("stage %s: request %s failed: %s: %s", self.stage_id, req.req_id,
                      type(exc).__name__, exc, exc_info=exc)
         req.failed = True
-        self.store.put_error(req.out_key, f"{type(exc).__name__}: {exc}")
+        if req.failure_key is not None and self.store is not None:
+            self.store.put_error(req.failure_key, f"{type(exc).__name__}: {exc}")
 
     @staticmethod
     def _stop_token(req: _Request) -> int:

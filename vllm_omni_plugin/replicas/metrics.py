@@ -10,18 +10,25 @@ are read from the stage pools at scrape time:
 * ``vllm_omni:replica_queue_length{...}`` (gauge): the replica's queue length
   (remote: its last heartbeat, or this head's in-flight tasks when higher).
 * ``vllm_omni:replica_status{...,status}`` (gauge, 1 for the current status
-  of ``up``/``down``/``error``).
+  of ``up``/``starting``/``error``/``down``).
+* ``vllm_omni:replica_restarts_total{...}`` (counter): engine restarts of a
+  local replica after its EngineCore died.
 * ``vllm_omni:stage_resubmissions_total{stage}``: tasks moved to another
   replica after theirs was lost before producing output.
 * ``vllm_omni:stage_failovers_failed_total{stage}``: tasks failed because
   their replica was lost after producing output.
+* ``vllm_omni:stage_requests_in_flight{stage}`` and
+  ``vllm_omni:stage_admission_bound{stage}`` (gauges): pipeline requests holding
+  an admission slot of the stage, and the bound.
+* ``vllm_omni:admission_waiting`` (gauge) and ``vllm_omni:admission_refused_total``
+  (counter): requests waiting for admission, and refused with HTTP 429.
 """
 
 from __future__ import annotations
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-STATUSES = ("up", "down", "error")
+STATUSES = ("up", "starting", "error", "down")
 
 
 class _PoolCollector:
@@ -29,6 +36,7 @@ class _PoolCollector:
 
     def __init__(self) -> None:
         self.pool_sets: list[dict] = []
+        self.gates: list = []  # AdmissionGate per registered pipeline
 
     def collect(self):
         labels = ["stage", "replica", "location"]
@@ -47,6 +55,26 @@ class _PoolCollector:
         failed = CounterMetricFamily("vllm_omni:stage_failovers_failed",
                                      "Tasks failed because their replica was lost mid-task.",
                                      labels=["stage"])
+        restarts = CounterMetricFamily("vllm_omni:replica_restarts",
+                                       "Engine restarts of the replica after its EngineCore "
+                                       "died.", labels=labels)
+        in_flight = GaugeMetricFamily("vllm_omni:stage_requests_in_flight",
+                                      "Pipeline requests holding an admission slot of the "
+                                      "stage.", labels=["stage"])
+        bound = GaugeMetricFamily("vllm_omni:stage_admission_bound",
+                                  "Pipeline requests allowed in flight at the stage.",
+                                  labels=["stage"])
+        waiting = GaugeMetricFamily("vllm_omni:admission_waiting",
+                                    "Pipeline requests waiting for admission.")
+        refused = CounterMetricFamily("vllm_omni:admission_refused",
+                                      "Pipeline requests refused with HTTP 429.")
+        gates = list(self.gates)
+        waiting.add_metric([], sum(g.waiting for g in gates))
+        refused.add_metric([], sum(g.refused_total for g in gates))
+        for gate in gates:
+            for stage_id, limit in gate.bounds.items():
+                in_flight.add_metric([str(stage_id)], gate.in_flight[stage_id])
+                bound.add_metric([str(stage_id)], limit)
         for pool in [p for pools in list(self.pool_sets) for p in list(pools.values())]:
             stage = str(pool.stage_id)
             resub.add_metric([stage], pool.resubmissions)
@@ -54,18 +82,23 @@ class _PoolCollector:
             for replica in list(pool.replicas.values()):
                 values = [stage, str(replica.replica_id), replica.location]
                 total.add_metric(values, replica.requests_total)
+                supervisor = getattr(replica, "supervisor", None)
+                if supervisor is not None:
+                    restarts.add_metric(values, supervisor.restarts)
                 running.add_metric(values, len(replica.running))
                 queue.add_metric(values, replica.queue_length)
                 for name in STATUSES:
                     status.add_metric([*values, name], float(replica.status == name))
-        yield from (total, running, queue, status, resub, failed)
+        yield from (total, running, queue, status, resub, failed, restarts, in_flight, bound,
+                    waiting, refused)
 
 
 _collector: _PoolCollector | None = None
 
 
-def register_metrics(pools: dict) -> None:
-    """Expose ``pools`` (stage id -> StagePool) in the default Prometheus registry."""
+def register_metrics(pools: dict, gate=None) -> None:
+    """Expose ``pools`` (stage id -> StagePool) and the admission ``gate`` (an
+    ``AdmissionGate``) in the default Prometheus registry."""
     global _collector
     from prometheus_client import REGISTRY
 
@@ -73,8 +106,11 @@ def register_metrics(pools: dict) -> None:
         _collector = _PoolCollector()
         REGISTRY.register(_collector)
     _collector.pool_sets.append(pools)
+    if gate is not None:
+        _collector.gates.append(gate)
 
 
-def unregister_metrics(pools: dict) -> None:
+def unregister_metrics(pools: dict, gate=None) -> None:
     if _collector is not None:
         _collector.pool_sets[:] = [p for p in _collector.pool_sets if p is not pools]
+        _collector.gates[:] = [g for g in _collector.gates if g is not gate]

@@ -6,8 +6,10 @@
 * Affinity: a request id keeps its replica for every later task of the same
   request at this stage, and a CFG companion (``parent_request_id``) goes to
   its parent's replica, as long as that replica is a candidate.
-* No candidate: wait up to ``wait_timeout`` seconds for one to attach, then
-  fail with :class:`NoReplicaAvailable` (HTTP 503).
+* No candidate: when the stage has replicas and none of them is coming back
+  (a local one restarting, a remote one missing heartbeats), fail at once with
+  :class:`NoReplicaAvailable` (HTTP 503 with ``Retry-After``); otherwise wait
+  up to ``wait_timeout`` seconds for one to attach, then fail the same way.
 * A replica lost mid-task: a task that has produced no output yet is
   resubmitted to another replica; one that has fails with an error naming the
   stage and the replica.
@@ -16,6 +18,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import OrderedDict
 
 from vllm_omni_plugin.coordinator.load_balancer import LoadBalancer
@@ -31,9 +34,16 @@ AFFINITY_CAPACITY = 65536
 
 
 class NoReplicaAvailable(RuntimeError):
-    """No replica of the stage became available in time (HTTP 503)."""
+    """No replica of the stage is available (HTTP 503).
+
+    ``retry_after``: seconds until one is expected (HTTP ``Retry-After``).
+    """
 
     status = 503
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class ReplicaFailed(RuntimeError):
@@ -78,12 +88,21 @@ class StagePool:
             replica.lost(reason)
             replica.close()
 
-    def candidates(self, exclude: frozenset[int] = frozenset()) -> list[Replica]:
+    def candidates(self, exclude: frozenset[tuple[int, int]] = frozenset()) -> list[Replica]:
+        """Attached replicas, less the incarnations in ``exclude``."""
         return [r for r in self.replicas.values()
-                if r.attached and r.replica_id not in exclude]
+                if r.attached and r.incarnation not in exclude]
+
+    def retry_after(self) -> float:
+        """Seconds until a replica is expected back (at least 1; ``wait_timeout``
+        when nothing says)."""
+        etas = [r.restart_eta - time.monotonic() for r in self.replicas.values()
+                if r.restart_eta is not None]
+        return max(1.0, min(etas) if etas else self.wait_timeout)
 
     # -- routing --------------------------------------------------------------
-    def select(self, task: StageTask, exclude: frozenset[int] = frozenset()) -> Replica | None:
+    def select(self, task: StageTask,
+               exclude: frozenset[tuple[int, int]] = frozenset()) -> Replica | None:
         """The replica for ``task`` now (affinity first, then the balancer); None if none."""
         candidates = self.candidates(exclude)
         if not candidates:
@@ -113,18 +132,23 @@ class StagePool:
         replica_id = self._affinity.get(request_id)
         return self.replicas.get(replica_id) if replica_id is not None else None
 
-    async def _wait_for_replica(self, task: StageTask, exclude: frozenset[int]) -> Replica:
+    async def _wait_for_replica(self, task: StageTask,
+                                exclude: frozenset[tuple[int, int]]) -> Replica:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.wait_timeout
         while True:
             replica = self.select(task, exclude)
             if replica is not None:
                 return replica
+            if self.replicas and not any(r.recovering for r in self.replicas.values()):
+                raise NoReplicaAvailable(
+                    f"no replica available for stage {self.stage_id} (none is up or "
+                    "starting)", self.retry_after())
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise NoReplicaAvailable(
                     f"no replica available for stage {self.stage_id} "
-                    f"(waited {self.wait_timeout:g} s)")
+                    f"(waited {self.wait_timeout:g} s)", self.retry_after())
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), remaining)
@@ -140,7 +164,7 @@ class StagePool:
             ReplicaFailed: the replica was lost after the task produced output.
             TaskError, TaskAborted: from the replica (see :meth:`Replica.run`).
         """
-        tried: set[int] = set()
+        tried: set[tuple[int, int]] = set()
         while True:
             replica = await self._wait_for_replica(task, frozenset(tried))
             try:
@@ -151,7 +175,7 @@ class StagePool:
                     raise ReplicaFailed(
                         f"replica {replica.replica_id} of stage {self.stage_id} failed "
                         f"mid-request: {exc}") from exc
-                tried.add(replica.replica_id)
+                tried.add(replica.incarnation)
                 self.resubmissions += 1
                 self.forget(task.request_id)
                 logger.warning("stage %d: resubmitting %s (no output yet) after %s",

@@ -2,7 +2,10 @@
 
 Both run :class:`~.task.StageTask`\\ s and keep the counters ``/metrics``
 reports. A replica is *attached* while the head can send it work: a local
-one until its engine dies, a remote one while the coordinator lists it ``UP``.
+one while its engine lives, a remote one while the coordinator lists it ``UP``.
+Status: ``up``; ``starting`` (a local engine being restarted, see
+:mod:`.supervisor`); ``error`` (dead or missing heartbeats; may come back);
+``down`` (closed or given up).
 """
 
 from __future__ import annotations
@@ -43,9 +46,13 @@ class Replica:
         self.stage_id = stage_id
         self.replica_id = replica_id
         self.address = address
-        self.status = "up"  # "up" | "error" | "down"
+        self.status = "up"  # "up" | "starting" | "error" | "down"
         self.requests_total = 0
         self.running: set[str] = set()
+        #: +1 each time a local replica's engine is replaced by a restart
+        self.generation = 0
+        #: ``time.monotonic()`` when a replica being restarted is expected up, else None
+        self.restart_eta: float | None = None
 
     @property
     def name(self) -> str:
@@ -54,6 +61,16 @@ class Replica:
     @property
     def attached(self) -> bool:
         return self.status == "up"
+
+    @property
+    def incarnation(self) -> tuple[int, int]:
+        """``(replica_id, generation)``: a restarted replica is a new incarnation."""
+        return self.replica_id, self.generation
+
+    @property
+    def recovering(self) -> bool:
+        """Not attached now but expected back without anyone's action."""
+        return self.status == "starting"
 
     async def run(self, task: StageTask) -> StageRun:
         """Run ``task``.
@@ -83,26 +100,61 @@ class LocalReplica(Replica):
         super().__init__(stage_id, replica_id, f"in-process:{os.getpid()}")
         self.engine = engine
         self.store = PayloadStore(payload_dir)
+        self.supervisor = None  # a LocalReplicaSupervisor once supervised
         self._aborted: set[str] = set()
+        #: request id -> future set by :meth:`lost`: the engine died under the task
+        self._lost: dict[str, asyncio.Future] = {}
 
     @property
     def queue_length(self) -> int:
         return len(self.running)
 
+    def replace_engine(self, engine) -> None:
+        """Swap in a restarted engine: a new incarnation, attached."""
+        self.engine = engine
+        self.generation += 1
+        self.restart_eta = None
+        self.status = "up"
+
     async def run(self, task: StageTask) -> StageRun:
         self.requests_total += 1
         self.running.add(task.request_id)
+        engine = self.engine
+        produced = False
+
+        def on_progress(_num_tokens: int) -> None:
+            nonlocal produced
+            produced = True
+
+        # The engine's death is signalled here by the supervisor (see lost()):
+        # a request vLLM never answers once its client was shut down must not
+        # wait forever.
+        lost = asyncio.get_running_loop().create_future()
+        self._lost[task.request_id] = lost
+        runner = asyncio.ensure_future(run_on_engine(
+            engine, self.store, task, on_progress=on_progress,
+            aborted=lambda: task.request_id in self._aborted))
         try:
-            result = await run_on_engine(self.engine, self.store, task,
-                                         aborted=lambda: task.request_id in self._aborted)
+            await asyncio.wait({runner, lost}, return_when=asyncio.FIRST_COMPLETED)
+            if not runner.done():
+                raise ReplicaLost(lost.result(), produced)
+            result = runner.result()
         except ReplicaLost:
-            self.lost("engine died")
+            if engine is self.engine:  # maybe before the supervisor's watcher saw it
+                if self.supervisor is not None:
+                    self.supervisor.engine_died(engine)
+                elif self.status == "up":
+                    self.lost("its engine core died")
             raise
         except TaskError:
             if task.request_id in self._aborted:
                 raise TaskAborted(task.request_id) from None
             raise
         finally:
+            if not runner.done():
+                runner.cancel()
+                runner.add_done_callback(_consume)
+            self._lost.pop(task.request_id, None)
             self.running.discard(task.request_id)
             aborted = task.request_id in self._aborted
             self._aborted.discard(task.request_id)
@@ -110,18 +162,33 @@ class LocalReplica(Replica):
             raise TaskAborted(task.request_id)
         return result
 
+    def lost(self, reason: str) -> None:
+        super().lost(reason)
+        for future in list(self._lost.values()):
+            if not future.done():
+                future.set_result(reason)
+
     async def abort(self, request_id: str) -> None:
         if request_id in self.running:
             self._aborted.add(request_id)
             await self.engine.abort(request_id)
 
     def close(self) -> None:
-        """Shut the engine down; the payload directory belongs to the orchestrator."""
+        """Stop supervising and shut the engine down; the payload directory
+        belongs to the orchestrator."""
+        if self.supervisor is not None:
+            self.supervisor.close()
         super().close()
         try:
             self.engine.shutdown()
         except Exception:
             logger.exception("%s: shutdown failed", self.name)
+
+
+def _consume(task: asyncio.Task) -> None:
+    """Retrieve a cancelled runner's outcome (its engine is gone; nothing to report)."""
+    if not task.cancelled():
+        task.exception()
 
 
 class _Pending:
@@ -157,6 +224,11 @@ class RemoteReplica(Replica):
         self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_TASK_FRAME_BYTES + 4096)
         self._socket.connect(address)
         self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+
+    @property
+    def recovering(self) -> bool:
+        """Missing heartbeats (``error``): it is listed ``UP`` again once they resume."""
+        return self.status == "error"
 
     @property
     def queue_length(self) -> int:

@@ -190,12 +190,16 @@ def run_headless_replicas(args) -> None:
 
 async def _serve(plan, assignments, info: dict) -> None:
     from vllm_omni_plugin.engine.stages import start_stage_engine
-    from vllm_omni_plugin.kv_transfer.payload import default_run_dir
+    from vllm_omni_plugin.kv_transfer.payload import default_run_dir, remove_stale_run_dirs
 
     from .cluster import INFO_COORDINATOR, INFO_HEARTBEAT_TIMEOUT
 
     timeout = float(info.get(INFO_HEARTBEAT_TIMEOUT, "30.0"))
     run_dir = default_run_dir()
+    stale = remove_stale_run_dirs(os.path.dirname(run_dir))
+    if stale:
+        logger.info("removed %d payload directories of processes that no longer exist",
+                    len(stale))
     servers: list[ReplicaServer] = []
 
     def start(assignment):

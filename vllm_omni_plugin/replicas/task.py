@@ -125,7 +125,9 @@ async def run_on_engine(engine, store: PayloadStore, task: StageTask,
             raise
         except Exception as exc:
             if engine_is_dead(exc):
-                raise ReplicaLost(f"engine died: {exc}", produced) from exc
+                # vLLM's own message points at a stack trace in the server log,
+                # which is no help to a client
+                raise ReplicaLost("its engine core died", produced) from exc
             raise TaskError(f"{type(exc).__name__}: {exc}") from exc
         if final is None or not final.finished:
             raise TaskError("produced no final output")

@@ -1,0 +1,196 @@
+"""LocalReplicaSupervisor: a dead engine is seen at once and restarted with back-off.
+
+The engines here stand in for vLLM's ``AsyncLLM``: each owns a real child
+process in the place vLLM keeps its EngineCore processes, and the tests kill
+it for real with SIGKILL. Failed restarts are scripted (``start_engine``
+raising), a fault that a real engine start cannot be made to produce on cue.
+The real engines, killed under a real `vllm serve`, are in
+``test_hardening_serve.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import signal
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_omni_plugin.coordinator import RoundRobinBalancer
+from vllm_omni_plugin.replicas.pool import NoReplicaAvailable, StagePool
+from vllm_omni_plugin.replicas.replica import LocalReplica
+from vllm_omni_plugin.replicas.supervisor import LocalReplicaSupervisor, engine_processes
+from vllm_omni_plugin.replicas.task import ReplicaLost, StageTask
+
+
+class ProcessEngine:
+    """An engine whose "EngineCore" is a real sleeping child process."""
+
+    def __init__(self) -> None:
+        self.proc = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,))
+        self.proc.start()
+        manager = SimpleNamespace(processes=[self.proc])
+        self.engine_core = SimpleNamespace(resources=SimpleNamespace(engine_manager=manager))
+        self.shut_down = False
+
+    @property
+    def errored(self) -> bool:
+        return not self.proc.is_alive()
+
+    async def generate(self, prompt, params, request_id):
+        """Never answers, as vLLM's client after its EngineCore died and the
+        client was shut down."""
+        await asyncio.Event().wait()
+        yield
+
+    async def abort(self, request_id) -> None:
+        return None
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join()
+
+
+class Starter:
+    """``start_engine``: fails the first ``failures`` calls, then starts engines."""
+
+    def __init__(self, failures: int = 0) -> None:
+        self.failures = failures
+        self.calls = 0
+        self.engines: list[ProcessEngine] = []
+
+    def __call__(self) -> ProcessEngine:
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise RuntimeError(f"stage 1 ('talker') failed to start: attempt {self.calls}")
+        engine = ProcessEngine()
+        self.engines.append(engine)
+        return engine
+
+
+def _supervised(tmp_path, starter, max_restarts, backoff_s=0.01):
+    first = ProcessEngine()
+    replica = LocalReplica(1, 0, first, str(tmp_path))
+    pool = StagePool(1, RoundRobinBalancer(), wait_timeout=0.2)
+    pool.add(replica)
+    up = asyncio.Event()
+
+    def on_up():
+        pool.notify()
+        up.set()
+
+    supervisor = LocalReplicaSupervisor(replica, starter, on_up, max_restarts, backoff_s)
+    supervisor.watch(asyncio.get_running_loop())
+    return first, replica, pool, supervisor, up
+
+
+async def _until(condition, timeout=10.0):
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+def test_engine_processes_found_where_vllm_keeps_them():
+    engine = ProcessEngine()
+    try:
+        assert engine_processes(engine) == [engine.proc]
+        assert engine_processes(SimpleNamespace()) is None
+    finally:
+        engine.shutdown()
+
+
+def test_killed_engine_is_seen_and_replaced(tmp_path):
+    async def scenario():
+        starter = Starter()
+        first, replica, pool, supervisor, up = _supervised(tmp_path, starter, max_restarts=3)
+        first.kill()
+        await asyncio.wait_for(up.wait(), 10)
+        try:
+            return first, replica, supervisor, starter
+        finally:
+            replica.close()
+
+    first, replica, supervisor, starter = asyncio.run(scenario())
+    assert first.shut_down and replica.engine is starter.engines[0]
+    assert replica.generation == 1 and supervisor.restarts == 1 and starter.calls == 1
+    assert supervisor.last_start_s is not None and replica.restart_eta is None
+
+
+def test_failed_restarts_back_off_then_succeed(tmp_path):
+    async def scenario():
+        starter = Starter(failures=2)
+        first, replica, pool, supervisor, up = _supervised(tmp_path, starter, max_restarts=3)
+        statuses = []
+        first.kill()
+        while not up.is_set():
+            if not statuses or statuses[-1] != replica.status:
+                statuses.append(replica.status)
+            await asyncio.sleep(0.001)
+        replica.close()
+        return replica, supervisor, starter, statuses
+
+    replica, supervisor, starter, statuses = asyncio.run(scenario())
+    assert starter.calls == 3 and supervisor.attempts == 3 and replica.generation == 1
+    assert "error" in statuses[1:] and "starting" in statuses
+
+
+def test_gives_up_after_max_restarts_and_the_pool_fails_at_once(tmp_path):
+    async def scenario():
+        starter = Starter(failures=10)
+        first, replica, pool, supervisor, up = _supervised(tmp_path, starter, max_restarts=2)
+        first.kill()
+        await _until(lambda: replica.status == "down")
+        start = time.monotonic()
+        with pytest.raises(NoReplicaAvailable, match="none is up or starting") as info:
+            await pool.run(StageTask("req", [1], {}))
+        waited = time.monotonic() - start
+        replica.close()
+        return starter, info.value, waited, pool
+
+    starter, error, waited, pool = asyncio.run(scenario())
+    assert starter.calls == 2
+    assert error.status == 503 and error.retry_after >= 1
+    assert waited < pool.wait_timeout  # failed without waiting for a replica
+
+
+def test_no_restart_when_disabled_or_closed(tmp_path):
+    async def scenario():
+        disabled = Starter()
+        first, replica, _, _, _ = _supervised(tmp_path / "a", disabled, max_restarts=0)
+        first.kill()
+        await _until(lambda: replica.status == "down")
+        closed = Starter()
+        second, other, _, _, _ = _supervised(tmp_path / "b", closed, max_restarts=3)
+        other.close()  # shuts its engine down: the exit must not trigger a restart
+        await _until(lambda: not second.proc.is_alive())
+        await asyncio.sleep(0.2)
+        return disabled, closed, other
+
+    disabled, closed, other = asyncio.run(scenario())
+    assert disabled.calls == 0 and closed.calls == 0 and other.status == "down"
+
+
+def test_task_on_an_engine_that_dies_fails_over_instead_of_hanging(tmp_path):
+    async def scenario():
+        starter = Starter()
+        first, replica, pool, supervisor, up = _supervised(tmp_path, starter, max_restarts=3)
+        running = asyncio.create_task(replica.run(StageTask("req", [1], {})))
+        await _until(lambda: "req" in replica.running)
+        first.kill()
+        with pytest.raises(ReplicaLost) as info:
+            await asyncio.wait_for(running, 10)
+        await asyncio.wait_for(up.wait(), 10)
+        replica.close()
+        return info.value
+
+    error = asyncio.run(scenario())
+    assert not error.produced_output and "exit code -9" in str(error)

@@ -1,0 +1,93 @@
+"""What one API request asks of the pipeline beyond vLLM's own fields, and what it got.
+
+The API layer (:mod:`vllm_omni_plugin.entrypoints.audio_output`) validates the
+client's ``modalities`` and ``audio`` fields, builds an :class:`OmniRequest` and
+runs vLLM's handler inside :func:`omni_request_scope`; the orchestrator, called
+by vLLM's handler in the same task (or a task created from it), finds it with
+:func:`current_omni_request` and puts the pipeline's result there. Clients
+cannot write into it: it never travels in a request body or in
+``SamplingParams.extra_args``, and it lives exactly as long as its HTTP request.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Output modalities the pipeline accepts (OpenAI chat ``modalities``).
+TEXT = "text"
+AUDIO = "audio"
+
+
+@dataclass
+class StageResult:
+    """What the final downstream stage produced for one request, or why it failed.
+
+    Attributes:
+        output_type: the stage's ``final_output_type`` (``"audio"``, ...), or
+            ``"error"``.
+        payload: output tensors (for audio: ``waveform`` ``[samples]`` float32).
+        sample_rate: Hz, for audio.
+        final_input: the final stage's input payload (e.g. code2wav's codec codes).
+        error: the message for the client when the request failed.
+        status: HTTP status for the client when ``error`` is set.
+        retry_after: seconds the client should wait before retrying (HTTP
+            ``Retry-After``), for 429 and 503 answers.
+    """
+
+    output_type: str
+    payload: dict[str, Any] = field(default_factory=dict)
+    sample_rate: int | None = None
+    final_input: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+    status: int = 200
+    retry_after: float | None = None
+    created: float = field(default_factory=time.monotonic)
+
+    @classmethod
+    def failure(cls, message: str, status: int,
+                retry_after: float | None = None) -> StageResult:
+        return cls(output_type="error", error=message, status=status, retry_after=retry_after)
+
+
+@dataclass
+class OmniRequest:
+    """One API request's pipeline options and outcome.
+
+    Attributes:
+        modalities: output modalities, ``("text",)`` or ``("text", "audio")``.
+        voice: talker speaker name, None for the checkpoint's default.
+        result: set by the orchestrator: the pipeline's output, or a failure
+            (also set for a text-only request whose stage failed).
+    """
+
+    modalities: tuple[str, ...] = (TEXT,)
+    voice: str | None = None
+    result: StageResult | None = None
+
+    @property
+    def text_only(self) -> bool:
+        return tuple(self.modalities) == (TEXT,)
+
+
+_CURRENT: contextvars.ContextVar[OmniRequest | None] = contextvars.ContextVar(
+    "vllm_omni_plugin_request", default=None)
+
+
+@contextmanager
+def omni_request_scope(request: OmniRequest) -> Iterator[OmniRequest]:
+    """Make ``request`` the current one for the code run inside the ``with`` block."""
+    token = _CURRENT.set(request)
+    try:
+        yield request
+    finally:
+        _CURRENT.reset(token)
+
+
+def current_omni_request() -> OmniRequest | None:
+    """The request of the enclosing :func:`omni_request_scope`, else None."""
+    return _CURRENT.get()
