@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_omni_plugin.kv_transfer.payload import is_payload_key
+from vllm_omni_plugin.payload_store import is_payload_key
 
 #: Every key of the plugin in ``extra_args`` (and so in a client's ``vllm_xargs``).
 RESERVED_PREFIX = "omni_plugin_"

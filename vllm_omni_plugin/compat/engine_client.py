@@ -9,7 +9,7 @@ subclass, with the same arguments; otherwise it calls vLLM's method unchanged.
 Upstream reason: ``from_vllm_config`` is the only constructor the API server
 uses (same signature 0.30-0.32).
 Remove when: vLLM lets a plugin supply the engine client class (none in
-0.30-0.32; ``plugin_tests/test_compat_shims.py`` fails once that changes).
+0.30-0.32; ``plugin_tests/unit/test_compat_shims.py`` fails once that changes).
 """
 
 from __future__ import annotations

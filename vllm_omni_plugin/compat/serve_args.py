@@ -7,7 +7,7 @@ vLLM process through ``additional_config`` by wrapping ``EngineArgs.from_cli_arg
 Upstream reason: ``EngineArgs`` only maps its own dataclass fields
 (vllm/engine/arg_utils.py, 0.30-0.32).
 Remove when: vLLM offers a plugin hook for CLI arguments and for extra engine
-config (none in 0.30-0.32; ``plugin_tests/test_compat_shims.py`` fails once
+config (none in 0.30-0.32; ``plugin_tests/unit/test_compat_shims.py`` fails once
 that changes).
 """
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 
 #: The vLLM releases this plugin supports, as in setup.cfg's install_requires
-#: (plugin_tests/test_compat_matrix.py keeps the two, the README table and the
+#: (plugin_tests/unit/test_compat_matrix.py keeps the two, the README table and the
 #: CI matrix in step). Every minor release in it is tested by ``.ci/run``.
 SUPPORTED_RANGE = ">=0.30.0,<0.33"
 

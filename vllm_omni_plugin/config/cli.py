@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 
 from vllm_omni_plugin import envs
-from vllm_omni_plugin.config.settings import ADDITIONAL_CONFIG_KEY
+from vllm_omni_plugin.config.settings import ClusterSettings, OmniSettings
 from vllm_omni_plugin.logger import init_logger
 
 logger = init_logger(__name__)
@@ -22,6 +22,7 @@ INHERITED_FIELDS = ("tokenizer", "dtype", "seed", "trust_remote_code", "revision
                     "download_dir", "load_format")
 
 GROUP_TITLE = "Omni"
+_CLUSTER = ClusterSettings()  # the defaults of the head's flags
 
 
 def add_omni_args(parser: argparse.ArgumentParser) -> None:
@@ -48,12 +49,12 @@ def add_omni_args(parser: argparse.ArgumentParser) -> None:
         "register with the head at --omni-master-address/--omni-master-port (no API "
         "server). Without --headless it may only name the entry stage.")
     group.add_argument(
-        "--omni-master-address", "-oma", type=str, default="127.0.0.1", metavar="HOST",
+        "--omni-master-address", "-oma", type=str, default=_CLUSTER.host, metavar="HOST",
         help="Head: the address its omni master and coordinator bind to (only this one; "
         "use a routable IP for headless replicas on other hosts). Headless: the head's "
         "address to register with.")
     group.add_argument(
-        "--omni-master-port", "-omp", type=int, default=0, metavar="PORT",
+        "--omni-master-port", "-omp", type=int, default=_CLUSTER.port, metavar="PORT",
         help="Port of the head's omni master. Head: 0 picks a free one (logged). "
         "Headless: required.")
     group.add_argument(
@@ -62,19 +63,22 @@ def add_omni_args(parser: argparse.ArgumentParser) -> None:
         "engine each). The head's own replicas per stage come from runtime.num_replicas "
         "in the stage config.")
     group.add_argument(
-        "--omni-lb-policy", type=str, default="random",
+        "--omni-lb-policy", type=str, default=_CLUSTER.lb_policy,
         choices=[p.value for p in _policies()],
         help="Head: how each stage picks one of its replicas for a request.")
     group.add_argument(
-        "--omni-heartbeat-timeout", type=float, default=30.0, metavar="SECONDS",
+        "--omni-heartbeat-timeout", type=float, default=_CLUSTER.heartbeat_timeout,
+        metavar="SECONDS",
         help="Head: seconds without a heartbeat after which a replica is marked ERROR "
         "and its requests fail over. Headless replicas heartbeat at 1/6 of it.")
     group.add_argument(
-        "--omni-replica-wait-timeout", type=float, default=30.0, metavar="SECONDS",
+        "--omni-replica-wait-timeout", type=float, default=_CLUSTER.replica_wait_timeout,
+        metavar="SECONDS",
         help="Head: how long a request waits for a replica of a stage when none is up "
         "before it fails with HTTP 503 'no replica available for stage N'.")
     group.add_argument(
-        "--omni-admission-timeout", type=float, default=30.0, metavar="SECONDS",
+        "--omni-admission-timeout", type=float, default=_CLUSTER.admission_timeout,
+        metavar="SECONDS",
         help="Head: how long a request for more than text waits when a downstream stage "
         "already has its bound of requests in flight (runtime.max_inflight in the stage "
         "config) before it fails with HTTP 429 and a Retry-After header.")
@@ -104,10 +108,12 @@ def _positive(name: str, value: float) -> None:
 
 
 #: Defaults of the omni flags, for a namespace not built by vLLM's parser.
-FLAG_DEFAULTS = {"stage_id": None, "omni_master_address": "127.0.0.1", "omni_master_port": 0,
-                 "omni_dp_size_local": 1, "omni_lb_policy": "random",
-                 "omni_heartbeat_timeout": 30.0, "omni_replica_wait_timeout": 30.0,
-                 "omni_admission_timeout": 30.0,
+FLAG_DEFAULTS = {"stage_id": None, "omni_master_address": _CLUSTER.host,
+                 "omni_master_port": _CLUSTER.port, "omni_dp_size_local": 1,
+                 "omni_lb_policy": _CLUSTER.lb_policy,
+                 "omni_heartbeat_timeout": _CLUSTER.heartbeat_timeout,
+                 "omni_replica_wait_timeout": _CLUSTER.replica_wait_timeout,
+                 "omni_admission_timeout": _CLUSTER.admission_timeout,
                  "omni_replica_address": None, "omni_cluster_token": None, "replica_id": None}
 
 
@@ -162,7 +168,7 @@ def is_omni_headless(args: argparse.Namespace) -> bool:
 @dataclass
 class HeadlessPlan:
     stage: object  # StageConfig
-    settings: dict
+    settings: OmniSettings
     base_args: dict
     master_host: str
     master_port: int
@@ -199,8 +205,8 @@ def headless_plan(args: argparse.Namespace) -> HeadlessPlan:
     engine_args = AsyncEngineArgs.from_cli_args(args)
     return HeadlessPlan(
         stage=stage,
-        settings={"stage_id": stage.stage_id, "stage_configs_path": os.path.abspath(path),
-                  "entry": False},
+        settings=OmniSettings(stage_configs_path=os.path.abspath(path),
+                              stage_id=stage.stage_id, entry=False),
         base_args=base_args_from(engine_args),
         master_host=args.omni_master_address,
         master_port=args.omni_master_port,
@@ -235,7 +241,7 @@ def apply_omni_args(args: argparse.Namespace, engine_args) -> None:
     if not path or is_omni_headless(args):
         return  # headless replicas are configured by headless_plan
     from vllm_omni_plugin.config.loader import load_pipeline_config
-    from vllm_omni_plugin.kv_transfer.payload import default_run_dir
+    from vllm_omni_plugin.payload_store import default_run_dir
 
     validate_omni_args(args)
     pipeline = load_pipeline_config(path)
@@ -246,22 +252,17 @@ def apply_omni_args(args: argparse.Namespace, engine_args) -> None:
                          f"serves the entry stage ({entry.stage_id}); start other stages' "
                          "replicas with --headless --stage-id N")
     apply_stage_engine_args(engine_args, entry.engine_args)
-    extra = dict(engine_args.additional_config or {})
-    extra[ADDITIONAL_CONFIG_KEY] = {
-        "stage_id": entry.stage_id,
-        "stage_configs_path": os.path.abspath(path),
-        "payload_dir": default_run_dir(),
-        "entry": True,
-        "cluster": {
-            "host": args.omni_master_address,
-            "port": args.omni_master_port,
-            "heartbeat_timeout": args.omni_heartbeat_timeout,
-            "lb_policy": args.omni_lb_policy,
-            "wait_timeout": args.omni_replica_wait_timeout,
-            "admission_timeout": args.omni_admission_timeout,
-        },
-    }
-    engine_args.additional_config = extra
+    settings = OmniSettings(
+        stage_configs_path=os.path.abspath(path), stage_id=entry.stage_id, entry=True,
+        payload_dir=default_run_dir(),
+        cluster=ClusterSettings(
+            host=args.omni_master_address, port=args.omni_master_port,
+            heartbeat_timeout=args.omni_heartbeat_timeout, lb_policy=args.omni_lb_policy,
+            replica_wait_timeout=args.omni_replica_wait_timeout,
+            admission_timeout=args.omni_admission_timeout))
+    engine_args.additional_config = settings.additional_config(
+        engine_args.additional_config if isinstance(engine_args.additional_config, dict)
+        else None)
     middleware = list(getattr(args, "middleware", None) or [])
     from vllm_omni_plugin.entrypoints.audio_output import MIDDLEWARE_QUALNAME
 

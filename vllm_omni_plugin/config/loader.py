@@ -65,8 +65,10 @@ def parse_pipeline_config(data: Any, *, path: str | None = None,
         errors = [_convert(err, data, path) for err in e.errors()]
         errors[0].more = errors[1:]
         raise errors[0] from None
-    if check_processors:
-        cfg.check_processors(path=path)
+    if check_processors and any(s.input_processor for s in cfg.stages):
+        from vllm_omni_plugin.processors.registry import available_processors
+
+        cfg.check_processors(available_processors(), path=path)
     return cfg
 
 

@@ -245,22 +245,15 @@ class PipelineConfig(BaseModel):
                     heapq.heappush(ready, d.stage_id)
         return order
 
-    def check_processors(self, available: Iterable[str] | None = None,
-                         path: str | None = None) -> None:
-        """Check every ``input_processor`` is registered.
+    def check_processors(self, available: Iterable[str], path: str | None = None) -> None:
+        """Check every ``input_processor`` is one of ``available``.
 
         Args:
-            available: known names; default: the processor registry (loads plugins).
+            available: known processor names (the loader passes the registry's).
             path: config file named in errors.
         Raises:
             StageConfigError: unknown name (message lists the available ones).
         """
-        if available is None:
-            from vllm_omni_plugin.processors.registry import available_processors
-
-            if not any(s.input_processor for s in self.stages):
-                return
-            available = available_processors()
         names = list(available)
         for s in self.stages:
             if s.input_processor and s.input_processor not in names:

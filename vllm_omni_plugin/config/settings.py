@@ -1,29 +1,91 @@
-"""Per-stage settings carried to every vLLM process through ``additional_config``.
+"""The plugin's settings: the one contract the CLI hands the engine side.
 
-vLLM copies ``--additional-config`` into ``vllm_config.additional_config`` in
-every process (API server, engine core, workers), so the plugin keeps its
-per-stage settings there under :data:`ADDITIONAL_CONFIG_KEY`:
+:class:`OmniSettings` is built from the omni flags by
+:func:`vllm_omni_plugin.config.cli.apply_omni_args` (head) or
+:func:`~vllm_omni_plugin.config.cli.headless_plan` (headless) and travels to
+every vLLM process of a stage (API server, engine core, workers) in
+``vllm_config.additional_config[ADDITIONAL_CONFIG_KEY]``: vLLM copies
+``additional_config`` into each of them. Every default lives here; the flags'
+defaults are read from these fields.
 
-``{"stage_id": int, "stage_configs_path": str, "payload_dir": str, "entry": bool}``
-
-``entry`` is False for the downstream stage engines the orchestrator starts.
+The cluster token is not part of it: ``additional_config`` is logged and
+hashed by vLLM, a secret must not be. It stays in
+``VLLM_OMNI_PLUGIN_CLUSTER_TOKEN`` (see :mod:`vllm_omni_plugin.envs`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
 ADDITIONAL_CONFIG_KEY = "omni_plugin"
 
 
-def stage_settings(vllm_config) -> dict[str, Any]:
-    """The plugin's settings of this engine, ``{}`` when not in omni mode."""
-    extra = getattr(vllm_config, "additional_config", None) or {}
-    value = extra.get(ADDITIONAL_CONFIG_KEY) if isinstance(extra, dict) else None
-    return dict(value) if isinstance(value, dict) else {}
+class ClusterSettings(BaseModel):
+    """The head's control plane and request admission (head only).
+
+    Attributes:
+        host: address the omni master and coordinator bind to.
+        port: the omni master's port (0: kernel-chosen).
+        heartbeat_timeout: seconds without a heartbeat before a replica is ERROR.
+        lb_policy: ``random``, ``round-robin`` or ``least-queue-length``.
+        replica_wait_timeout: seconds a request waits for a replica of a stage
+            while one may come back, before HTTP 503.
+        admission_timeout: seconds a request for more than text waits for
+            room at the downstream stages, before HTTP 429.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    host: str = "127.0.0.1"
+    port: int = Field(default=0, ge=0, le=65535)
+    heartbeat_timeout: float = Field(default=30.0, gt=0)
+    lb_policy: str = "random"
+    replica_wait_timeout: float = Field(default=30.0, gt=0)
+    admission_timeout: float = Field(default=30.0, ge=0)
+
+
+class OmniSettings(BaseModel):
+    """Settings of one stage engine in omni mode.
+
+    Attributes:
+        stage_configs_path: absolute path of the pipeline YAML.
+        stage_id: the stage this engine serves.
+        entry: True for the engine ``vllm serve`` builds (the entry stage),
+            False for downstream stage engines.
+        payload_dir: the inter-stage payload store's run directory, or None.
+        cluster: the head's control-plane settings.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    stage_configs_path: str
+    stage_id: int = Field(default=0, ge=0)
+    entry: bool = True
+    payload_dir: str | None = None
+    cluster: ClusterSettings = Field(default_factory=ClusterSettings)
+
+    def for_stage(self, stage_id: int, **changes: Any) -> OmniSettings:
+        """These settings for a downstream engine of ``stage_id``."""
+        return self.model_copy(update={"stage_id": stage_id, "entry": False, **changes})
+
+    def additional_config(self, base: dict | None = None) -> dict[str, Any]:
+        """``base`` (an ``additional_config``) with these settings under
+        :data:`ADDITIONAL_CONFIG_KEY`."""
+        return {**(base or {}), ADDITIONAL_CONFIG_KEY: self.model_dump()}
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config) -> OmniSettings | None:
+        """The settings of this engine, None when not in omni mode.
+
+        Raises:
+            pydantic.ValidationError: the stored settings are malformed.
+        """
+        extra = getattr(vllm_config, "additional_config", None) or {}
+        value = extra.get(ADDITIONAL_CONFIG_KEY) if isinstance(extra, dict) else None
+        return cls.model_validate(value) if isinstance(value, dict) else None
 
 
 def is_entry_stage(vllm_config) -> bool:
     """True for the engine ``vllm serve`` builds in omni mode (not a downstream stage)."""
-    settings = stage_settings(vllm_config)
-    return bool(settings) and settings.get("entry", True)
+    settings = OmniSettings.from_vllm_config(vllm_config)
+    return settings is not None and settings.entry

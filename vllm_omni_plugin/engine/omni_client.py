@@ -1,16 +1,18 @@
 """``OmniEngineClient``: the engine client vLLM's API server uses in omni mode.
 
 It *is* the entry stage's ``AsyncLLM`` (so every ``EngineClient`` method vLLM
-adds keeps working) and owns the :class:`Orchestrator` that carries a request
-through the downstream stages when the client asked for more than text.
+adds keeps working) and owns the :class:`~vllm_omni_plugin.engine.bootstrap.Head`
+(built by :func:`~vllm_omni_plugin.engine.bootstrap.build_head`), whose
+orchestrator carries a request through the downstream stages when the client
+asked for more than text.
 """
 
 from __future__ import annotations
 
 from vllm.v1.engine.async_llm import AsyncLLM
 
-from vllm_omni_plugin.config.settings import stage_settings
-from vllm_omni_plugin.engine.orchestrator import Orchestrator
+from vllm_omni_plugin.config.settings import OmniSettings
+from vllm_omni_plugin.engine.bootstrap import build_head
 from vllm_omni_plugin.logger import init_logger
 
 logger = init_logger(__name__)
@@ -22,13 +24,18 @@ class OmniEngineClient(AsyncLLM):
     def __init__(self, vllm_config, *args, **kwargs):
         super().__init__(vllm_config, *args, **kwargs)
         try:
-            self.orchestrator = Orchestrator.start(self, vllm_config, stage_settings(vllm_config))
+            self.head = build_head(self, vllm_config, OmniSettings.from_vllm_config(vllm_config))
         except BaseException:
             super().shutdown()
             raise
 
+    @property
+    def orchestrator(self):
+        return self.head.orchestrator
+
     async def generate(self, prompt, sampling_params, request_id, *args, **kwargs):
-        async for output in self.orchestrator.generate(
+        self.head.start()
+        async for output in self.head.orchestrator.generate(
             prompt, sampling_params, request_id, *args, **kwargs
         ):
             yield output
@@ -39,10 +46,10 @@ class OmniEngineClient(AsyncLLM):
 
     async def abort(self, request_id, *args, **kwargs) -> None:
         await super().abort(request_id, *args, **kwargs)
-        await self.orchestrator.abort(request_id)
+        await self.head.orchestrator.abort(request_id)
 
     def shutdown(self, *args, **kwargs) -> None:
-        orchestrator = getattr(self, "orchestrator", None)
-        if orchestrator is not None:
-            orchestrator.shutdown()
+        head = getattr(self, "head", None)
+        if head is not None:
+            head.shutdown()
         super().shutdown(*args, **kwargs)

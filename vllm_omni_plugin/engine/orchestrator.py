@@ -17,9 +17,7 @@ nothing else.
 from __future__ import annotations
 
 import asyncio
-import os
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 from vllm_omni_plugin import extra_args as xargs
 from vllm_omni_plugin.engine.admission import AdmissionGate, AdmissionRefused
@@ -28,8 +26,8 @@ from vllm_omni_plugin.engine.omni_request import (
     StageResult,
     current_omni_request,
 )
-from vllm_omni_plugin.kv_transfer.payload import PayloadError, PayloadStore, safe_key
 from vllm_omni_plugin.logger import init_logger
+from vllm_omni_plugin.payload_store import PayloadError, PayloadStore, safe_key
 
 logger = init_logger(__name__)
 
@@ -50,108 +48,43 @@ class StageError(RuntimeError):
 
 
 class Orchestrator:
-    def __init__(self, client, pipeline, store: PayloadStore, pools: dict, cluster,
-                 admission: AdmissionGate, supervisors: list | None = None):
-        self.client = client
+    """Moves one request through the pipeline's stages; built by
+    :func:`~vllm_omni_plugin.engine.bootstrap.build_head`.
+
+    Args:
+        entry_generate: runs a request on the entry stage (vLLM's
+            ``AsyncLLM.generate`` of the served model): ``(prompt, params,
+            request_id, ...)`` -> async iterator of ``RequestOutput``.
+        hf_config: the served checkpoint's HF config (for stage input processors).
+        pipeline: the ``PipelineConfig``.
+        store: the payload store stages exchange tensors through.
+        pools: stage id -> ``StagePool`` of every downstream stage.
+        admission: the gate bounding pipeline requests per downstream stage.
+        processors: stage id -> the stage input processor of every downstream stage.
+
+    Raises:
+        ValueError: a downstream stage has no pool or no processor (names it).
+    """
+
+    def __init__(self, entry_generate, hf_config, pipeline, store: PayloadStore, pools: dict,
+                 admission: AdmissionGate, processors: dict) -> None:
+        self.entry_generate = entry_generate
+        self.hf_config = hf_config
         self.pipeline = pipeline
         self.store = store
-        self.pools = pools  # stage_id -> StagePool (downstream stages)
-        self.cluster = cluster  # HeadCluster: master, coordinator, remote replicas
+        self.pools = pools
         self.admission = admission
-        self.supervisors = supervisors or []  # LocalReplicaSupervisor per local replica
+        self.processors = processors
         self.entry = pipeline.entry_stage
+        self._downstream = [s for s in pipeline.topological_order()
+                            if s.stage_id != self.entry.stage_id]
+        for stage in self._downstream:
+            for what, table in (("stage pool", pools), ("input processor", processors)):
+                if stage.stage_id not in table:
+                    raise ValueError(f"stage {stage.stage_id} ({stage.name}): no {what}")
         self._inflight: dict[str, set[tuple[int, str]]] = {}
         self._stage_of: dict[str, int] = {}  # pipeline request -> the stage it is at
         self._aborted: set[str] = set()
-        self._started = False
-
-    @classmethod
-    def start(cls, client, vllm_config, settings: dict) -> Orchestrator:
-        """Start the head's control plane and its replicas of every downstream stage.
-
-        Raises:
-            RuntimeError: a stage engine failed to start (names the stage).
-            zmq.ZMQError: the master or coordinator address cannot be bound.
-        """
-        from vllm_omni_plugin.config.cli import base_args_from
-        from vllm_omni_plugin.config.loader import load_pipeline_config
-        from vllm_omni_plugin.coordinator import build_load_balancer_factory
-        from vllm_omni_plugin.engine.stages import start_stage_engine
-        from vllm_omni_plugin.kv_transfer.payload import remove_stale_run_dirs
-        from vllm_omni_plugin.replicas.cluster import HeadCluster
-        from vllm_omni_plugin.replicas.metrics import register_metrics
-        from vllm_omni_plugin.replicas.pool import StagePool
-        from vllm_omni_plugin.replicas.replica import LocalReplica
-        from vllm_omni_plugin.replicas.supervisor import LocalReplicaSupervisor
-
-        pipeline = load_pipeline_config(settings["stage_configs_path"])
-        conf = {"host": "127.0.0.1", "port": 0, "heartbeat_timeout": 30.0,
-                "lb_policy": "random", "wait_timeout": 30.0, "admission_timeout": 30.0,
-                **settings.get("cluster", {})}
-        stale = remove_stale_run_dirs(os.path.dirname(settings["payload_dir"]))
-        if stale:
-            logger.info("removed %d payload directories of processes that no longer exist",
-                        len(stale))
-        store = PayloadStore(settings["payload_dir"])
-        downstream = [s for s in pipeline.topological_order()
-                      if s.stage_id != pipeline.entry_stage.stage_id]
-        cluster = HeadCluster(conf["host"], int(conf["port"]), float(conf["heartbeat_timeout"]))
-        balancer = build_load_balancer_factory(conf["lb_policy"])
-        pools = {s.stage_id: StagePool(s.stage_id, balancer(), float(conf["wait_timeout"]))
-                 for s in downstream}
-        base = base_args_from(vllm_config.model_config)
-        plan = [(s, replica_id) for s in downstream
-                for replica_id in cluster.register_local(s.stage_id, s.runtime.num_replicas)]
-        # Engines start concurrently: each start is mostly an EngineCore
-        # process spawning, importing and handshaking.
-        replicas, errors = [], []
-        with ThreadPoolExecutor(max_workers=max(1, len(plan)),
-                                thread_name_prefix="omni-stage-start") as pool:
-            futures = [(s, rid, pool.submit(start_stage_engine, s, base, settings))
-                       for s, rid in plan]
-            for stage, replica_id, future in futures:
-                try:
-                    replicas.append(LocalReplica(stage.stage_id, replica_id,
-                                                 future.result().engine, store.root))
-                except BaseException as exc:
-                    errors.append(exc)
-        if errors:
-            for replica in replicas:
-                replica.engine.shutdown()
-            cluster.close()
-            store.close()
-            raise errors[0]
-        supervisors = []
-        for replica in replicas:
-            stage = pipeline.stage(replica.stage_id)
-            pools[replica.stage_id].add(replica)
-            supervisors.append(LocalReplicaSupervisor(
-                replica, lambda s=stage: start_stage_engine(s, base, settings).engine,
-                pools[replica.stage_id].notify, stage.runtime.max_restarts))
-        admission = AdmissionGate(
-            {s.stage_id: admission_bound(s, replicas, vllm_config) for s in downstream},
-            float(conf["admission_timeout"]))
-        logger.info("admission bounds (requests in flight per stage): %s; wait up to %g s",
-                    admission.bounds, admission.timeout_s)
-        register_metrics(pools, admission)
-        orchestrator = cls(client, pipeline, store, pools, cluster, admission, supervisors)
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            pass  # built outside an event loop: start on the first request
-        else:
-            orchestrator._ensure_started()
-        return orchestrator
-
-    def _ensure_started(self) -> None:
-        """Start attaching remote replicas and supervising local ones (needs the
-        API server's event loop)."""
-        if not self._started:
-            self._started = True
-            loop = asyncio.get_running_loop()
-            for supervisor in self.supervisors:
-                supervisor.watch(loop)
-            self.cluster.start(self.pools)
 
     # -- request flow ---------------------------------------------------------
     async def generate(self, prompt, sampling_params, request_id, *args, **kwargs):
@@ -162,7 +95,6 @@ class Orchestrator:
         Raises:
             StageError: a text-only request failed in the entry stage's worker.
         """
-        self._ensure_started()
         request = current_omni_request() or OmniRequest()
         extra = xargs.without_reserved(sampling_params.extra_args)
         params = sampling_params.clone()
@@ -187,7 +119,7 @@ class Orchestrator:
         self._stage_of[request_id] = self.entry.stage_id
         final = None
         try:
-            async for out in self.client.entry_generate(prompt, params, request_id, *args,
+            async for out in self.entry_generate(prompt, params, request_id, *args,
                                                         **kwargs):
                 if out.finished:
                     final = out
@@ -226,7 +158,7 @@ class Orchestrator:
         params.extra_args = {**extra, xargs.PAYLOAD: {"err": err_key}}
         self.store.create(err_key)
         try:
-            async for out in self.client.entry_generate(prompt, params, request_id, *args,
+            async for out in self.entry_generate(prompt, params, request_id, *args,
                                                         **kwargs):
                 if out.finished:
                     error = self.store.error(err_key)
@@ -244,17 +176,13 @@ class Orchestrator:
         """Run every downstream stage, giving its admission slot back as the
         request leaves it; None when the request was aborted meanwhile."""
         from vllm_omni_plugin.processors.hookspecs import UpstreamOutput
-        from vllm_omni_plugin.processors.registry import get_processor
 
         last, last_input = None, {}
-        for stage in self.pipeline.topological_order():
-            if stage.stage_id == self.entry.stage_id:
-                continue
+        extras = {**extra, xargs.SPEAKER: request.voice, "hf_config": self.hf_config}
+        for stage in self._downstream:
             try:
-                processor = get_processor(stage.input_processor)
-                extras = {**extra, xargs.SPEAKER: request.voice,
-                          "hf_config": self.client.model_config.hf_config}
-                stage_input = processor([outputs[s] for s in stage.inputs], stage, extras)
+                upstream = [outputs[s] for s in stage.inputs]
+                stage_input = self.processors[stage.stage_id](upstream, stage, dict(extras))
             except ValueError as exc:  # processors raise ValueError for bad requests
                 raise StageError(stage.stage_id, stage.name,
                                  f"input processor {stage.input_processor!r}: {exc}",
@@ -343,19 +271,6 @@ class Orchestrator:
         logger.info("request %s %s while at stage %d (%s)", request_id, how, stage_id,
                     self.pipeline.stage(stage_id).name)
 
-    def shutdown(self) -> None:
-        from vllm_omni_plugin.replicas.metrics import unregister_metrics
-
-        unregister_metrics(self.pools, self.admission)
-        for supervisor in self.supervisors:
-            supervisor.close()
-        self.cluster.close()
-        for pool in self.pools.values():
-            pool.close()
-        self.pools = {}
-        if os.path.isdir(self.store.root):
-            self.store.close()
-
 
 def _stage_output(stage_id: int, request_output, payload):
     from vllm_omni_plugin.processors.hookspecs import UpstreamOutput
@@ -368,18 +283,3 @@ def _stage_output(stage_id: int, request_output, payload):
         payload=payload,
     )
 
-
-def admission_bound(stage, replicas: list, vllm_config) -> int:
-    """Requests in flight allowed at ``stage``: its ``runtime.max_inflight``, else
-    its engine's ``max_num_seqs`` (a local replica's resolved value, else the
-    stage's ``engine_args``, else the entry engine's) times its local replicas
-    (at least one)."""
-    if stage.runtime.max_inflight:
-        return stage.runtime.max_inflight
-    local = [r for r in replicas if r.stage_id == stage.stage_id]
-    if local:
-        max_num_seqs = local[0].engine.vllm_config.scheduler_config.max_num_seqs
-    else:
-        max_num_seqs = (stage.engine_args.get("max_num_seqs")
-                        or vllm_config.scheduler_config.max_num_seqs)
-    return int(max_num_seqs) * max(1, len(local))

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from vllm_omni_plugin.config.cli import apply_stage_engine_args
-from vllm_omni_plugin.config.settings import ADDITIONAL_CONFIG_KEY
+from vllm_omni_plugin.config.settings import OmniSettings
 from vllm_omni_plugin.logger import init_logger
 
 logger = init_logger(__name__)
@@ -26,12 +26,12 @@ class StageEngine:
     engine: object  # vllm.v1.engine.async_llm.AsyncLLM
 
 
-def start_stage_engine(stage, base_args: dict, settings: dict) -> StageEngine:
+def start_stage_engine(stage, base_args: dict, settings: OmniSettings) -> StageEngine:
     """Build and start one engine of ``stage`` (a ``StageConfig``).
 
     Args:
         base_args: ``EngineArgs`` fields under the YAML's (model path first).
-        settings: The plugin's settings for this engine (``additional_config``).
+        settings: The plugin's settings (made this stage's, into ``additional_config``).
 
     Raises:
         RuntimeError: the engine failed to start; the message names the stage.
@@ -45,9 +45,7 @@ def start_stage_engine(stage, base_args: dict, settings: dict) -> StageEngine:
         if hasattr(args, name):
             setattr(args, name, value)
     apply_stage_engine_args(args, stage.engine_args)
-    args.additional_config = {
-        ADDITIONAL_CONFIG_KEY: {**settings, "stage_id": stage.stage_id, "entry": False}
-    }
+    args.additional_config = settings.for_stage(stage.stage_id).additional_config()
     start = time.perf_counter()
     try:
         apply_stage_engine_args(args, {"hf_overrides": _model_hf_overrides(args)})

@@ -24,7 +24,7 @@ from vllm_omni_plugin.processors import hookspecs
 
 logger = init_logger(__name__)
 
-BUILTIN_MODULE = "vllm_omni_plugin.processors.builtin"
+BUILTIN_MODULE = "vllm_omni_plugin.models.qwen3_omni.processors"
 ENTRY_POINT_GROUP = "vllm_omni_plugin.stage_input_processors"
 
 

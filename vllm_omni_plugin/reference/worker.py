@@ -17,10 +17,10 @@ import torch
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from vllm_omni_plugin import extra_args as xargs
-from vllm_omni_plugin.config.settings import stage_settings
-from vllm_omni_plugin.kv_transfer.payload import PayloadStore
+from vllm_omni_plugin.config.settings import OmniSettings
 from vllm_omni_plugin.logger import init_logger
 from vllm_omni_plugin.models.stage_model import OmniStageModel, StepInput, StepOutput
+from vllm_omni_plugin.payload_store import PayloadStore
 from vllm_omni_plugin.reference.paged_attention import PagedKVView, use_paged_kv
 from vllm_omni_plugin.reference.sampler import sample
 
@@ -61,9 +61,10 @@ class ReferenceWorker(WorkerBase):
         self.kv_caches: list[torch.Tensor] = []
         self._pending: list[tuple[_Request, StepInput, StepOutput]] = []
         self._pending_ids: list[str] = []
-        settings = stage_settings(self.vllm_config)
-        self.stage_id = settings.get("stage_id", 0)
-        self.store = PayloadStore(settings["payload_dir"]) if settings.get("payload_dir") else None
+        settings = OmniSettings.from_vllm_config(self.vllm_config)
+        self.stage_id = settings.stage_id if settings else 0
+        self.store = PayloadStore(settings.payload_dir) if settings and settings.payload_dir \
+            else None
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         from vllm.model_executor.models.registry import ModelRegistry

@@ -31,12 +31,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 STATUSES = ("up", "starting", "error", "down")
 
 
-class _PoolCollector:
-    """One per process; reads every registered set of pools."""
+class PoolCollector:
+    """Reads one head's stage pools and admission gate at scrape time."""
 
-    def __init__(self) -> None:
-        self.pool_sets: list[dict] = []
-        self.gates: list = []  # AdmissionGate per registered pipeline
+    def __init__(self, pools: dict, gate=None) -> None:
+        self.pools = pools
+        self.gate = gate
 
     def collect(self):
         labels = ["stage", "replica", "location"]
@@ -68,14 +68,14 @@ class _PoolCollector:
                                     "Pipeline requests waiting for admission.")
         refused = CounterMetricFamily("vllm_omni:admission_refused",
                                       "Pipeline requests refused with HTTP 429.")
-        gates = list(self.gates)
-        waiting.add_metric([], sum(g.waiting for g in gates))
-        refused.add_metric([], sum(g.refused_total for g in gates))
-        for gate in gates:
+        gate = self.gate
+        if gate is not None:
+            waiting.add_metric([], gate.waiting)
+            refused.add_metric([], gate.refused_total)
             for stage_id, limit in gate.bounds.items():
                 in_flight.add_metric([str(stage_id)], gate.in_flight[stage_id])
                 bound.add_metric([str(stage_id)], limit)
-        for pool in [p for pools in list(self.pool_sets) for p in list(pools.values())]:
+        for pool in list(self.pools.values()):
             stage = str(pool.stage_id)
             resub.add_metric([stage], pool.resubmissions)
             failed.add_metric([stage], pool.failures)
@@ -93,24 +93,23 @@ class _PoolCollector:
                     waiting, refused)
 
 
-_collector: _PoolCollector | None = None
-
-
-def register_metrics(pools: dict, gate=None) -> None:
+def register_collector(pools: dict, gate=None) -> PoolCollector:
     """Expose ``pools`` (stage id -> StagePool) and the admission ``gate`` (an
-    ``AdmissionGate``) in the default Prometheus registry."""
-    global _collector
+    ``AdmissionGate``) in ``prometheus_client``'s default registry, the one
+    vLLM's ``/metrics`` serves; returns the collector for
+    :func:`unregister_collector`."""
     from prometheus_client import REGISTRY
 
-    if _collector is None:
-        _collector = _PoolCollector()
-        REGISTRY.register(_collector)
-    _collector.pool_sets.append(pools)
-    if gate is not None:
-        _collector.gates.append(gate)
+    collector = PoolCollector(pools, gate)
+    REGISTRY.register(collector)
+    return collector
 
 
-def unregister_metrics(pools: dict, gate=None) -> None:
-    if _collector is not None:
-        _collector.pool_sets[:] = [p for p in _collector.pool_sets if p is not pools]
-        _collector.gates[:] = [g for g in _collector.gates if g is not gate]
+def unregister_collector(collector: PoolCollector) -> None:
+    """Remove ``collector`` from the default registry (no-op when it is not there)."""
+    from prometheus_client import REGISTRY
+
+    try:
+        REGISTRY.unregister(collector)
+    except KeyError:
+        pass

@@ -17,8 +17,8 @@ import zmq
 import zmq.asyncio
 
 from vllm_omni_plugin.coordinator.codec import FrameRejected, RejectLog
-from vllm_omni_plugin.kv_transfer.payload import PayloadStore
 from vllm_omni_plugin.logger import init_logger
+from vllm_omni_plugin.payload_store import PayloadStore
 
 from .protocol import (
     Channel,

@@ -21,8 +21,8 @@ import zmq.asyncio
 from vllm_omni_plugin.coordinator import OmniCoordClientForStage, ReplicaStatus
 from vllm_omni_plugin.coordinator.codec import FrameRejected, RejectLog
 from vllm_omni_plugin.coordinator.sockets import bind
-from vllm_omni_plugin.kv_transfer.payload import PayloadStore
 from vllm_omni_plugin.logger import init_logger
+from vllm_omni_plugin.payload_store import PayloadStore
 
 from .protocol import (
     MAX_TASK_FRAME_BYTES,
@@ -190,7 +190,7 @@ def run_headless_replicas(args) -> None:
 
 async def _serve(plan, assignments, info: dict) -> None:
     from vllm_omni_plugin.engine.stages import start_stage_engine
-    from vllm_omni_plugin.kv_transfer.payload import default_run_dir, remove_stale_run_dirs
+    from vllm_omni_plugin.payload_store import default_run_dir, remove_stale_run_dirs
 
     from .cluster import INFO_COORDINATOR, INFO_HEARTBEAT_TIMEOUT
 
@@ -204,7 +204,7 @@ async def _serve(plan, assignments, info: dict) -> None:
 
     def start(assignment):
         payload_dir = os.path.join(run_dir, f"r{assignment.replica_id}")
-        settings = {**plan.settings, "payload_dir": payload_dir}
+        settings = plan.settings.model_copy(update={"payload_dir": payload_dir})
         engine = start_stage_engine(plan.stage, plan.base_args, settings).engine
         return assignment, engine, payload_dir
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from vllm_omni_plugin import extra_args as xargs
-from vllm_omni_plugin.kv_transfer.payload import PayloadError, PayloadStore, safe_key
+from vllm_omni_plugin.payload_store import PayloadError, PayloadStore, safe_key
 
 
 @dataclass

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import torch
 
+from vllm_omni_plugin.models.qwen3_omni.talker_inputs import (
+    HF_CODE2WAV_CHUNK_SIZE,
+    HF_CODE2WAV_LEFT_CONTEXT,
+)
 from vllm_omni_plugin.models.stage_model import OmniStageModel, StepInput, StepOutput
 
 #: HF ``generate`` decodes in chunks of 300 codes with 25 codes of left context
 #: (transformers' modeling_qwen3_omni_moe.py, ``Qwen3OmniMoeForConditionalGeneration.generate``).
-CHUNK_SIZE = 300
-LEFT_CONTEXT = 25
 #: Qwen3-Omni's codec decodes to 24 kHz audio (1920 samples per code frame,
 #: 12.5 frames/s). HF's code2wav config has no rate field; checkpoints may set
 #: ``code2wav_config.output_sample_rate`` (the tiny-checkpoint tool does).
@@ -53,8 +55,8 @@ class Qwen3OmniCode2WavStage(OmniStageModel):
         payload = {}
         if step.num_computed == 0 and step.publish_from == 0 and "codes" in step.payload:
             codes = step.payload["codes"].to(torch.long).T.unsqueeze(0)  # [1, groups, T]
-            wav = self.code2wav.chunked_decode(codes, chunk_size=CHUNK_SIZE,
-                                               left_context_size=LEFT_CONTEXT)
+            wav = self.code2wav.chunked_decode(codes, chunk_size=HF_CODE2WAV_CHUNK_SIZE,
+                                               left_context_size=HF_CODE2WAV_LEFT_CONTEXT)
             payload = {"waveform": wav.reshape(-1).float(),
                        "sample_rate": torch.tensor([sample_rate(self.hf_config)])}
         logits = torch.zeros(self.vocab_size) if step.needs_logits else None

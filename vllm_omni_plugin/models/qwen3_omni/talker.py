@@ -12,7 +12,7 @@ cache). Per request (input payload from ``thinker2talker``):
   ``codes`` ``[1, num_code_groups]`` int64 per frame (none for ``codec_eos``).
 
 The functions in :mod:`.talker_inputs` are checked against HF ``generate``
-(plugin_tests/test_talker_inputs.py).
+(plugin_tests/unit/test_talker_inputs.py).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 HF transformers (5.19, ``models/qwen3_omni_moe/modeling_qwen3_omni_moe.py``) runs thinker ->
 talker -> code2wav inside one ``generate`` call. Our stages are separate processes with a paged KV
 cache, so this module re-expresses the HF glue as pure functions. Everything here is checked
-bit-for-bit against HF ``generate`` in ``plugin_tests/test_talker_inputs.py`` (greedy, and
+bit-for-bit against HF ``generate`` in ``plugin_tests/unit/test_talker_inputs.py`` (greedy, and
 sampled with the same global torch seed: the RNG draws happen in HF's order).
 
 Thinker outputs the talker needs
@@ -139,8 +139,31 @@ HF_CODE2WAV_CHUNK_SIZE = 300
 HF_CODE2WAV_LEFT_CONTEXT = 25
 # Number of trailing talker vocab ids HF suppresses (all except codec eos).
 _SUPPRESSED_TAIL = 1024
-# Rows in the assistant part of the talker prompt.
-_ASSISTANT_PREFIX_LEN = 9
+#: Positions HF's talker prompt adds for the assistant turn: 3 text positions
+#: ("<|im_start|>assistant\n"), 4 tts_pad, 1 tts_bos, 1 first text token
+#: (``Qwen3OmniMoeForConditionalGeneration._get_talker_assistant_parts``).
+ASSISTANT_PREFIX_LEN = 9
+#: HF ``Qwen3OmniMoeForConditionalGeneration.generate``'s default speaker.
+DEFAULT_SPEAKER = "ethan"
+
+
+def resolve_speaker(talker_config, name: str | None) -> int:
+    """Speaker name (case-insensitive) -> codec id; None picks :data:`DEFAULT_SPEAKER`
+    (or the alphabetically first speaker when the checkpoint lacks it).
+
+    Raises:
+        ValueError: unknown name (the message lists the known speakers), or the
+            checkpoint defines none.
+    """
+    speakers = {k.lower(): v for k, v in (talker_config.speaker_id or {}).items()}
+    if not speakers:
+        raise ValueError("the checkpoint's talker_config defines no speakers")
+    if name is None:
+        return speakers.get(DEFAULT_SPEAKER, speakers[min(speakers)])
+    key = name.lower()
+    if key not in speakers:
+        raise ValueError(f"unknown voice {name!r}; known: {', '.join(sorted(speakers))}")
+    return speakers[key]
 
 
 @dataclass
@@ -219,10 +242,7 @@ def build_talker_prompt(
             ``thinker_eos_token_id``); ``-1`` means ``config.im_end_token_id``, ``None`` disables.
     """
     tcfg = config.talker_config
-    speaker_ids = {k.lower(): v for k, v in (tcfg.speaker_id or {}).items()}
-    speaker_id = speaker_ids.get(speaker.lower())
-    if speaker_id is None:
-        raise ValueError(f"Unknown speaker {speaker!r}; known speakers: {sorted(speaker_ids)}")
+    speaker_id = resolve_speaker(tcfg, speaker)
 
     seq = sequence_ids.reshape(-1).to(torch.long)
     t_seq = int(seq.shape[0])
@@ -343,7 +363,7 @@ def build_talker_prompt(
     talker_input_ids = torch.cat(
         (
             user_ids[0],
-            torch.full((_ASSISTANT_PREFIX_LEN,), config.tts_pad_token_id, device=dev),
+            torch.full((ASSISTANT_PREFIX_LEN,), config.tts_pad_token_id, device=dev),
         )
     ).to(torch.long)
     return TalkerPrompt(

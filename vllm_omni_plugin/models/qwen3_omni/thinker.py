@@ -19,8 +19,7 @@ collects from the thinker for the talker.
 
 from __future__ import annotations
 
-import torch
-
+from vllm_omni_plugin.models.qwen3_omni.talker_inputs import tts_token_embeds_from
 from vllm_omni_plugin.models.stage_model import (
     OmniStageModel,
     StepInput,
@@ -75,8 +74,6 @@ class Qwen3OmniThinkerStage(OmniStageModel):
                 "hidden": out.hidden_states[self.accept_hidden_layer][0][skip:],
             }
             if step.publish_from == 0 and step.num_computed == 0:
-                cfg = self.hf_config
-                ids = torch.tensor(
-                    [cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id])
-                payload["tts_embed"] = self.thinker.get_input_embeddings()(ids)
+                payload["tts_embed"] = tts_token_embeds_from(
+                    self.thinker.get_input_embeddings(), self.hf_config)
         return StepOutput(logits=logits, payload=payload)

@@ -16,7 +16,7 @@ from plugin_tests.conftest import PYTHON, QWEN3_OMNI_YAML
 
 pytestmark = pytest.mark.engine
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "engine_scripts", "omni_pipeline.py")
+SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "omni_pipeline.py")
 TALKER_FRAMES = 24
 
 

@@ -1,4 +1,4 @@
-"""Built-in stage input processors (Qwen3-Omni).
+"""Qwen3-Omni's stage input processors (registered as the plugin's built-ins).
 
 Processors run in the API server process and never touch model weights: they
 select and arrange upstream tensors; the consuming stage's model does the
@@ -13,12 +13,11 @@ from typing import Any
 import torch
 
 from vllm_omni_plugin import extra_args as xargs
+from vllm_omni_plugin.models.qwen3_omni.talker_inputs import (
+    ASSISTANT_PREFIX_LEN,
+    resolve_speaker,
+)
 from vllm_omni_plugin.processors.hookspecs import StageInput, UpstreamOutput, hookimpl
-
-#: Positions HF's talker prompt adds for the assistant turn: 3 text positions
-#: ("<|im_start|>assistant\n"), 4 tts_pad, 1 tts_bos, 1 first text token
-#: (``Qwen3OmniMoeForConditionalGeneration._get_talker_assistant_parts``).
-ASSISTANT_PREFIX_LEN = 9
 
 
 def user_positions(config, prompt_ids: list[int]) -> list[int]:
@@ -31,28 +30,6 @@ def user_positions(config, prompt_ids: list[int]) -> list[int]:
         if role == config.user_token_id and role is not None:
             positions.append(i)
     return positions
-
-
-#: HF ``Qwen3OmniMoeForConditionalGeneration.generate``'s default speaker.
-DEFAULT_SPEAKER = "ethan"
-
-
-def resolve_speaker(talker_config, name: str | None) -> int:
-    """Speaker name (case-insensitive) -> codec id; None picks :data:`DEFAULT_SPEAKER`
-    (or the alphabetically first speaker when the checkpoint lacks it).
-
-    Raises:
-        ValueError: unknown name (the message lists the known speakers).
-    """
-    speakers = {k.lower(): v for k, v in (talker_config.speaker_id or {}).items()}
-    if not speakers:
-        raise ValueError("the checkpoint's talker_config defines no speakers")
-    if name is None:
-        return speakers.get(DEFAULT_SPEAKER, speakers[min(speakers)])
-    key = name.lower()
-    if key not in speakers:
-        raise ValueError(f"unknown voice {name!r}; known: {', '.join(sorted(speakers))}")
-    return speakers[key]
 
 
 def thinker2talker(upstream: list[UpstreamOutput], stage, extras: dict[str, Any]) -> StageInput:

@@ -433,7 +433,7 @@ def test_build_talker_prompt_errors(talker_parity_model):
     seq, embed, hidden = _thinker(model, ids, cfg.im_end_token_id)
     tts = ti.tts_token_embeds_from(model.thinker.get_input_embeddings(), cfg)
 
-    with pytest.raises(ValueError, match=r"Unknown speaker 'Nobody'.*ethan"):
+    with pytest.raises(ValueError, match=r"unknown voice 'Nobody'; known: .*ethan"):
         ti.build_talker_prompt(
             model.talker, cfg, seq[0], embed, hidden, "Nobody", tts_token_embeds=tts
         )

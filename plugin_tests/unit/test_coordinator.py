@@ -17,6 +17,7 @@ import msgspec
 import pytest
 import zmq
 
+from plugin_tests.helpers import WAIT, wait_until
 from vllm_omni_plugin.coordinator import (
     CLUSTER_TOKEN_ENV,
     PROTOCOL_VERSION,
@@ -41,16 +42,6 @@ from vllm_omni_plugin.coordinator import (
 pytestmark = pytest.mark.timeout(60)
 
 LOCAL = "tcp://127.0.0.1:0"
-WAIT = 5.0  # seconds: upper bound for anything that should happen "soon"
-
-
-def wait_until(pred: Callable[[], bool], timeout: float = WAIT, interval: float = 0.01) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(interval)
-    return pred()
 
 
 def hub_wait(hub: OmniCoordClientForHub, pred: Callable[[ReplicaList], bool]) -> bool:

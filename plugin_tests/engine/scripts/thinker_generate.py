@@ -1,6 +1,6 @@
 """Run real vLLM engines (reference backend) on a thinker checkpoint; print JSON results.
 
-Run as a subprocess by ``plugin_tests/test_reference_backend.py``: the platform is
+Run as a subprocess by ``plugin_tests/engine/test_reference_backend.py``: the platform is
 resolved when vLLM is first imported, so ``VLLM_OMNI_PLUGIN_BACKEND=reference`` must be
 in the environment before this process starts.
 
@@ -150,7 +150,7 @@ def run_engine(model: str, spec: dict) -> dict:
 
     from vllm_omni_plugin.config.settings import ADDITIONAL_CONFIG_KEY
     from vllm_omni_plugin.extra_args import PAYLOAD
-    from vllm_omni_plugin.kv_transfer.payload import PayloadStore
+    from vllm_omni_plugin.payload_store import PayloadStore
 
     OBSERVER.reset()
     start = time.perf_counter()

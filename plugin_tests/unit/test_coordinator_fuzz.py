@@ -18,6 +18,7 @@ import msgspec
 import pytest
 import zmq
 
+from plugin_tests.helpers import wait_until
 from vllm_omni_plugin.coordinator import (
     CLUSTER_TOKEN_ENV,
     MAX_EVENT_FRAME_BYTES,
@@ -37,16 +38,6 @@ from vllm_omni_plugin.coordinator.sockets import ROUTER_HARD_MAX_BYTES
 pytestmark = pytest.mark.timeout(60)
 
 LOCAL = "tcp://127.0.0.1:0"
-WAIT = 5.0
-
-
-def wait_until(pred, timeout: float = WAIT) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return pred()
 
 
 def event_bytes(addr: str = "tcp://ok:1", **changes) -> bytes:

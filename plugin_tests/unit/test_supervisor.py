@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from plugin_tests.helpers import until
 from vllm_omni_plugin.coordinator import RoundRobinBalancer
 from vllm_omni_plugin.replicas.pool import NoReplicaAvailable, StagePool
 from vllm_omni_plugin.replicas.replica import LocalReplica
@@ -92,13 +93,6 @@ def _supervised(tmp_path, starter, max_restarts, backoff_s=0.01):
     return first, replica, pool, supervisor, up
 
 
-async def _until(condition, timeout=10.0):
-    start = time.monotonic()
-    while not condition():
-        assert time.monotonic() - start < timeout, "condition not reached"
-        await asyncio.sleep(0.01)
-
-
 def test_engine_processes_found_where_vllm_keeps_them():
     engine = ProcessEngine()
     try:
@@ -148,7 +142,7 @@ def test_gives_up_after_max_restarts_and_the_pool_fails_at_once(tmp_path):
         starter = Starter(failures=10)
         first, replica, pool, supervisor, up = _supervised(tmp_path, starter, max_restarts=2)
         first.kill()
-        await _until(lambda: replica.status == "down")
+        await until(lambda: replica.status == "down")
         start = time.monotonic()
         with pytest.raises(NoReplicaAvailable, match="none is up or starting") as info:
             await pool.run(StageTask("req", [1], {}))
@@ -167,11 +161,11 @@ def test_no_restart_when_disabled_or_closed(tmp_path):
         disabled = Starter()
         first, replica, _, _, _ = _supervised(tmp_path / "a", disabled, max_restarts=0)
         first.kill()
-        await _until(lambda: replica.status == "down")
+        await until(lambda: replica.status == "down")
         closed = Starter()
         second, other, _, _, _ = _supervised(tmp_path / "b", closed, max_restarts=3)
         other.close()  # shuts its engine down: the exit must not trigger a restart
-        await _until(lambda: not second.proc.is_alive())
+        await until(lambda: not second.proc.is_alive())
         await asyncio.sleep(0.2)
         return disabled, closed, other
 
@@ -184,7 +178,7 @@ def test_task_on_an_engine_that_dies_fails_over_instead_of_hanging(tmp_path):
         starter = Starter()
         first, replica, pool, supervisor, up = _supervised(tmp_path, starter, max_restarts=3)
         running = asyncio.create_task(replica.run(StageTask("req", [1], {})))
-        await _until(lambda: "req" in replica.running)
+        await until(lambda: "req" in replica.running)
         first.kill()
         with pytest.raises(ReplicaLost) as info:
             await asyncio.wait_for(running, 10)

@@ -23,6 +23,7 @@ import msgspec
 import pytest
 import zmq
 
+from plugin_tests.helpers import wait_until
 from vllm_omni_plugin.coordinator import (
     CLUSTER_TOKEN_ENV,
     MAX_REQUEST_FRAME_BYTES,
@@ -42,18 +43,9 @@ from vllm_omni_plugin.coordinator.sockets import ROUTER_HARD_MAX_BYTES
 
 pytestmark = pytest.mark.timeout(60)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LOCAL = "tcp://127.0.0.1:0"
 HOST = "127.0.0.1"
-
-
-def wait_until(pred, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return pred()
 
 
 def rejected(stats: dict[str, int]) -> dict[str, int]:

@@ -18,7 +18,7 @@ if not hasattr(transformers, "Qwen3OmniMoeForConditionalGeneration"):
 
 from vllm_omni_plugin.tools import tiny_checkpoint as tc  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 

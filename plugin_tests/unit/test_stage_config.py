@@ -17,7 +17,7 @@ from vllm_omni_plugin.config import (
 )
 from vllm_omni_plugin.processors import available_processors, get_plugin_manager, hookimpl
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 NEEDED = ("thinker2talker", "talker2code2wav")
 
 BASE = {"stages": [

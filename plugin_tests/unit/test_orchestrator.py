@@ -1,0 +1,262 @@
+"""Orchestrator request flow without engines: chain and fan-out of stages,
+abort, a stage failure, a bad or missing processor, the closed ``extra_args``
+namespace, admission.
+
+The entry stage is a scripted async generator that publishes its payload into
+a real :class:`PayloadStore` the way a worker does; downstream stages are
+scripted pools (``run``/``abort``/``forget``, what the orchestrator uses of a
+:class:`~vllm_omni_plugin.replicas.pool.StagePool`), so each outcome can be
+chosen per test. The same flow with real engines is in
+``test_pipeline_engine.py`` and the ``*_serve.py`` tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_omni_plugin import extra_args as xargs
+from vllm_omni_plugin.config.loader import parse_pipeline_config
+from vllm_omni_plugin.engine.admission import AdmissionGate
+from vllm_omni_plugin.engine.omni_request import OmniRequest, omni_request_scope
+from vllm_omni_plugin.engine.orchestrator import Orchestrator, StageError
+from vllm_omni_plugin.payload_store import PayloadStore
+from vllm_omni_plugin.processors.hookspecs import StageInput
+from vllm_omni_plugin.replicas.task import StageRun, TaskError
+
+PROMPT = [5, 6, 7]
+ENTRY_TOKENS = [11, 12]
+
+
+def _pipeline(fan_out: bool):
+    stage = {"kind": "ar", "input_processor": "p"}
+    stages = [{"stage_id": 0, "name": "thinker", "kind": "ar", "final_output": True,
+               "final_output_type": "text"}]
+    if fan_out:  # 0 -> {1, 2} -> 3
+        stages += [{**stage, "stage_id": 1, "name": "left", "inputs": [0]},
+                   {**stage, "stage_id": 2, "name": "right", "inputs": [0]},
+                   {**stage, "stage_id": 3, "name": "join", "inputs": [1, 2],
+                    "kind": "generation", "final_output": True, "final_output_type": "audio"}]
+    else:  # 0 -> 1 -> 2
+        stages += [{**stage, "stage_id": 1, "name": "talker", "inputs": [0]},
+                   {**stage, "stage_id": 2, "name": "code2wav", "inputs": [1],
+                    "kind": "generation", "final_output": True, "final_output_type": "audio"}]
+    return parse_pipeline_config({"stages": stages}, check_processors=False)
+
+
+class Entry:
+    """The entry stage: publishes ``hidden`` under the request's output key,
+    or a failure under its error slot when ``fail_with`` is set."""
+
+    def __init__(self, store: PayloadStore, fail_with: str | None = None) -> None:
+        self.store = store
+        self.fail_with = fail_with
+        self.seen_extra_args: list[dict] = []
+
+    async def __call__(self, prompt, params, request_id):
+        self.seen_extra_args.append(dict(params.extra_args or {}))
+        keys = xargs.payload_keys(params.extra_args)
+        if keys.output:
+            self.store.append(keys.output, {"hidden": torch.ones(len(PROMPT), 2)})
+        if self.fail_with and keys.error:
+            self.store.put_error(keys.error, self.fail_with)
+        completion = SimpleNamespace(token_ids=[ENTRY_TOKENS[0]])
+        yield SimpleNamespace(finished=False, prompt_token_ids=PROMPT, outputs=[completion])
+        await asyncio.sleep(0)
+        completion = SimpleNamespace(token_ids=list(ENTRY_TOKENS))
+        yield SimpleNamespace(finished=True, prompt_token_ids=PROMPT, outputs=[completion])
+
+
+class Pool:
+    """A stage pool whose ``run`` is scripted: "ok", "fail" or "block" (until aborted)."""
+
+    def __init__(self, stage_id: int, outcome: str = "ok") -> None:
+        self.stage_id = stage_id
+        self.outcome = outcome
+        self.tasks = []
+        self.aborted: list[str] = []
+        self.forgotten: list[str] = []
+        self._abort = asyncio.Event()
+
+    async def run(self, task):
+        self.tasks.append(task)
+        if self.outcome == "fail":
+            raise TaskError("worker failed: boom", 500)
+        if self.outcome == "block":
+            await self._abort.wait()
+            from vllm_omni_plugin.replicas.task import TaskAborted
+
+            raise TaskAborted(task.request_id)
+        payload = {"out": torch.full((1,), float(self.stage_id))}
+        if self.stage_id in (2, 3):
+            payload = {"waveform": torch.zeros(4), "sample_rate": torch.tensor([24000])}
+        return StageRun(list(task.prompt_token_ids), [100 + self.stage_id], payload)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+        self._abort.set()
+
+    def forget(self, request_id: str) -> None:
+        self.forgotten.append(request_id)
+
+
+def _recording_processor(calls: list):
+    def processor(upstream, stage, extras):
+        calls.append((stage.stage_id, [u.stage_id for u in upstream], extras.get(xargs.SPEAKER)))
+        return StageInput(prompt_token_ids=[1, 2], payload={"x": torch.zeros(1)})
+
+    return processor
+
+
+def _orchestrator(tmp_path, fan_out=False, outcomes=None, entry_fail=None, bounds=4,
+                  admission_timeout=1.0):
+    pipeline = _pipeline(fan_out)
+    store = PayloadStore(str(tmp_path / "run"))
+    ids = [s.stage_id for s in pipeline.stages if s.stage_id != 0]
+    pools = {i: Pool(i, (outcomes or {}).get(i, "ok")) for i in ids}
+    calls: list = []
+    orchestrator = Orchestrator(
+        Entry(store, entry_fail), SimpleNamespace(), pipeline, store, pools,
+        AdmissionGate(dict.fromkeys(ids, bounds), admission_timeout),
+        dict.fromkeys(ids, _recording_processor(calls)))
+    return orchestrator, calls
+
+
+async def _run(orchestrator, request: OmniRequest, request_id="req-1", extra_args=None):
+    from vllm import SamplingParams
+
+    outputs = []
+    with omni_request_scope(request):
+        async for out in orchestrator.generate(
+                {"prompt_token_ids": PROMPT},
+                SamplingParams(max_tokens=4, extra_args=extra_args), request_id):
+            outputs.append(out)
+    return outputs
+
+
+def _audio(voice=None) -> OmniRequest:
+    return OmniRequest(modalities=("text", "audio"), voice=voice)
+
+
+def test_chain_runs_each_stage_and_hands_the_result_to_the_request(tmp_path):
+    orchestrator, calls = _orchestrator(tmp_path)
+    request = _audio(voice="ethan")
+    outputs = asyncio.run(_run(orchestrator, request))
+    assert [o.finished for o in outputs] == [False, True]  # final released after the stages
+    assert calls == [(1, [0], "ethan"), (2, [1], "ethan")]
+    result = request.result
+    assert result.error is None and result.output_type == "audio" and result.sample_rate == 24000
+    assert set(result.payload) == {"waveform"}
+    assert orchestrator.pools[1].tasks[0].request_id == "req-1-s1"
+    assert orchestrator.pools[1].forgotten == ["req-1-s1"]
+    assert orchestrator.store.keys() == [] and orchestrator.admission.in_flight == {1: 0, 2: 0}
+
+
+def test_fan_out_feeds_each_stage_its_listed_inputs_in_order(tmp_path):
+    orchestrator, calls = _orchestrator(tmp_path, fan_out=True)
+    request = _audio()
+    asyncio.run(_run(orchestrator, request))
+    assert calls == [(1, [0], None), (2, [0], None), (3, [1, 2], None)]
+    assert request.result.error is None and request.result.output_type == "audio"
+
+
+def test_text_only_request_never_reaches_downstream_stages(tmp_path):
+    orchestrator, calls = _orchestrator(tmp_path)
+    request = OmniRequest()
+    outputs = asyncio.run(_run(orchestrator, request))
+    assert len(outputs) == 2 and calls == [] and request.result is None
+    assert not orchestrator.pools[1].tasks and orchestrator.store.keys() == []
+
+
+def test_client_keys_in_the_plugin_namespace_never_reach_an_engine(tmp_path):
+    orchestrator, _ = _orchestrator(tmp_path)
+    for request in (OmniRequest(), _audio()):
+        asyncio.run(_run(orchestrator, request, extra_args={
+            xargs.PAYLOAD: "x", "omni_plugin_modalities": ["text", "audio"], "keep": 1}))
+    for seen in orchestrator.entry_generate.seen_extra_args:
+        assert seen["keep"] == 1 and "omni_plugin_modalities" not in seen
+        xargs.payload_keys(seen)  # what the orchestrator wrote is well-formed
+    assert len(orchestrator.pools[1].tasks) == 1  # the text-only request ran no pipeline
+
+
+def test_stage_failure_fails_the_request_naming_the_stage(tmp_path):
+    orchestrator, calls = _orchestrator(tmp_path, outcomes={1: "fail"})
+    request = _audio()
+    outputs = asyncio.run(_run(orchestrator, request))
+    assert outputs[-1].finished  # the text is still released; the API answers the error
+    assert request.result.status == 500
+    assert request.result.error == "stage 1 (talker): worker failed: boom"
+    assert [c[0] for c in calls] == [1]  # stage 2 never ran
+    assert orchestrator.store.keys() == [] and orchestrator.admission.in_flight == {1: 0, 2: 0}
+
+
+def test_processor_rejecting_the_request_is_a_400_naming_stage_and_processor(tmp_path):
+    orchestrator, _ = _orchestrator(tmp_path)
+
+    def reject(upstream, stage, extras):
+        raise ValueError("unknown voice 'nobody'")
+
+    orchestrator.processors[1] = reject
+    request = _audio(voice="nobody")
+    asyncio.run(_run(orchestrator, request))
+    assert request.result.status == 400
+    assert request.result.error == ("stage 1 (talker): input processor 'p': "
+                                    "unknown voice 'nobody'")
+
+
+def test_missing_processor_or_pool_is_refused_at_construction(tmp_path):
+    pipeline = _pipeline(fan_out=False)
+    store = PayloadStore(str(tmp_path / "run"))
+    gate = AdmissionGate({1: 1, 2: 1}, 1.0)
+    pools = {1: Pool(1), 2: Pool(2)}
+    with pytest.raises(ValueError, match=r"stage 2 \(code2wav\): no input processor"):
+        Orchestrator(Entry(store), None, pipeline, store, pools, gate, {1: print})
+    with pytest.raises(ValueError, match=r"stage 1 \(talker\): no stage pool"):
+        Orchestrator(Entry(store), None, pipeline, store, {2: Pool(2)}, gate,
+                     {1: print, 2: print})
+
+
+def test_abort_reaches_the_stage_and_ends_the_request_without_result(tmp_path):
+    async def scenario():
+        orchestrator, _ = _orchestrator(tmp_path, outcomes={1: "block"})
+        request = _audio()
+        running = asyncio.create_task(_run(orchestrator, request))
+        while not orchestrator.pools[1].tasks:
+            await asyncio.sleep(0)
+        await orchestrator.abort("req-1")
+        outputs = await running
+        return orchestrator, request, outputs
+
+    orchestrator, request, outputs = asyncio.run(scenario())
+    assert orchestrator.pools[1].aborted == ["req-1-s1"]
+    assert request.result is None and all(not o.finished for o in outputs)
+    assert orchestrator.store.keys() == [] and orchestrator.admission.in_flight == {1: 0, 2: 0}
+
+
+def test_text_request_failing_in_the_entry_worker_raises_naming_the_stage(tmp_path):
+    orchestrator, _ = _orchestrator(tmp_path, entry_fail="RuntimeError: model broke")
+    request = OmniRequest()
+    with pytest.raises(StageError, match=r"^stage 0 \(thinker\): RuntimeError: model broke$"):
+        asyncio.run(_run(orchestrator, request))
+    assert request.result.status == 500 and orchestrator.store.keys() == []
+
+
+def test_full_stage_refuses_with_429_before_the_entry_stage_runs(tmp_path):
+    async def scenario():
+        orchestrator, _ = _orchestrator(tmp_path, outcomes={1: "block"}, bounds=1,
+                                        admission_timeout=0.01)
+        first = asyncio.create_task(_run(orchestrator, _audio(), request_id="first"))
+        while not orchestrator.pools[1].tasks:
+            await asyncio.sleep(0)
+        refused = _audio()
+        outputs = await _run(orchestrator, refused, request_id="second")
+        await orchestrator.abort("first")
+        await first
+        return orchestrator, refused, outputs
+
+    orchestrator, refused, outputs = asyncio.run(scenario())
+    assert outputs == [] and refused.result.status == 429 and refused.result.retry_after >= 1
+    assert len(orchestrator.entry_generate.seen_extra_args) == 1  # only the admitted one

@@ -1,0 +1,172 @@
+"""The head, built in one place.
+
+:func:`build_head` turns the entry engine and the plugin's
+:class:`~vllm_omni_plugin.config.settings.OmniSettings` into a :class:`Head`:
+the pipeline config, the payload store, the control plane (omni master,
+coordinator, hub), a :class:`~vllm_omni_plugin.replicas.pool.StagePool` per
+downstream stage with its local replicas (engines started concurrently, each
+under a supervisor), the admission gate, the stage input processors (resolved
+once) and the ``/metrics`` collector, and finally the
+:class:`~vllm_omni_plugin.engine.orchestrator.Orchestrator` that moves requests
+between them. Nothing here is on the request path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from vllm_omni_plugin.config.settings import OmniSettings
+from vllm_omni_plugin.engine.admission import AdmissionGate
+from vllm_omni_plugin.engine.orchestrator import Orchestrator
+from vllm_omni_plugin.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class Head:
+    """Everything the head runs besides vLLM's own entry engine."""
+
+    settings: OmniSettings
+    pipeline: object  # PipelineConfig
+    store: object  # PayloadStore
+    cluster: object  # HeadCluster
+    pools: dict  # stage_id -> StagePool
+    admission: AdmissionGate
+    orchestrator: Orchestrator
+    metrics: object  # the /metrics collector
+    supervisors: list = field(default_factory=list)  # LocalReplicaSupervisor each
+    _started: bool = False
+
+    def start(self) -> None:
+        """Begin supervising local replicas and attaching remote ones (idempotent;
+        needs the API server's running event loop)."""
+        if self._started:
+            return
+        self._started = True
+        loop = asyncio.get_running_loop()
+        for supervisor in self.supervisors:
+            supervisor.watch(loop)
+        self.cluster.start(self.pools)
+
+    def shutdown(self) -> None:
+        """Stop everything the head started; idempotent."""
+        from vllm_omni_plugin.replicas.metrics import unregister_collector
+
+        unregister_collector(self.metrics)
+        for supervisor in self.supervisors:
+            supervisor.close()
+        self.cluster.close()
+        for pool in self.pools.values():
+            pool.close()
+        self.pools = {}
+        if os.path.isdir(self.store.root):
+            self.store.close()
+
+
+def build_head(entry_client, vllm_config, settings: OmniSettings) -> Head:
+    """Start the head's control plane and its replicas of every downstream stage.
+
+    Args:
+        entry_client: the entry stage's engine client; its ``entry_generate``
+            runs a request on the entry stage.
+        vllm_config: the entry engine's ``VllmConfig``.
+        settings: the plugin's settings of the entry engine.
+
+    Raises:
+        StageConfigError: the pipeline YAML became invalid since the CLI read it.
+        RuntimeError: a stage engine failed to start (names the stage).
+        zmq.ZMQError: the master or coordinator address cannot be bound.
+    """
+    from vllm_omni_plugin.config.cli import base_args_from
+    from vllm_omni_plugin.config.loader import load_pipeline_config
+    from vllm_omni_plugin.coordinator import build_load_balancer_factory
+    from vllm_omni_plugin.engine.stages import start_stage_engine
+    from vllm_omni_plugin.payload_store import PayloadStore, remove_stale_run_dirs
+    from vllm_omni_plugin.processors.registry import get_processor
+    from vllm_omni_plugin.replicas.cluster import HeadCluster
+    from vllm_omni_plugin.replicas.metrics import register_collector
+    from vllm_omni_plugin.replicas.pool import StagePool
+    from vllm_omni_plugin.replicas.replica import LocalReplica
+    from vllm_omni_plugin.replicas.supervisor import LocalReplicaSupervisor
+
+    conf = settings.cluster
+    pipeline = load_pipeline_config(settings.stage_configs_path)
+    downstream = [s for s in pipeline.topological_order()
+                  if s.stage_id != pipeline.entry_stage.stage_id]
+    processors = {s.stage_id: get_processor(s.input_processor) for s in downstream}
+    stale = remove_stale_run_dirs(os.path.dirname(settings.payload_dir))
+    if stale:
+        logger.info("removed %d payload directories of processes that no longer exist",
+                    len(stale))
+    store = PayloadStore(settings.payload_dir)
+    cluster = HeadCluster(conf.host, conf.port, conf.heartbeat_timeout)
+    balancer = build_load_balancer_factory(conf.lb_policy)
+    pools = {s.stage_id: StagePool(s.stage_id, balancer(), conf.replica_wait_timeout)
+             for s in downstream}
+    base = base_args_from(vllm_config.model_config)
+    plan = [(s, replica_id) for s in downstream
+            for replica_id in cluster.register_local(s.stage_id, s.runtime.num_replicas)]
+    # Engines start concurrently: each start is mostly an EngineCore process
+    # spawning, importing and handshaking.
+    replicas, errors = [], []
+    with ThreadPoolExecutor(max_workers=max(1, len(plan)),
+                            thread_name_prefix="omni-stage-start") as executor:
+        futures = [(s, rid, executor.submit(start_stage_engine, s, base, settings))
+                   for s, rid in plan]
+        for stage, replica_id, future in futures:
+            try:
+                replicas.append(LocalReplica(stage.stage_id, replica_id,
+                                             future.result().engine, store.root))
+            except BaseException as exc:
+                errors.append(exc)
+    if errors:
+        for replica in replicas:
+            replica.engine.shutdown()
+        cluster.close()
+        store.close()
+        raise errors[0]
+    supervisors = []
+    for replica in replicas:
+        stage = pipeline.stage(replica.stage_id)
+        pools[replica.stage_id].add(replica)
+        supervisors.append(LocalReplicaSupervisor(
+            replica, lambda s=stage: start_stage_engine(s, base, settings).engine,
+            pools[replica.stage_id].notify, stage.runtime.max_restarts))
+    admission = AdmissionGate(
+        {s.stage_id: admission_bound(s, replicas, vllm_config) for s in downstream},
+        conf.admission_timeout)
+    logger.info("admission bounds (requests in flight per stage): %s; wait up to %g s",
+                admission.bounds, admission.timeout_s)
+    orchestrator = Orchestrator(
+        entry_client.entry_generate, entry_client.model_config.hf_config, pipeline, store,
+        pools, admission, processors)
+    head = Head(settings=settings, pipeline=pipeline, store=store, cluster=cluster,
+                pools=pools, admission=admission, orchestrator=orchestrator,
+                metrics=register_collector(pools, admission), supervisors=supervisors)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass  # built outside an event loop: started on the first request
+    else:
+        head.start()
+    return head
+
+
+def admission_bound(stage, replicas: list, vllm_config) -> int:
+    """Requests in flight allowed at ``stage``: its ``runtime.max_inflight``, else
+    its engine's ``max_num_seqs`` (a local replica's resolved value, else the
+    stage's ``engine_args``, else the entry engine's) times its local replicas
+    (at least one)."""
+    if stage.runtime.max_inflight:
+        return stage.runtime.max_inflight
+    local = [r for r in replicas if r.stage_id == stage.stage_id]
+    if local:
+        max_num_seqs = local[0].engine.vllm_config.scheduler_config.max_num_seqs
+    else:
+        max_num_seqs = (stage.engine_args.get("max_num_seqs")
+                        or vllm_config.scheduler_config.max_num_seqs)
+    return int(max_num_seqs) * max(1, len(local))

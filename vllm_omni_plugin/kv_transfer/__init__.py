@@ -1,1 +1,0 @@
-"""kv_transfer"""
