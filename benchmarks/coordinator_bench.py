@@ -239,7 +239,7 @@ class Ours(Side):
 
     def __init__(self) -> None:
         from vllm_omni_plugin import coordinator as oc
-        from vllm_omni_plugin.coordinator.codec import encode
+        from vllm_omni_plugin.wire.codec import encode
 
         self.m = oc
         self.encode = encode

@@ -32,8 +32,8 @@ from vllm_omni_plugin.coordinator import (
     ReplicaList,
     ReplicaStatus,
 )
-from vllm_omni_plugin.coordinator.auth import MAC_BYTES, sign
-from vllm_omni_plugin.coordinator.sockets import ROUTER_HARD_MAX_BYTES
+from vllm_omni_plugin.wire.auth import MAC_BYTES, sign
+from vllm_omni_plugin.wire.sockets import ROUTER_HARD_MAX_BYTES
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -302,7 +302,7 @@ def _corpus(rng: random.Random) -> list[bytes]:
 
 
 def test_fast_decode_agrees_with_careful_decode():
-    from vllm_omni_plugin.coordinator.codec import BoundedDecoder, FrameRejected
+    from vllm_omni_plugin.wire.codec import BoundedDecoder, FrameRejected
 
     dec = BoundedDecoder(ReplicaEvent, MAX_EVENT_FRAME_BYTES)
     fields = ReplicaEvent.__struct_fields__

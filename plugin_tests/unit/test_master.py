@@ -38,8 +38,8 @@ from vllm_omni_plugin.coordinator import (
     ReplicaAssignment,
     route_probe_address,
 )
-from vllm_omni_plugin.coordinator.auth import sign
-from vllm_omni_plugin.coordinator.sockets import ROUTER_HARD_MAX_BYTES
+from vllm_omni_plugin.wire.auth import sign
+from vllm_omni_plugin.wire.sockets import ROUTER_HARD_MAX_BYTES
 
 pytestmark = pytest.mark.timeout(60)
 

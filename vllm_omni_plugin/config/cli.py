@@ -188,7 +188,7 @@ def headless_plan(args: argparse.Namespace) -> HeadlessPlan:
 
     from vllm_omni_plugin.config.loader import load_pipeline_config
     from vllm_omni_plugin.config.schema import StageConfigError
-    from vllm_omni_plugin.coordinator.master_client import route_probe_address
+    from vllm_omni_plugin.master.client import route_probe_address
 
     validate_omni_args(args)
     path = args.stage_configs_path

@@ -5,10 +5,11 @@ Public names follow upstream vllm-omni's ``vllm_omni.distributed.omni_coordinato
 structs, msgpack, versioned, bounded). Design: ``docs/design/coordinator.md``.
 """
 
-from .auth import CLUSTER_TOKEN_ENV, cluster_token_from_env
+from vllm_omni_plugin.wire.auth import CLUSTER_TOKEN_ENV, cluster_token_from_env
+from vllm_omni_plugin.wire.codec import RejectReason
+
 from .client_for_hub import OmniCoordClientForHub
 from .client_for_stage import OmniCoordClientForStage
-from .codec import RejectReason
 from .load_balancer import (
     LeastQueueLengthBalancer,
     LoadBalancer,
@@ -56,14 +57,10 @@ __all__ = [
     "cluster_token_from_env",
 ]
 
-# Master server: replica registration, replica-id assignment, port allocation.
-from .master import (  # noqa: E402
+# The omni master (vllm_omni_plugin.master), also under this package as upstream has it.
+from vllm_omni_plugin.master import (  # noqa: E402
     DEFAULT_ENDPOINT_NAMES,
     DEFAULT_PORT_RANGE,
-    OmniMasterServer,
-)
-from .master_client import OmniMasterClient, route_probe_address  # noqa: E402
-from .master_messages import (  # noqa: E402
     MAX_REPLY_FRAME_BYTES,
     MAX_REQUEST_FRAME_BYTES,
     DeregisterRequest,
@@ -72,8 +69,11 @@ from .master_messages import (  # noqa: E402
     MasterReply,
     MasterRequest,
     MasterTimeout,
+    OmniMasterClient,
+    OmniMasterServer,
     RegisterRequest,
     ReplicaAssignment,
+    route_probe_address,
 )
 
 __all__ += [

@@ -17,11 +17,16 @@ from collections.abc import Callable
 import zmq
 
 from vllm_omni_plugin.logger import init_logger
+from vllm_omni_plugin.wire import auth
+from vllm_omni_plugin.wire.codec import (
+    BoundedDecoder,
+    FrameRejected,
+    RejectReason,
+    reject_stat_keys,
+)
+from vllm_omni_plugin.wire.sockets import WakePipe, connect
 
-from . import auth
-from .codec import BoundedDecoder, FrameRejected, RejectReason, reject_stat_keys
 from .messages import MAX_LIST_FRAME_BYTES, ReplicaList, empty_replica_list
-from .sockets import WakePipe, connect
 
 logger = init_logger(__name__)
 

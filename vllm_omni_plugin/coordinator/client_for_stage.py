@@ -18,11 +18,11 @@ from collections.abc import Callable
 import zmq
 
 from vllm_omni_plugin.logger import init_logger
+from vllm_omni_plugin.wire import auth
+from vllm_omni_plugin.wire.codec import encode
+from vllm_omni_plugin.wire.sockets import connect
 
-from . import auth
-from .codec import encode
 from .messages import EventType, ReplicaEvent, ReplicaStatus
-from .sockets import connect
 
 logger = init_logger(__name__)
 

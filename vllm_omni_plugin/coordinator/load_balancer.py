@@ -14,9 +14,7 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from enum import Enum
-from typing import Any, TypedDict
-
-from .messages import ReplicaInfo
+from typing import Any, Protocol, TypedDict
 
 
 class Task(TypedDict, total=False):
@@ -31,6 +29,15 @@ class Task(TypedDict, total=False):
     sampling_params: Any
 
 
+class Routable(Protocol):
+    """What a policy reads of a candidate replica: the coordinator's
+    :class:`~.messages.ReplicaInfo` and the head's stage-pool replicas
+    (:class:`vllm_omni_plugin.replicas.replica.Replica`) both are."""
+
+    @property
+    def queue_length(self) -> int: ...
+
+
 class LoadBalancingPolicy(str, Enum):
     """Policy names accepted by :func:`build_load_balancer_factory`."""
 
@@ -43,7 +50,7 @@ class LoadBalancer(ABC):
     """Chooses a replica for a task."""
 
     @abstractmethod
-    def select(self, task: Task, replicas: Sequence[ReplicaInfo]) -> int:
+    def select(self, task: Task, replicas: Sequence[Routable]) -> int:
         """Route ``task`` to one of ``replicas``.
 
         Args:
@@ -81,7 +88,7 @@ class RandomBalancer(LoadBalancer):
     def __init__(self, seed: int | None = None) -> None:
         self._bits = random.Random(seed).getrandbits
 
-    def select(self, task: Task, replicas: Sequence[ReplicaInfo]) -> int:
+    def select(self, task: Task, replicas: Sequence[Routable]) -> int:
         """Uniform index in ``range(len(replicas))``; ``ValueError`` if empty."""
         n = len(replicas)
         if n == 0:
@@ -115,7 +122,7 @@ class RoundRobinBalancer(LoadBalancer):
         self._next = itertools.count(start_index).__next__
         self._length = -1
 
-    def select(self, task: Task, replicas: Sequence[ReplicaInfo]) -> int:
+    def select(self, task: Task, replicas: Sequence[Routable]) -> int:
         """Next index in the rotation; ``ValueError`` if ``replicas`` is empty."""
         n = len(replicas)
         if n == self._length:  # > 0: an empty list never becomes the length
@@ -179,11 +186,11 @@ class LeastQueueLengthBalancer(LoadBalancer):
     def __init__(self, seed: int | None = None) -> None:
         self._bits = random.Random(seed).getrandbits
         # (list, its length, minimum queue length, indices of the minimum)
-        self._cache: tuple[Sequence[ReplicaInfo] | None, int, int, Sequence[int]] = (
+        self._cache: tuple[Sequence[Routable] | None, int, int, Sequence[int]] = (
             None, -1, 0, ()
         )
 
-    def select(self, task: Task, replicas: Sequence[ReplicaInfo]) -> int:
+    def select(self, task: Task, replicas: Sequence[Routable]) -> int:
         """Index of a least-loaded replica (see class doc)."""
         cached, n, best_q, ties = self._cache
         if cached is replicas and len(replicas) == n:
@@ -192,7 +199,7 @@ class LeastQueueLengthBalancer(LoadBalancer):
                 return idx
         return self._select_scan(replicas)
 
-    def _select_scan(self, replicas: Sequence[ReplicaInfo]) -> int:
+    def _select_scan(self, replicas: Sequence[Routable]) -> int:
         """Scan ``replicas``, cache the result for this list object, pick.
 
         One list of the queue lengths, then C-level passes (``min``,

@@ -28,9 +28,10 @@ from typing import Annotated
 
 import msgspec
 
-#: Version of the wire schema below. A frame whose ``protocol_version`` differs
-#: is rejected (counted as ``bad_version``); bump it on any incompatible change.
-PROTOCOL_VERSION = 1
+# The control plane's one schema version: a frame whose ``protocol_version``
+# differs is rejected (counted as ``bad_version``); bump it on any incompatible
+# change of the messages below.
+from vllm_omni_plugin.wire import PROTOCOL_VERSION
 
 #: Largest accepted :class:`ReplicaEvent` frame, in bytes. Checked before any
 #: decoding. A maximal legal event (two 512-character addresses) is ~1.2 KiB.

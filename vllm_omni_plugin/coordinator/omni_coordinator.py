@@ -28,9 +28,17 @@ import msgspec
 import zmq
 
 from vllm_omni_plugin.logger import init_logger
+from vllm_omni_plugin.wire import auth
+from vllm_omni_plugin.wire.codec import (
+    BoundedDecoder,
+    FrameRejected,
+    RejectLog,
+    RejectReason,
+    encode,
+    reject_stat_keys,
+)
+from vllm_omni_plugin.wire.sockets import ROUTER_HARD_MAX_BYTES, WakePipe, bind
 
-from . import auth
-from .codec import BoundedDecoder, FrameRejected, RejectLog, RejectReason, encode, reject_stat_keys
 from .messages import (
     MAX_EVENT_FRAME_BYTES,
     MAX_LIST_FRAME_BYTES,
@@ -39,7 +47,6 @@ from .messages import (
     ReplicaList,
     ReplicaStatus,
 )
-from .sockets import ROUTER_HARD_MAX_BYTES, WakePipe, bind
 
 logger = init_logger(__name__)
 

@@ -7,7 +7,8 @@ ports are read back, so there is no window between choosing and binding.
 
 from __future__ import annotations
 
-from .master_messages import tcp_address
+from vllm_omni_plugin.master.messages import tcp_address
+
 from .omni_coordinator import OmniCoordinator
 
 

@@ -119,8 +119,7 @@ class Orchestrator:
         self._stage_of[request_id] = self.entry.stage_id
         final = None
         try:
-            async for out in self.entry_generate(prompt, params, request_id, *args,
-                                                        **kwargs):
+            async for out in self.entry_generate(prompt, params, request_id, *args, **kwargs):
                 if out.finished:
                     final = out
                 else:
@@ -158,8 +157,7 @@ class Orchestrator:
         params.extra_args = {**extra, xargs.PAYLOAD: {"err": err_key}}
         self.store.create(err_key)
         try:
-            async for out in self.entry_generate(prompt, params, request_id, *args,
-                                                        **kwargs):
+            async for out in self.entry_generate(prompt, params, request_id, *args, **kwargs):
                 if out.finished:
                     error = self.store.error(err_key)
                     if error is not None:

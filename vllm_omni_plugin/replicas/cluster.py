@@ -27,8 +27,8 @@ from vllm_omni_plugin.coordinator import (
     OmniCoordinatorRuntime,
     OmniMasterServer,
 )
-from vllm_omni_plugin.coordinator.master_messages import tcp_address
 from vllm_omni_plugin.logger import init_logger
+from vllm_omni_plugin.master.messages import tcp_address
 
 from .pool import StagePool
 from .protocol import TASK_ENDPOINT

@@ -4,7 +4,7 @@ The head opens one ZMQ DEALER per remote replica; the replica binds one ROUTER
 on the port the master assigned it (endpoint ``"task"``). Messages are tagged
 ``msgspec`` structs in msgpack, carry the control plane's ``protocol_version``,
 are decoded with a size bound, and are HMAC-signed when a cluster token is set
-(same scheme as the coordinator, :mod:`vllm_omni_plugin.coordinator.auth`).
+(same scheme as the coordinator, :mod:`vllm_omni_plugin.wire.auth`).
 Never pickle.
 
 Head -> replica: :class:`TaskSubmit`, :class:`TaskAbort`.
@@ -25,9 +25,9 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from vllm_omni_plugin.coordinator import auth
-from vllm_omni_plugin.coordinator.codec import BoundedDecoder, FrameRejected, RejectReason, encode
 from vllm_omni_plugin.coordinator.messages import PROTOCOL_VERSION
+from vllm_omni_plugin.wire import auth
+from vllm_omni_plugin.wire.codec import BoundedDecoder, FrameRejected, RejectReason, encode
 
 #: Name of the one endpoint the master assigns each remote replica a port for.
 TASK_ENDPOINT = "task"

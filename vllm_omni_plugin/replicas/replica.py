@@ -16,9 +16,9 @@ import os
 import zmq
 import zmq.asyncio
 
-from vllm_omni_plugin.coordinator.codec import FrameRejected, RejectLog
 from vllm_omni_plugin.logger import init_logger
 from vllm_omni_plugin.payload_store import PayloadStore
+from vllm_omni_plugin.wire.codec import FrameRejected, RejectLog
 
 from .protocol import (
     Channel,

@@ -19,10 +19,10 @@ import zmq
 import zmq.asyncio
 
 from vllm_omni_plugin.coordinator import OmniCoordClientForStage, ReplicaStatus
-from vllm_omni_plugin.coordinator.codec import FrameRejected, RejectLog
-from vllm_omni_plugin.coordinator.sockets import bind
 from vllm_omni_plugin.logger import init_logger
 from vllm_omni_plugin.payload_store import PayloadStore
+from vllm_omni_plugin.wire.codec import FrameRejected, RejectLog
+from vllm_omni_plugin.wire.sockets import bind
 
 from .protocol import (
     MAX_TASK_FRAME_BYTES,
@@ -165,7 +165,7 @@ def run_headless_replicas(args) -> None:
 
     from vllm_omni_plugin.config.cli import headless_plan
     from vllm_omni_plugin.coordinator import OmniMasterClient
-    from vllm_omni_plugin.coordinator.master_messages import MasterError, tcp_address
+    from vllm_omni_plugin.master.messages import MasterError, tcp_address
 
     plan = headless_plan(args)
     master_address = tcp_address(plan.master_host, plan.master_port)

@@ -25,7 +25,7 @@ from typing import Annotated
 
 import msgspec
 
-from .messages import PROTOCOL_VERSION
+from vllm_omni_plugin.wire import PROTOCOL_VERSION
 
 #: Largest accepted :class:`MasterRequest` frame, in bytes, checked before any
 #: parsing. A deregister of :data:`MAX_IDS_PER_REQUEST` ids of 9 bytes each is

@@ -17,10 +17,11 @@ from collections.abc import Iterable
 import zmq
 
 from vllm_omni_plugin.logger import init_logger
+from vllm_omni_plugin.wire import PROTOCOL_VERSION, auth
+from vllm_omni_plugin.wire.codec import BoundedDecoder, FrameRejected, RejectReason, encode
+from vllm_omni_plugin.wire.sockets import connect
 
-from . import auth
-from .codec import BoundedDecoder, FrameRejected, RejectReason, encode
-from .master_messages import (
+from .messages import (
     MAX_CLIENT_ID_CHARS,
     MAX_IDS_PER_REQUEST,
     MAX_REPLICAS_PER_REQUEST,
@@ -36,8 +37,6 @@ from .master_messages import (
     check_replica_address,
     peek_request,
 )
-from .messages import PROTOCOL_VERSION
-from .sockets import connect
 
 logger = init_logger(__name__)
 

@@ -34,7 +34,7 @@ from typing import Generic, Literal, TypeVar
 
 import msgspec
 
-from .messages import PROTOCOL_VERSION
+from . import PROTOCOL_VERSION
 
 T = TypeVar("T", bound=msgspec.Struct)
 

@@ -41,10 +41,18 @@ import msgspec
 import zmq
 
 from vllm_omni_plugin.logger import init_logger
+from vllm_omni_plugin.wire import auth
+from vllm_omni_plugin.wire.codec import (
+    BoundedDecoder,
+    FrameRejected,
+    RejectLog,
+    RejectReason,
+    encode,
+    reject_stat_keys,
+)
+from vllm_omni_plugin.wire.sockets import ROUTER_HARD_MAX_BYTES, WakePipe, bind
 
-from . import auth
-from .codec import BoundedDecoder, FrameRejected, RejectLog, RejectReason, encode, reject_stat_keys
-from .master_messages import (
+from .messages import (
     MAX_REQUEST_FRAME_BYTES,
     DeregisterRequest,
     MasterError,
@@ -56,7 +64,6 @@ from .master_messages import (
     check_replica_address,
     peek_request,
 )
-from .sockets import ROUTER_HARD_MAX_BYTES, WakePipe, bind
 
 logger = init_logger(__name__)
 
