@@ -1,11 +1,13 @@
-"""Waiting helpers shared by the tests: poll a condition until it holds or a
-bound passes (every wait in the suite is for a condition, never a bare sleep)."""
+"""Helpers shared by the tests: waiting for a condition (every wait in the
+suite is for a condition with a bound, never a bare sleep) and raw sockets."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import Callable
+
+import zmq
 
 #: Seconds: upper bound for anything that should happen "soon".
 WAIT = 5.0
@@ -31,3 +33,11 @@ async def until(pred: Callable[[], bool], timeout: float = WAIT, interval: float
     while not pred():
         assert time.monotonic() < deadline, "condition not reached"
         await asyncio.sleep(interval)
+
+
+def dealer(ctx: zmq.Context, addr: str) -> zmq.Socket:
+    """A DEALER socket connected to ``addr`` that drops unsent frames on close."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(addr)
+    return sock

@@ -18,9 +18,8 @@ import msgspec
 import pytest
 import zmq
 
-from plugin_tests.helpers import wait_until
+from plugin_tests.helpers import dealer, wait_until
 from vllm_omni_plugin.coordinator import (
-    CLUSTER_TOKEN_ENV,
     MAX_EVENT_FRAME_BYTES,
     MAX_LIST_FRAME_BYTES,
     EventType,
@@ -56,30 +55,11 @@ def rejected(stats: dict[str, int]) -> dict[str, int]:
             if k.startswith("rejected.") and v}
 
 
-@pytest.fixture(autouse=True)
-def _no_env_token(monkeypatch):
-    monkeypatch.delenv(CLUSTER_TOKEN_ENV, raising=False)
-
-
 @pytest.fixture
 def coord() -> Iterator[OmniCoordinator]:
     c = OmniCoordinator(LOCAL, LOCAL, heartbeat_timeout=30.0)
     yield c
     c.close()
-
-
-@pytest.fixture
-def zctx() -> Iterator[zmq.Context]:
-    ctx = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
-
-
-def dealer(ctx: zmq.Context, addr: str) -> zmq.Socket:
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(addr)
-    return sock
 
 
 def registered(coord: OmniCoordinator, addr: str) -> bool:

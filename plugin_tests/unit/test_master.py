@@ -17,13 +17,12 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
 
 import msgspec
 import pytest
 import zmq
 
-from plugin_tests.helpers import wait_until
+from plugin_tests.helpers import dealer, wait_until
 from vllm_omni_plugin.coordinator import (
     CLUSTER_TOKEN_ENV,
     MAX_REQUEST_FRAME_BYTES,
@@ -55,25 +54,6 @@ def rejected(stats: dict[str, int]) -> dict[str, int]:
 
 def all_ports(assignments: list[ReplicaAssignment]) -> list[int]:
     return [p for a in assignments for p in a.ports.values()]
-
-
-@pytest.fixture(autouse=True)
-def _no_env_token(monkeypatch):
-    monkeypatch.delenv(CLUSTER_TOKEN_ENV, raising=False)
-
-
-@pytest.fixture
-def zctx() -> Iterator[zmq.Context]:
-    ctx = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
-
-
-def dealer(ctx: zmq.Context, addr: str) -> zmq.Socket:
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(addr)
-    return sock
 
 
 def request_bytes(request_id: int = 1, client_id: str = "raw", **body) -> bytes:

@@ -57,39 +57,8 @@ __all__ = [
     "cluster_token_from_env",
 ]
 
-# The omni master (vllm_omni_plugin.master), also under this package as upstream has it.
-from vllm_omni_plugin.master import (  # noqa: E402
-    DEFAULT_ENDPOINT_NAMES,
-    DEFAULT_PORT_RANGE,
-    MAX_REPLY_FRAME_BYTES,
-    MAX_REQUEST_FRAME_BYTES,
-    DeregisterRequest,
-    MasterError,
-    MasterErrorCode,
-    MasterReply,
-    MasterRequest,
-    MasterTimeout,
-    OmniMasterClient,
-    OmniMasterServer,
-    RegisterRequest,
-    ReplicaAssignment,
-    route_probe_address,
-)
+# The omni master's names, also here as upstream has them (vllm_omni_plugin.master).
+from vllm_omni_plugin.master import *  # noqa: E402, F403
+from vllm_omni_plugin.master import __all__ as _master_names  # noqa: E402
 
-__all__ += [
-    "DEFAULT_ENDPOINT_NAMES",
-    "DEFAULT_PORT_RANGE",
-    "MAX_REPLY_FRAME_BYTES",
-    "MAX_REQUEST_FRAME_BYTES",
-    "DeregisterRequest",
-    "MasterError",
-    "MasterErrorCode",
-    "MasterReply",
-    "MasterRequest",
-    "MasterTimeout",
-    "OmniMasterClient",
-    "OmniMasterServer",
-    "RegisterRequest",
-    "ReplicaAssignment",
-    "route_probe_address",
-]
+__all__ += _master_names
