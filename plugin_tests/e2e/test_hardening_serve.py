@@ -117,9 +117,12 @@ def test_internal_extra_args_are_refused_on_every_endpoint(server, xargs):
     """The probe that killed the server (a string under ``omni_plugin_payload``)
     and the hidden pipeline run (``omni_plugin_modalities`` on a text chat)."""
     key = sorted(k for k in xargs if k.startswith("omni_plugin_"))[0]
+    no_content_type = requests.post(  # FastAPI parses such a body as JSON too
+        f"{server.url}/v1/chat/completions", data=json.dumps(server.chat_body(vllm_xargs=xargs)),
+        timeout=300)
     for response in (server.chat(server.chat_body(vllm_xargs=xargs)),
                      server.chat(server.audio_body(vllm_xargs=xargs)),
-                     _completion(server, vllm_xargs=xargs)):
+                     _completion(server, vllm_xargs=xargs), no_content_type):
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert error["param"] == f"vllm_xargs.{key}" and "reserved" in error["message"]

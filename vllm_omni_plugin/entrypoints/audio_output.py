@@ -159,10 +159,14 @@ def attach_audio(response: dict, result, sample_rate: int) -> dict:
 
 
 def _is_json(scope) -> bool:
+    """Whether FastAPI would parse the body as JSON: no (or an empty) content
+    type, ``application/json`` or ``application/*+json``."""
     for name, value in scope.get("headers", ()):
         if name.lower() == b"content-type":
-            return value.split(b";")[0].strip().lower() == b"application/json"
-    return False
+            kind = value.split(b";")[0].strip().lower()
+            return not kind or kind == b"application/json" or (
+                kind.startswith(b"application/") and kind.endswith(b"+json"))
+    return True
 
 
 class OmniAudioMiddleware:

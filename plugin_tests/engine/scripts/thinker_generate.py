@@ -46,6 +46,11 @@ import sys
 import time
 import traceback
 
+#: The pipeline whose thinker stage the engines run (settings only: the worker
+#: reads its stage id and payload directory).
+QWEN3_OMNI_YAML = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..",
+                               "stage_configs", "qwen3_omni_moe.yaml")
+
 ARCH = "OmniPluginQwen3OmniThinker"
 
 BASE_ENGINE_ARGS = {
@@ -148,16 +153,17 @@ def _metrics(llm) -> dict[str, float]:
 def run_engine(model: str, spec: dict) -> dict:
     from vllm import LLM, SamplingParams
 
-    from vllm_omni_plugin.config.settings import ADDITIONAL_CONFIG_KEY
+    from vllm_omni_plugin.config.settings import OmniSettings
     from vllm_omni_plugin.extra_args import PAYLOAD
     from vllm_omni_plugin.payload_store import PayloadStore
 
     OBSERVER.reset()
     start = time.perf_counter()
     engine_args = {**BASE_ENGINE_ARGS, **spec.get("engine_args", {})}
-    if spec.get("payload_dir"):  # a thinker stage that publishes its hidden states
-        engine_args["additional_config"] = {ADDITIONAL_CONFIG_KEY: {
-            "stage_id": 0, "payload_dir": spec["payload_dir"], "entry": False}}
+    if spec.get("payload_dir"):  # the thinker stage of the pipeline, publishing hidden states
+        engine_args["additional_config"] = OmniSettings(
+            stage_configs_path=QWEN3_OMNI_YAML, stage_id=0, entry=False,
+            payload_dir=spec["payload_dir"]).additional_config()
     store = PayloadStore(spec["payload_dir"]) if spec.get("payload_dir") else None
     llm = LLM(model, **engine_args)
     init_s = time.perf_counter() - start
