@@ -279,7 +279,7 @@ class Ours(Side):
         return len(coord.get_active_replicas().replicas)
 
     def publish_count(self, coord) -> int:
-        return coord.stats()["publishes"]
+        return coord.stats["publishes"]
 
     def event_count(self, coord):
         """(events accepted, frames rejected) from the coordinator's stats."""
@@ -335,9 +335,6 @@ class Up(Side):
 
     def n_up(self, coord) -> int:
         return len(coord.get_active_replicas().replicas)
-
-    def publish_count(self, coord) -> int:
-        return coord.stats()["publishes"]
 
     def stage_client(self, router, ia, oa, sid):
         return self.up.client_for_stage.OmniCoordClientForStage(router, ia, oa, sid)
@@ -736,13 +733,14 @@ def _lat_trial(side: Side, frame_file: str, loads: list[tuple[str, float]], samp
                     time.sleep(0.0005)
             extra = {}
             if published is not None:
-                extra["broadcasts_per_s"] = ((side.publish_count(coord) - published)
+                # intervals between broadcasts per second (n broadcasts span n - 1)
+                extra["broadcasts_per_s"] = (max(0, side.publish_count(coord) - published - 1)
                                              / (time.perf_counter() - phase_start))
             if rate:
                 sender.cmd("stop")
                 _, sent, dropped = sender.expect("paced", 30).split()
                 elapsed_rate = int(sent)
-                extra = {"bg_sent": elapsed_rate, "bg_dropped": int(dropped)}
+                extra.update(bg_sent=elapsed_rate, bg_dropped=int(dropped))
             out[load] = {"lat": lat, "misses": misses, **extra}
         return out
     finally:
