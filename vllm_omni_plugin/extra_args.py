@@ -32,17 +32,20 @@ SPEAKER = "omni_plugin_speaker"
 _SLOTS = ("in", "out", "err")
 
 
+def _is_reserved(key: Any) -> bool:
+    return isinstance(key, str) and key.startswith(RESERVED_PREFIX)
+
+
 def reserved_keys(extra: Any) -> list[str]:
     """The keys of ``extra`` (a mapping, or anything else) in the plugin's namespace."""
     if not isinstance(extra, dict):
         return []
-    return sorted(k for k in extra if isinstance(k, str) and k.startswith(RESERVED_PREFIX))
+    return sorted(k for k in extra if _is_reserved(k))
 
 
 def without_reserved(extra: dict[str, Any] | None) -> dict[str, Any]:
     """A copy of ``extra`` without the plugin's keys (``{}`` for None)."""
-    return {k: v for k, v in (extra or {}).items()
-            if not (isinstance(k, str) and k.startswith(RESERVED_PREFIX))}
+    return {k: v for k, v in (extra or {}).items() if not _is_reserved(k)}
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,10 @@ import uuid
 import torch
 from safetensors.torch import load_file, save_file
 
+from vllm_omni_plugin.logger import init_logger
+
+logger = init_logger(__name__)
+
 _KEY_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 _ERROR_FILE = "error.json"
 
@@ -86,6 +90,9 @@ def remove_stale_run_dirs(base: str | None = None) -> list[str]:
             shutil.rmtree(path, ignore_errors=True)
             if not os.path.exists(path):
                 removed.append(path)
+    if removed:
+        logger.info("removed %d payload directories of processes that no longer exist",
+                    len(removed))
     return removed
 
 

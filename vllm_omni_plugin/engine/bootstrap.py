@@ -98,10 +98,7 @@ def build_head(entry_client, vllm_config, settings: OmniSettings) -> Head:
     downstream = [s for s in pipeline.topological_order()
                   if s.stage_id != pipeline.entry_stage.stage_id]
     processors = {s.stage_id: get_processor(s.input_processor) for s in downstream}
-    stale = remove_stale_run_dirs(os.path.dirname(settings.payload_dir))
-    if stale:
-        logger.info("removed %d payload directories of processes that no longer exist",
-                    len(stale))
+    remove_stale_run_dirs(os.path.dirname(settings.payload_dir))
     store = PayloadStore(settings.payload_dir)
     cluster = HeadCluster(conf.host, conf.port, conf.heartbeat_timeout)
     balancer = build_load_balancer_factory(conf.lb_policy)

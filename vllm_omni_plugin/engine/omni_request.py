@@ -12,7 +12,6 @@ cannot write into it: it never travels in a request body or in
 from __future__ import annotations
 
 import contextvars
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -46,7 +45,6 @@ class StageResult:
     error: str | None = None
     status: int = 200
     retry_after: float | None = None
-    created: float = field(default_factory=time.monotonic)
 
     @classmethod
     def failure(cls, message: str, status: int,

@@ -137,8 +137,7 @@ class Orchestrator:
             self._log_stopped(request_id, "cancelled (client disconnected)")
             raise
         except StageError as exc:
-            logger.error("request %s failed: %s", request_id, exc)
-            request.result = StageResult.failure(str(exc), exc.status, exc.retry_after)
+            _record_failure(request, request_id, exc)
         finally:
             admission.release_all()
             await asyncio.to_thread(self._delete, keys)
@@ -162,8 +161,7 @@ class Orchestrator:
                     error = self.store.error(err_key)
                     if error is not None:
                         exc = StageError(self.entry.stage_id, self.entry.name, error)
-                        logger.error("request %s failed: %s", request_id, exc)
-                        request.result = StageResult.failure(str(exc), exc.status)
+                        _record_failure(request, request_id, exc)
                         raise exc
                 yield out
         finally:
@@ -268,6 +266,12 @@ class Orchestrator:
         stage_id = self._stage_of.get(request_id, self.entry.stage_id)
         logger.info("request %s %s while at stage %d (%s)", request_id, how, stage_id,
                     self.pipeline.stage(stage_id).name)
+
+
+def _record_failure(request: OmniRequest, request_id: str, exc: StageError) -> None:
+    """Log a failed request and hand its error to the API layer."""
+    logger.error("request %s failed: %s", request_id, exc)
+    request.result = StageResult.failure(str(exc), exc.status, exc.retry_after)
 
 
 def _stage_output(stage_id: int, request_output, payload):

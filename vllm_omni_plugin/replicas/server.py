@@ -196,10 +196,7 @@ async def _serve(plan, assignments, info: dict) -> None:
 
     timeout = float(info.get(INFO_HEARTBEAT_TIMEOUT, "30.0"))
     run_dir = default_run_dir()
-    stale = remove_stale_run_dirs(os.path.dirname(run_dir))
-    if stale:
-        logger.info("removed %d payload directories of processes that no longer exist",
-                    len(stale))
+    remove_stale_run_dirs(os.path.dirname(run_dir))
     servers: list[ReplicaServer] = []
 
     def start(assignment):
