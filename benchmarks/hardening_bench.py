@@ -123,10 +123,14 @@ def burst(args, url: str, model: str, pid: int) -> dict:
 
 
 def restart(url: str, model: str, server: Server) -> dict:
-    pids = re.findall(r"\(EngineCore pid=(\d+)\).*stage 1: loaded",
-                      "\n".join(line for _, line in server.snapshot()))
+    import psutil
+
+    found = re.findall(r"\((EngineCore|Worker) pid=(\d+)\).*stage 1: loaded",
+                       "\n".join(line for _, line in server.snapshot()))
+    kind, pid = found[-1]  # the worker runs in a process of its own on vLLM's CPU platform
+    engine = int(pid) if kind == "EngineCore" else psutil.Process(int(pid)).ppid()
     t0 = server.elapsed()
-    os.kill(int(pids[-1]), 9)
+    os.kill(engine, 9)
     status, answered = chat(url, model, "After the kill.")
     return {
         "detected": log_time(server, r"stage 1 replica \d+ .*engine core exited", t0) - t0,
@@ -157,7 +161,7 @@ def main() -> None:
         yaml_path.write_text(yaml.safe_dump(pipeline))
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        env = {k: v for k, v in os.environ.items() if k != "VLLM_OMNI_PLUGIN_BACKEND"}
+        env = dict(os.environ)
         server = Server([venv_bin("vllm"), "serve", str(ckpt), "--stage-configs-path",
                          str(yaml_path), "--port", str(port), "--max-model-len", "2048",
                          "--dtype", "float32", "--omni-admission-timeout",

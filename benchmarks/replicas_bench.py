@@ -206,7 +206,7 @@ def main() -> None:
     ap.add_argument("--skip-failover", action="store_true")
     args = ap.parse_args()
     install_sigterm_as_interrupt()
-    env = {**os.environ, "VLLM_OMNI_PLUGIN_BACKEND": "reference", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory(prefix="replicas-bench-") as tmp:
         work = Path(tmp)
         ckpt = args.checkpoint or work / "tiny-qwen3-omni"

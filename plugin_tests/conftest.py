@@ -21,13 +21,6 @@ def tiny_qwen3_omni(tmp_path_factory) -> str:
     return out
 
 
-@pytest.fixture
-def reference_env(monkeypatch):
-    """Environment for child processes that run stages on the reference backend."""
-    monkeypatch.setenv("VLLM_OMNI_PLUGIN_BACKEND", "reference")
-    return {**os.environ, "VLLM_OMNI_PLUGIN_BACKEND": "reference", "PYTHONUNBUFFERED": "1"}
-
-
 PYTHON = sys.executable
 #: the `vllm` console script of the interpreter running the tests
 VLLM = os.path.join(os.path.dirname(sys.executable), "vllm")

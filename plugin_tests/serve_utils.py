@@ -32,10 +32,16 @@ class ServeProcess:
         self.log_path = log_path
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = open(log_path, "w")
+        env = dict(env or os.environ)
+        # vLLM's CPU build: an explicit KV cache (GiB) per engine, and a small share of
+        # host memory that must be free at start-up (tests start several engines).
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        if not any(a.startswith("--gpu-memory-utilization") for a in args):
+            args = [*args, "--gpu-memory-utilization", "0.3"]
         self.proc = subprocess.Popen(
             [*(prefix or []), VLLM, "serve", *args, "--host", "127.0.0.1",
              "--port", str(self.port)],
-            stdout=self._log, stderr=subprocess.STDOUT, env=env or os.environ.copy(),
+            stdout=self._log, stderr=subprocess.STDOUT, env=env,
             start_new_session=True,
         )
 

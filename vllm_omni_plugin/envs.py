@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import os
 
-#: Backend for stage workers: ``auto`` (reference when no accelerator is
-#: usable), ``reference`` (force the CPU reference backend) or ``accelerator``.
-BACKEND = "VLLM_OMNI_PLUGIN_BACKEND"
 #: Parent directory of the per-run inter-stage payload store (default:
 #: ``/dev/shm`` when it exists, else the system temp dir).
 PAYLOAD_DIR = "VLLM_OMNI_PLUGIN_PAYLOAD_DIR"
@@ -19,22 +16,9 @@ CLUSTER_TOKEN = "VLLM_OMNI_PLUGIN_CLUSTER_TOKEN"
 #: Set to 1 to register even on a vLLM outside the supported range.
 ALLOW_UNSUPPORTED_VLLM = "VLLM_OMNI_PLUGIN_ALLOW_UNSUPPORTED_VLLM"
 
-_CHOICES = {BACKEND: ("auto", "reference", "accelerator")}
-
-
-def backend() -> str:
-    """The requested stage backend; raises ``ValueError`` on an unknown value."""
-    value = os.environ.get(BACKEND, "auto").strip().lower() or "auto"
-    if value not in _CHOICES[BACKEND]:
-        raise ValueError(
-            f"{BACKEND}={value!r} is not one of {', '.join(_CHOICES[BACKEND])}"
-        )
-    return value
-
 
 def payload_dir() -> str | None:
     return os.environ.get(PAYLOAD_DIR) or None
-
 
 
 def cluster_token() -> str | None:

@@ -48,7 +48,7 @@ def server(tiny_qwen3_omni, tmp_path_factory):
     pipeline["stages"][2]["input_processor"] = "faulty_talker2code2wav"
     yaml_path = root / "pipeline.yaml"
     yaml_path.write_text(yaml.safe_dump(pipeline))
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_OMNI_PLUGIN_BACKEND"}
+    env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [_write_test_plugin(root),
                                                       env.get("PYTHONPATH")]))
     proc = ServeProcess([tiny_qwen3_omni, "--stage-configs-path", str(yaml_path),
@@ -70,10 +70,16 @@ def _decode_wav(message):
     return data, rate
 
 
-def test_reference_backend_selected_automatically(server):
+def test_stages_run_on_the_workers_the_yaml_names(server):
+    """The thinker on vLLM's own worker (OmniWorker over the platform's worker), the
+    talker and code2wav on the reference worker."""
+    from vllm.platforms import current_platform
+
     log = server.log()
-    assert log.count("No accelerator usable: stages run on the vllm-omni-plugin reference") == 1
-    for stage in (0, 1, 2):
+    base = "CPUWorker" if current_platform.is_cpu() else "Worker"
+    assert f"stage 0: OmniWorker (vLLM's {base} with the stage payload channel)" in log
+    assert "stage 0: loaded" not in log
+    for stage in (1, 2):
         assert f"stage {stage}: loaded" in log
 
 

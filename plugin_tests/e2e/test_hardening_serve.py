@@ -52,7 +52,7 @@ def server(tiny_qwen3_omni, tmp_path_factory):
     live = payload_base / f"vllm-omni-plugin-{os.getpid()}-0123abcd"
     for d in (stale, live):
         (d / "leftover.out").mkdir(parents=True)
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_OMNI_PLUGIN_BACKEND"}
+    env = dict(os.environ)
     env["VLLM_OMNI_PLUGIN_PAYLOAD_DIR"] = str(payload_base)
     proc = ServeProcess([tiny_qwen3_omni, "--stage-configs-path", str(yaml_path),
                          "--max-model-len", "2048", "--dtype", "float32",
@@ -93,9 +93,16 @@ def _metric(server, name: str, **labels) -> float | None:
 
 
 def _engine_pid(server, stage: int) -> int:
-    pids = re.findall(rf"\(EngineCore pid=(\d+)\).*stage {stage}: loaded", server.log())
-    assert pids, f"stage {stage} EngineCore pid not found in the log"
-    return int(pids[-1])
+    """The stage's EngineCore: the process that logged loading its model, or that
+    process's parent when it is a worker (vLLM's CPU platform runs the worker in a
+    process of its own)."""
+    import psutil
+
+    found = re.findall(rf"\((EngineCore|Worker) pid=(\d+)\).*stage {stage}: loaded",
+                       server.log())
+    assert found, f"stage {stage} engine pid not found in the log"
+    kind, pid = found[-1]
+    return int(pid) if kind == "EngineCore" else psutil.Process(int(pid)).ppid()
 
 
 def _assert_no_stack_trace_hint(message: str) -> None:

@@ -54,19 +54,8 @@ def test_stage_models_registered_lazily():
 
 
 # -- discovery by vLLM itself (fresh subprocesses) ---------------------------------
-# vLLM's PyPI wheel needs a platform even for --help on a machine without a GPU;
-# VLLM_TARGET_DEVICE=cpu gives it vLLM's own CPU platform. The plugin's backend
-# is left to choose (auto) unless a test says otherwise.
-def _platform_env() -> dict:
-    import torch
-
-    cpu = {} if torch.cuda.is_available() else {"VLLM_TARGET_DEVICE": "cpu"}
-    return {**cpu, "VLLM_OMNI_PLUGIN_BACKEND": None}
-
-
-#: Ask for the reference backend; VLLM_TARGET_DEVICE=cpu would make vLLM skip
-#: platform plugins altogether.
-_REFERENCE = {"VLLM_TARGET_DEVICE": None, "VLLM_OMNI_PLUGIN_BACKEND": "reference"}
+# vLLM resolves its platform itself: vLLM's CPU build is recognised by its version's
+# "+cpu" label, a GPU host by its driver. The plugin ships no platform.
 
 
 #: Run vLLM's own general-plugin loader (what every vLLM process does) and report
@@ -103,7 +92,7 @@ def _loader(env_extra: dict) -> dict:
 
 def _serve_help(section: str, env_extra: dict) -> subprocess.CompletedProcess:
     out = subprocess.run([VLLM, "serve", f"--help={section}"], capture_output=True, text=True,
-                         timeout=180, env=child_env({**_platform_env(), **env_extra}))
+                         timeout=180, env=child_env(env_extra))
     assert out.returncode == 0, out.stderr[-3000:]
     return out
 
@@ -117,7 +106,8 @@ def test_installed_entry_points_are_the_declared_ones():
 
     cfg = configparser.ConfigParser()
     cfg.read(f"{REPO}/setup.cfg")
-    for group in ("vllm.general_plugins", "vllm.platform_plugins"):
+    assert "vllm.platform_plugins" not in cfg["options.entry_points"]  # vLLM's own platforms
+    for group in ("vllm.general_plugins",):
         declared = dict(line.split("=", 1) for line in
                         cfg["options.entry_points"][group].strip().splitlines())
         declared = {k.strip(): v.strip() for k, v in declared.items()}
@@ -126,28 +116,21 @@ def test_installed_entry_points_are_the_declared_ones():
         assert installed["omni"].dist.metadata["Name"] == "vllm-omni-plugin"
 
 
-def test_vllm_loads_plugin():
-    """VLLM_PLUGINS unset: vLLM's loader finds the general entry point and runs it
-    (models registered, patches on); the platform entry point stays out (no omni
-    flag, backend auto)."""
-    result = _loader({**_platform_env(), "VLLM_PLUGINS": None})
+@pytest.mark.parametrize("plugins", [None, "omni"])
+def test_vllm_loads_plugin(plugins):
+    """VLLM_PLUGINS unset or naming it: vLLM's loader finds the general entry point
+    and runs it (models registered, patches on) on vLLM's own platform."""
+    result = _loader({"VLLM_PLUGINS": plugins})
     assert result["warnings"] == [] and result["registered"] and result["patched"]
-    assert result["platform"] != "ReferencePlatform"
+    from vllm.platforms import current_platform
 
-
-def test_vllm_loads_plugin_named_in_vllm_plugins():
-    """VLLM_PLUGINS=omni: both entry points run; vLLM takes the plugin's platform."""
-    result = _loader({"VLLM_PLUGINS": "omni", **_REFERENCE})
-    assert result["warnings"] == [] and result["registered"] and result["patched"]
-    assert result["platform"] == "ReferencePlatform"
+    assert result["platform"] == type(current_platform).__name__
 
 
 def test_vllm_plugins_filter_keeps_plugin_out():
-    """VLLM_PLUGINS naming other plugins: neither entry point runs, even with the
-    reference backend asked for."""
-    result = _loader({"VLLM_PLUGINS": "some_other", **_REFERENCE})
+    """VLLM_PLUGINS naming other plugins: the entry point does not run."""
+    result = _loader({"VLLM_PLUGINS": "some_other"})
     assert result["warnings"] == [] and not result["registered"] and not result["patched"]
-    assert result["platform"] != "ReferencePlatform"
 
 
 def test_vllm_discovers_plugin_and_adds_omni_group():
@@ -174,15 +157,13 @@ def _supported_range() -> str:
 
 
 def test_out_of_range_vllm_registers_nothing(fake_vllm_version):
-    """One warning naming the range and the installed version; no model, no patch,
-    and the reference platform stays out even when asked for."""
-    result = _loader({**fake_vllm_version, **_REFERENCE})
+    """One warning naming the range and the installed version; no model, no patch."""
+    result = _loader(fake_vllm_version)
     assert len(result["warnings"]) == 1, result["warnings"]
     warning = result["warnings"][0]
     assert FAKE_VLLM in warning and _supported_range() in warning
     assert "VLLM_OMNI_PLUGIN_ALLOW_UNSUPPORTED_VLLM" in warning
     assert not result["registered"] and not result["patched"]
-    assert result["platform"] != "ReferencePlatform"
 
 
 def test_out_of_range_vllm_serve_help_still_works(fake_vllm_version):
@@ -193,8 +174,7 @@ def test_out_of_range_vllm_serve_help_still_works(fake_vllm_version):
 
 
 def test_out_of_range_override_registers_anyway(fake_vllm_version):
-    result = _loader({**_platform_env(), **fake_vllm_version,
-                      "VLLM_OMNI_PLUGIN_ALLOW_UNSUPPORTED_VLLM": "1"})
+    result = _loader({**fake_vllm_version, "VLLM_OMNI_PLUGIN_ALLOW_UNSUPPORTED_VLLM": "1"})
     assert result["registered"] and result["patched"]
     assert len(result["warnings"]) == 1 and "trying anyway" in result["warnings"][0]
 
@@ -226,7 +206,7 @@ args = AsyncEngineArgs.from_cli_args(ns)
 print(json.dumps({{"extra": args.additional_config, "hf": args.hf_overrides,
                   "middleware": ns.middleware}}))
 """
-    out = _run(code, {"VLLM_OMNI_PLUGIN_BACKEND": "reference"})
+    out = _run(code, {})
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     settings = result["extra"]["omni_plugin"]
@@ -235,23 +215,6 @@ print(json.dumps({{"extra": args.additional_config, "hf": args.hf_overrides,
     assert result["hf"]["architectures"] == ["OmniPluginQwen3OmniThinker"]
     assert result["middleware"] == [
         "vllm_omni_plugin.entrypoints.audio_output.OmniAudioMiddleware"]
-
-
-def test_omni_mode_without_reference_platform_fails_with_the_fix():
-    """This test process resolved no plugin platform (no omni argv, no
-    VLLM_OMNI_PLUGIN_BACKEND): omni mode must refuse early and name the fix."""
-    import argparse
-
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.platforms import current_platform
-
-    import vllm_omni_plugin
-
-    vllm_omni_plugin.register()
-    assert type(current_platform).__name__ != "ReferencePlatform"
-    with pytest.raises(RuntimeError, match="VLLM_OMNI_PLUGIN_BACKEND=reference"):
-        AsyncEngineArgs.from_cli_args(argparse.Namespace(
-            model="m", stage_configs_path=QWEN3_OMNI_YAML, middleware=[]))
 
 
 def test_bad_yaml_fails_before_engines(tmp_path):

@@ -62,7 +62,7 @@ def test_headless_replica_in_another_network_namespace(netns, tiny_qwen3_omni, t
     pipeline["stages"][1]["runtime"] = {"num_replicas": 0}
     yaml_path = tmp_path / "pipeline.yaml"
     yaml_path.write_text(yaml.safe_dump(pipeline))
-    env = {**os.environ, "VLLM_OMNI_PLUGIN_BACKEND": "reference"}
+    env = {**os.environ}
     port = free_port()
     common = [tiny_qwen3_omni, "--stage-configs-path", str(yaml_path), "--dtype", "float32",
               "--max-model-len", "2048", "-oma", HEAD_IP, "-omp", str(port)]

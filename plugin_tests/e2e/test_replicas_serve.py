@@ -42,7 +42,7 @@ def cluster(tiny_qwen3_omni, tmp_path_factory):
     pipeline["stages"][2]["runtime"] = {"num_replicas": 2}  # two local code2wav replicas
     yaml_path = root / "pipeline.yaml"
     yaml_path.write_text(yaml.safe_dump(pipeline))
-    env = {**os.environ, "VLLM_OMNI_PLUGIN_BACKEND": "reference"}
+    env = {**os.environ}
     # the head gets the token by flag, the replicas by environment: both must agree
     replica_env = {**env, "VLLM_OMNI_PLUGIN_CLUSTER_TOKEN": TOKEN}
     master_port = free_port()

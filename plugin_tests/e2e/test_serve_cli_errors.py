@@ -15,7 +15,7 @@ from plugin_tests.conftest import PYTHON, QWEN3_OMNI_YAML, VLLM
 def _serve(tmp_path, yaml_text: str) -> subprocess.CompletedProcess:
     path = tmp_path / "pipeline.yaml"
     path.write_text(yaml_text)
-    env = {**os.environ, "VLLM_OMNI_PLUGIN_BACKEND": "reference"}
+    env = {**os.environ}
     return subprocess.run([VLLM, "serve", str(tmp_path), "--stage-configs-path", str(path),
                            "--port", "0"], capture_output=True, text=True, timeout=240, env=env)
 
@@ -81,7 +81,7 @@ print(json.dumps({k: repr(v) for k, v in sorted(vars(ns).items()) if k != "dispa
 ], ids=["headless-no-port", "headless-entry", "headless-unknown-stage", "stage-id-on-head",
         "ora-on-head", "dp-size-on-head", "bad-timeout", "bad-policy", "bad-admission-timeout"])
 def test_bad_omni_flags_fail_naming_the_flag(tmp_path, flags, expected):
-    env = {**os.environ, "VLLM_OMNI_PLUGIN_BACKEND": "reference"}
+    env = {**os.environ}
     out = subprocess.run([VLLM, "serve", str(tmp_path), "--stage-configs-path", QWEN3_OMNI_YAML,
                           *flags], capture_output=True, text=True, timeout=240, env=env)
     text = out.stdout + out.stderr

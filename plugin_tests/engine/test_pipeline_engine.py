@@ -1,6 +1,6 @@
-"""The Qwen3-Omni pipeline driven in-process through OmniEngineClient (real
-EngineCores on the reference backend): exact codec-code parity with HF, abort
-and client-disconnect propagation to every stage."""
+"""The Qwen3-Omni pipeline driven in-process through OmniEngineClient (real EngineCores:
+the thinker on vLLM's worker, talker and code2wav on the reference worker): exact
+codec-code parity with HF, abort and client-disconnect propagation to every stage."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def _yaml(root, talker_max_tokens) -> str:
 
 
 def _run(ckpt, yaml_path, out_dir, *scenarios) -> dict:
-    env = {**os.environ, "VLLM_OMNI_PLUGIN_BACKEND": "reference"}
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ}
     proc = subprocess.run([PYTHON, SCRIPT, ckpt, yaml_path, str(out_dir), *scenarios],
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

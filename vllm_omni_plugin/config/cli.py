@@ -193,7 +193,6 @@ def headless_plan(args: argparse.Namespace) -> HeadlessPlan:
     validate_omni_args(args)
     path = args.stage_configs_path
     pipeline = load_pipeline_config(path)
-    require_stage_backend()
     stage = next((s for s in pipeline.stages if s.stage_id == args.stage_id), None)
     if stage is None:
         raise StageConfigError(f"--stage-id {args.stage_id}: the pipeline has no such stage "
@@ -245,7 +244,6 @@ def apply_omni_args(args: argparse.Namespace, engine_args) -> None:
 
     validate_omni_args(args)
     pipeline = load_pipeline_config(path)
-    require_stage_backend()
     entry = pipeline.entry_stage
     if args.stage_id is not None and args.stage_id != entry.stage_id:
         raise ValueError(f"--stage-id {args.stage_id}: without --headless this process "
@@ -268,26 +266,6 @@ def apply_omni_args(args: argparse.Namespace, engine_args) -> None:
 
     if MIDDLEWARE_QUALNAME not in middleware and hasattr(args, "middleware"):
         args.middleware = [*middleware, MIDDLEWARE_QUALNAME]
-
-
-def require_stage_backend() -> None:
-    """Fail early, with the fix, when the stage models cannot run on this platform.
-
-    Raises:
-        RuntimeError: vLLM resolved a platform other than the plugin's
-            reference backend (stage models have no accelerator worker yet).
-    """
-    from vllm.platforms import current_platform
-
-    from vllm_omni_plugin import envs
-    from vllm_omni_plugin.reference.platform import QUALNAME
-
-    if f"{type(current_platform).__module__}.{type(current_platform).__name__}" != QUALNAME:
-        raise RuntimeError(
-            "omni mode (--stage-configs-path) runs its stage models on the plugin's reference "
-            f"backend, but vLLM selected {type(current_platform).__name__}; stage models have "
-            f"no accelerator worker yet. Set {envs.BACKEND}=reference to run them on CPU."
-        )
 
 
 def apply_stage_engine_args(engine_args, overrides: dict) -> None:

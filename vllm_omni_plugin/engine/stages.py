@@ -65,7 +65,7 @@ def _model_hf_overrides(args) -> dict:
 
     archs = (args.hf_overrides or {}).get("architectures") or []
     cls = stage_model_class(archs[0]) if archs else None
-    if cls is None:
+    if not hasattr(cls, "engine_hf_overrides"):  # not a plugin stage model, or vLLM-native
         return {}
     from transformers import AutoConfig
 

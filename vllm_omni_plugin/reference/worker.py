@@ -16,13 +16,13 @@ from typing import Any
 import torch
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
-from vllm_omni_plugin import extra_args as xargs
 from vllm_omni_plugin.config.settings import OmniSettings
 from vllm_omni_plugin.logger import init_logger
 from vllm_omni_plugin.models.stage_model import OmniStageModel, StepInput, StepOutput
 from vllm_omni_plugin.payload_store import PayloadStore
 from vllm_omni_plugin.reference.paged_attention import PagedKVView, use_paged_kv
 from vllm_omni_plugin.reference.sampler import sample
+from vllm_omni_plugin.worker.stage_io import request_payload_keys, stop_token_of
 
 logger = init_logger(__name__)
 
@@ -151,15 +151,7 @@ class ReferenceWorker(WorkerBase):
             old.block_ids = list(new.block_ids[0])
             return
         params = new.sampling_params
-        problem = None
-        try:
-            keys = xargs.payload_keys(params.extra_args if params is not None else None)
-        except ValueError as exc:  # not from the orchestrator: fail this request only
-            keys, problem = xargs.PayloadKeys(), exc
-        if keys.failure_key and self.store is None:
-            keys, problem = xargs.PayloadKeys(), RuntimeError(
-                f"request {new.req_id} carries payload keys but no payload store is "
-                "configured (not in omni mode?)")
+        keys, problem = request_payload_keys(new.req_id, params, self.store)
         generator = None
         if params is not None and params.seed is not None:
             generator = torch.Generator().manual_seed(params.seed)
@@ -261,13 +253,6 @@ class ReferenceWorker(WorkerBase):
         if req.failure_key is not None and self.store is not None:
             self.store.put_error(req.failure_key, f"{type(exc).__name__}: {exc}")
 
-    @staticmethod
-    def _stop_token(req: _Request) -> int:
-        """The token a failed request emits each step: its first stop token, so
-        the scheduler finishes it (at the latest at ``max_tokens``, e.g. while
-        ``min_tokens`` holds the stop back); 0 when it has none."""
-        stop = list(req.params.all_stop_token_ids or ()) if req.params is not None else []
-        return int(stop[0]) if stop else 0
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_output):
@@ -277,7 +262,7 @@ class ReferenceWorker(WorkerBase):
         for req, step, out in self._pending:
             req_ids.append(req.req_id)
             if req.failed:
-                sampled.append([self._stop_token(req)])
+                sampled.append([stop_token_of(req.params)])
                 continue
             if not step.needs_logits or out.logits is None:
                 sampled.append([])
@@ -290,7 +275,7 @@ class ReferenceWorker(WorkerBase):
                     self.store.append(req.out_key, extra)
             except Exception as exc:
                 self._fail(req, exc)
-                token = self._stop_token(req)
+                token = stop_token_of(req.params)
             req.token_ids.append(token)
             sampled.append([token])
         self._pending = []

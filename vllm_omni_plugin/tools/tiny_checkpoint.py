@@ -44,23 +44,24 @@ Files in OUT_DIR:
 Sizes
 -----
 
-* thinker text (MoE): hidden 64, 2 layers, 4 heads, 2 KV heads, head_dim 16, 4 experts,
+* thinker text (MoE): hidden 64, 2 layers, 4 heads, 2 KV heads, head_dim 32, 4 experts,
   top-2, moe_intermediate_size 32, vocab = tokenizer size padded to a multiple of 128 (768),
-  max_position_embeddings 4096, interleaved M-RoPE ``mrope_section`` [4, 2, 2], theta 1e6.
+  max_position_embeddings 4096, interleaved M-RoPE ``mrope_section`` [8, 4, 4], theta 1e6.
+  head_dim 32 everywhere: vLLM's CPU attention supports head sizes 32, 64, 80, ... only.
 * audio encoder: 128 mel bins, d_model 32, 2 layers, 2 heads, ffn 64,
   downsample_hidden_size 16, output_dim 64 (n_window 50 / n_window_infer 800 as upstream).
 * vision encoder: depth 2, hidden 32, 2 heads, mlp 64, patch 16, temporal patch 2,
   spatial merge 2, deepstack_visual_indexes [0, 1], out_hidden_size 64.
-* talker (MoE): hidden 64, 2 layers, 4 heads, 2 KV heads, head_dim 16, 4 experts, top-2,
+* talker (MoE): hidden 64, 2 layers, 4 heads, 2 KV heads, head_dim 32, 4 experts, top-2,
   moe_intermediate_size 32, shared expert 64, intermediate (projection MLP) 128,
   vocab 3072 (= codebook 2048 + 1024 codec specials, as upstream: HF ``generate``
   suppresses the top 1024 ids except ``codec_eos_token_id``), thinker_hidden_size 64,
   accept_hidden_layer 1 (index into the thinker's ``hidden_states`` tuple, which has
   num_hidden_layers + 1 = 3 entries).
-* code predictor: hidden 64, 1 layer, 4 heads, 2 KV heads, head_dim 16, vocab 2048,
+* code predictor: hidden 64, 1 layer, 4 heads, 2 KV heads, head_dim 32, vocab 2048,
   num_code_groups 16 (15 embeddings / lm heads).
-* code2wav: codebook_size 2048, num_quantizers 16, hidden 64, 2 layers, 4 heads,
-  sliding_window 72, decoder_dim 64 (-> 32 -> 16 -> 8 -> 4 channels),
+* code2wav: codebook_size 2048, num_quantizers 16, hidden 64, 2 layers, 2 heads
+  (head_dim 32), sliding_window 72, decoder_dim 64 (-> 32 -> 16 -> 8 -> 4 channels),
   upsample_rates [8, 5, 4, 3] and upsampling_ratios [2, 2] exactly as upstream.
 
 Special ids (same *names* and relative layout as upstream; the numbers depend on the BPE
@@ -435,7 +436,7 @@ def build_qwen3_omni_config(tokenizer):
     mrope = {
         "rope_type": "default",
         "rope_theta": 1000000.0,
-        "mrope_section": [4, 2, 2],  # sums to head_dim / 2 = 8
+        "mrope_section": [8, 4, 4],  # sums to head_dim / 2 = 16
         "interleaved": True,
         "mrope_interleaved": True,
     }
@@ -458,7 +459,7 @@ def build_qwen3_omni_config(tokenizer):
             "num_hidden_layers": 2,
             "num_attention_heads": 4,
             "num_key_value_heads": 2,
-            "head_dim": 16,
+            "head_dim": 32,
             "hidden_act": "silu",
             "max_position_embeddings": 4096,
             "rms_norm_eps": 1e-6,
@@ -495,7 +496,10 @@ def build_qwen3_omni_config(tokenizer):
             "spatial_merge_size": 2,
             "temporal_patch_size": 2,
             "out_hidden_size": h,
-            "num_position_embeddings": 2304,
+            "num_position_embeddings": 2304,  # (image_size / patch_size) ** 2
+            # Read by vLLM's vision tower (the released config carries both).
+            "image_size": 768,
+            "apply_vit_abs_pos_embed": True,
             "deepstack_visual_indexes": [0, 1],
             "hidden_act": "gelu_pytorch_tanh",
         },
@@ -514,7 +518,7 @@ def build_qwen3_omni_config(tokenizer):
             "num_hidden_layers": 2,
             "num_attention_heads": 4,
             "num_key_value_heads": 2,
-            "head_dim": 16,
+            "head_dim": 32,
             "hidden_act": "silu",
             "max_position_embeddings": 4096,
             "rms_norm_eps": 1e-6,
@@ -535,7 +539,7 @@ def build_qwen3_omni_config(tokenizer):
             "num_hidden_layers": 1,
             "num_attention_heads": 4,
             "num_key_value_heads": 2,
-            "head_dim": 16,
+            "head_dim": 32,
             "hidden_act": "silu",
             "max_position_embeddings": 4096,
             "rms_norm_eps": 1e-6,
@@ -565,8 +569,8 @@ def build_qwen3_omni_config(tokenizer):
         "hidden_size": h,
         "intermediate_size": 2 * h,
         "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
         "max_position_embeddings": 8000,
         "sliding_window": 72,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},

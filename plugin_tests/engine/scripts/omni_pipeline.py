@@ -4,7 +4,6 @@ process and report what each scenario observed as JSON on the last stdout line.
 Usage: python omni_pipeline.py CKPT YAML OUT_DIR SCENARIO [SCENARIO ...]
 Scenarios: parity (saves served codes/waveform to OUT_DIR/served.npz),
 cancel (client disconnect while the talker runs), abort (explicit abort()).
-Run with VLLM_OMNI_PLUGIN_BACKEND=reference.
 """
 
 from __future__ import annotations
@@ -39,8 +38,11 @@ async def main(ckpt, yaml_path, out_dir, scenarios):
     from vllm_omni_plugin.engine.omni_request import OmniRequest, omni_request_scope
 
     vllm_omni_plugin.register()
+    # gpu_memory_utilization: on vLLM's CPU build, the share of host memory that must be
+    # free at start-up (the KV cache is sized by VLLM_CPU_KVCACHE_SPACE).
     ns = argparse.Namespace(model=ckpt, dtype="float32", max_model_len=2048,
-                            stage_configs_path=yaml_path, middleware=[])
+                            gpu_memory_utilization=0.3, stage_configs_path=yaml_path,
+                            middleware=[])
     config = AsyncEngineArgs.from_cli_args(ns).create_engine_config(UsageContext.OPENAI_API_SERVER)
     client = AsyncLLM.from_vllm_config(config)
     report = {"client_class": type(client).__name__}

@@ -1,8 +1,9 @@
-"""Run real vLLM engines (reference backend) on a thinker checkpoint; print JSON results.
+"""Run real vLLM engines on a Qwen3-Omni checkpoint's thinker stage; print JSON results.
 
-Run as a subprocess by ``plugin_tests/engine/test_reference_backend.py``: the platform is
-resolved when vLLM is first imported, so ``VLLM_OMNI_PLUGIN_BACKEND=reference`` must be
-in the environment before this process starts.
+Run as a subprocess by ``plugin_tests/engine/test_thinker_engine.py`` (vLLM resolves its
+platform and model-runner choice when first imported). Every engine is vLLM's own
+worker and model runner (``OmniWorker``: the platform's worker plus the stage payload
+channel) running the thinker stage architecture (vLLM's Qwen3-Omni thinker class).
 
 Input: a JSON spec as ``argv[1]`` (or on stdin when no argument is given)::
 
@@ -24,9 +25,10 @@ An engine may add ``"payload_dir": DIR`` and a batch ``"publish": true``: each
 request then publishes the thinker's hidden states under the payload key
 ``"{engine}.b{batch}.p{prompt}"`` in DIR (listed as ``payload_keys``).
 
-Every engine is built with the thinker stage architecture, float32, eager mode and
-stats logging on. Each batch is one ``llm.generate`` call with greedy decoding and
-``ignore_eos=True``, so each request yields exactly ``max_tokens`` tokens.
+Every engine is built with the thinker stage architecture and the plugin's worker,
+float32, eager mode and stats logging on. Each batch is one ``llm.generate`` call with
+greedy decoding and ``ignore_eos=True``, so each request yields exactly ``max_tokens``
+tokens.
 
 Output: the last stdout line is ``{"engines": {name: result}}`` where ``result`` is
 ``{"batches": [{"token_ids": [[...], ...], "num_cached_tokens": [...]}, ...],
@@ -55,19 +57,23 @@ ARCH = "OmniPluginQwen3OmniThinker"
 
 BASE_ENGINE_ARGS = {
     "hf_overrides": {"architectures": [ARCH]},
+    "worker_cls": "vllm_omni_plugin.worker.omni_worker.OmniWorker",
     "max_model_len": 512,
     "dtype": "float32",
     "enforce_eager": True,
     "disable_log_stats": False,
     "seed": 0,
+    # On vLLM's CPU build this is the share of host memory the engine may reserve
+    # (checked against free memory at start-up); the KV cache is sized explicitly.
+    "gpu_memory_utilization": 0.2,
 }
 
 
 class SchedulerObserver:
     """Counts what the scheduler asked of the worker (engine core in this process only).
 
-    Wraps ``ReferenceWorker.execute_model`` so tests can check that a scenario really
-    exercised chunked prefill, preemption/resumption or prefix-cache hits.
+    Wraps ``OmniWorkerMixin.execute_model`` so tests can check that a scenario really
+    exercised chunked prefill or preemption/resumption.
     """
 
     def __init__(self) -> None:
@@ -86,11 +92,14 @@ class SchedulerObserver:
             "resumed_partial": 0,        # ... whose recompute was chunked
         }
         self.resumed_ids: set[str] = set()
+        #: req id -> tokens the request must have fed before it samples (prompt, or
+        #: prompt + generated when resumed)
+        self.lengths: dict[str, int] = {}
 
     def install(self) -> None:
-        from vllm_omni_plugin.reference.worker import ReferenceWorker
+        from vllm_omni_plugin.worker.omni_worker import OmniWorkerMixin
 
-        observer, inner = self, ReferenceWorker.execute_model
+        observer, inner = self, OmniWorkerMixin.execute_model
 
         def execute_model(worker, scheduler_output):
             try:
@@ -99,18 +108,19 @@ class SchedulerObserver:
                 observer.stats["observer_error"] = repr(exc)
             return inner(worker, scheduler_output)
 
-        ReferenceWorker.execute_model = execute_model
+        OmniWorkerMixin.execute_model = execute_model
         self.installed = True
 
     def observe(self, worker, so) -> None:
         st = self.stats
-        known = {r: len(q.token_ids) for r, q in getattr(worker, "requests", {}).items()}
+        known = self.lengths
         total = {}
         for new in so.scheduled_new_reqs:
             tokens = new.prefill_token_ids if new.prefill_token_ids is not None else (
                 new.prompt_token_ids or [])
             total[new.req_id] = (new.num_computed_tokens, len(tokens))
             resumed = new.req_id in known or len(tokens) > len(new.prompt_token_ids or [])
+            known[new.req_id] = len(tokens)
             if resumed:
                 self.resumed_ids.add(new.req_id)
                 st["resumed"] += 1
@@ -125,6 +135,7 @@ class SchedulerObserver:
                 st["resumed"] += 1
                 st["resumed_with_computed"] += computed > 0
                 total[req_id] = (computed, len(cached.all_token_ids[req_id]))
+                known[req_id] = total[req_id][1]
             else:
                 total[req_id] = (computed, known.get(req_id, 0))
         for req_id, n in so.num_scheduled_tokens.items():
@@ -203,8 +214,6 @@ def run_engine(model: str, spec: dict) -> dict:
 
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[1] if len(argv) > 1 else sys.stdin.read())
-    if os.environ.get("VLLM_OMNI_PLUGIN_BACKEND") != "reference":
-        print("warning: VLLM_OMNI_PLUGIN_BACKEND is not 'reference'", file=sys.stderr)
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
         OBSERVER.install()  # the worker runs in this process
     results = {}

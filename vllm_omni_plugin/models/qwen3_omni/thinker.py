@@ -1,79 +1,80 @@
-"""Qwen3-Omni thinker stage: text generation that publishes the hidden states
-the talker consumes.
+"""Qwen3-Omni thinker stage: vLLM's own thinker, extended to hand the talker its inputs.
 
-Runs HF's ``Qwen3OmniMoeThinkerForConditionalGeneration`` (text input; the
-audio and vision towers are built but not yet fed) with attention on the
-backend's paged KV cache. For requests with an output payload key it publishes,
-per fed position (prompt, then every generated token but the last):
+The model is vLLM's ``Qwen3OmniMoeThinkerForConditionalGeneration`` (its layers, fused MoE,
+attention backend, multimodal processor and weight loader), unchanged except that every
+forward also keeps, per fed position (prompt, then every generated token but the last):
 
-* ``embed``  ``[n, hidden]`` — the input embeddings (HF ``hidden_states[0]``),
-* ``hidden`` ``[n, hidden]`` — the output of layer ``talker_config.accept_hidden_layer``
-  (HF ``hidden_states[accept_hidden_layer]``),
-* ``tts_embed`` ``[3, hidden]`` (first chunk only) — the thinker's input
-  embeddings of ``tts_bos_token_id``, ``tts_eos_token_id``, ``tts_pad_token_id``
-  (HF builds the talker's TTS markers from the thinker's embedding table),
+* ``embed``  ``[n, hidden]`` - the decoder input (HF ``hidden_states[0]``: token embeddings,
+  or the audio/vision encoder features at multimodal positions),
+* ``hidden`` ``[n, hidden]`` - the residual stream after decoder layer
+  ``talker_config.accept_hidden_layer - 1`` (HF ``hidden_states[accept_hidden_layer]``),
 
-exactly the tensors HF ``Qwen3OmniMoeForConditionalGeneration.generate``
-collects from the thinker for the talker.
+and once per request ``tts_embed`` ``[3, hidden]``: the thinker's input embeddings of
+``tts_bos_token_id``, ``tts_eos_token_id`` and ``tts_pad_token_id`` (HF builds the talker's
+TTS markers from the thinker's embedding table). These are exactly the tensors HF
+``Qwen3OmniMoeForConditionalGeneration.generate`` collects from the thinker for the talker;
+the plugin's worker (:mod:`vllm_omni_plugin.worker`) publishes them for requests that carry
+an output payload key.
+
+The two per-position tensors come from vLLM's own auxiliary-hidden-state outputs (the
+EAGLE-3 seam, ``SupportsEagle3.set_aux_hidden_state_layers``): layer index 0 is the decoder
+input and index ``k`` the residual stream after layer ``k - 1``, the same numbering as HF's
+``hidden_states`` tuple.
 """
 
 from __future__ import annotations
 
-from vllm_omni_plugin.models.qwen3_omni.talker_inputs import tts_token_embeds_from
-from vllm_omni_plugin.models.stage_model import (
-    OmniStageModel,
-    StepInput,
-    StepOutput,
-    decoder_kv_shapes,
+import torch
+from vllm.model_executor.models.qwen3_omni_moe_thinker import (
+    Qwen3OmniMoeThinkerForConditionalGeneration,
 )
-from vllm_omni_plugin.reference.paged_attention import use_paged_attention
+
+from vllm_omni_plugin.models.qwen3_omni.talker_inputs import tts_token_embeds_from
 
 
-class Qwen3OmniThinkerStage(OmniStageModel):
-    """Stage model for the thinker (checkpoint prefix ``thinker.``)."""
+class Qwen3OmniThinkerStage(Qwen3OmniMoeThinkerForConditionalGeneration):
+    """vLLM's Qwen3-Omni thinker that also keeps the talker's inputs of each forward.
 
-    weight_prefix = "thinker."
+    Raises:
+        ValueError: ``talker_config.accept_hidden_layer`` is not in
+            ``[1, text_config.num_hidden_layers]``.
+    """
 
-    def build(self) -> None:
-        from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        hf_config = vllm_config.model_config.hf_config
+        self._omni_config = hf_config
+        num_layers = hf_config.thinker_config.text_config.num_hidden_layers
+        layer = hf_config.talker_config.accept_hidden_layer
+        if not 1 <= layer <= num_layers:
+            raise ValueError(
+                f"talker_config.accept_hidden_layer must be in [1, {num_layers}], got {layer}")
+        #: HF's last hidden_states entry is after the final norm: the model's own output.
+        self._hidden_is_output = layer == num_layers
+        self.set_aux_hidden_state_layers((0,) if self._hidden_is_output else (0, layer))
+        self._rows: dict[str, torch.Tensor] = {}
 
-        thinker_config = self.hf_config.thinker_config
-        use_paged_attention(thinker_config.text_config)
-        self.thinker = hf.Qwen3OmniMoeThinkerForConditionalGeneration(thinker_config)
-        self.accept_hidden_layer = self.hf_config.talker_config.accept_hidden_layer
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None,
+                **kwargs):
+        out = super().forward(input_ids, positions, intermediate_tensors,
+                              inputs_embeds=inputs_embeds, **kwargs)
+        if not isinstance(out, tuple):  # not the last pipeline rank
+            return out
+        hidden_states, aux = out
+        self._rows = {
+            "embed": aux[0],
+            "hidden": hidden_states if self._hidden_is_output else aux[1],
+        }
+        return hidden_states
 
-    def stage_module(self):
-        return self.thinker
+    # -- stage outputs (read by the plugin's worker) --------------------------------
+    def stage_output_rows(self) -> dict[str, torch.Tensor]:
+        """Per-position outputs of the last forward: name -> ``[num_tokens, hidden]``,
+        rows in the model runner's batch order (padding rows at the end)."""
+        return self._rows
 
-    def checkpoint_state(self, state):
-        from vllm_omni_plugin.compat.hf_layout import thinker_state_dict
-
-        return thinker_state_dict(state, self.thinker)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.thinker.config.text_config.vocab_size
-
-    def kv_cache_shapes(self) -> list[tuple[int, int]]:
-        return decoder_kv_shapes(self.thinker.config.text_config)
-
-    def forward_step(self, step: StepInput) -> StepOutput:
-        out = self.thinker.model(
-            input_ids=step.token_ids.unsqueeze(0),
-            position_ids=step.positions.unsqueeze(0),
-            use_cache=False,
-            output_hidden_states=step.publish,
-        )
-        last = out.last_hidden_state[0]
-        logits = self.thinker.lm_head(last[-1]) if step.needs_logits else None
-        payload = {}
-        if step.publish:
-            skip = max(0, step.publish_from - step.num_computed)
-            payload = {
-                "embed": out.hidden_states[0][0][skip:],
-                "hidden": out.hidden_states[self.accept_hidden_layer][0][skip:],
-            }
-            if step.publish_from == 0 and step.num_computed == 0:
-                payload["tts_embed"] = tts_token_embeds_from(
-                    self.thinker.get_input_embeddings(), self.hf_config)
-        return StepOutput(logits=logits, payload=payload)
+    def stage_output_once(self) -> dict[str, torch.Tensor]:
+        """Per-request outputs, published with a request's first chunk:
+        ``tts_embed`` ``[3, hidden]``."""
+        embed = self.get_language_model().model.embed_tokens
+        return {"tts_embed": tts_token_embeds_from(embed, self._omni_config)}

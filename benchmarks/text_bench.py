@@ -1,0 +1,131 @@
+"""Text chat throughput: the plugin's pipeline vs plain ``vllm serve``, side by side.
+
+Both servers serve the same tiny Qwen3-Omni checkpoint on the same vLLM build:
+
+* **plain**: ``vllm serve CKPT`` with the plugin switched off (``VLLM_PLUGINS=none``):
+  vLLM's own ``Qwen3OmniMoeThinkerForConditionalGeneration`` on vLLM's worker;
+* **plugin**: ``vllm serve CKPT --stage-configs-path stage_configs/qwen3_omni_moe.yaml``:
+  the thinker stage (vLLM's class, extended, on the plugin's ``OmniWorker``) answering
+  text, with the talker and code2wav engines started and idle.
+
+Per round (the order of the two alternates between rounds) each server is started,
+warmed up with ``--concurrency`` rounds of chats, then for each concurrency in
+``--concurrency`` it answers ``--requests`` chats (``max_tokens`` ``--max-tokens``,
+``ignore_eos``, greedy, so every chat generates the same number of tokens) with that
+many in flight. Printed per concurrency: requests/s of each (median over rounds) and
+the ratio plugin / plain (target >= 0.95).
+
+Common flags of both servers: ``--max-model-len 2048 --dtype float32
+--gpu-memory-utilization 0.3`` and ``VLLM_CPU_KVCACHE_SPACE=1`` (vLLM's CPU build).
+
+Usage (from the repository root)::
+
+    .venv/bin/python benchmarks/text_bench.py
+    .venv/bin/python benchmarks/text_bench.py --rounds 3 --requests 96
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import (  # noqa: E402
+    REPO,
+    Server,
+    fmt,
+    free_port,
+    install_sigterm_as_interrupt,
+    make_checkpoint,
+    median,
+    post_json,
+    table,
+    venv_bin,
+    wait_health,
+)
+
+YAML = REPO / "stage_configs" / "qwen3_omni_moe.yaml"
+COMMON = ["--max-model-len", "2048", "--dtype", "float32", "--gpu-memory-utilization", "0.3"]
+
+
+def _chat(url: str, model: str, max_tokens: int, i: int) -> int:
+    status, body = post_json(f"{url}/v1/chat/completions", {
+        "model": model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+        "messages": [{"role": "user", "content": f"request {i}: tell me about the weather"}],
+    }, timeout=600)
+    if status != 200:
+        raise RuntimeError(f"chat {i}: HTTP {status}: {str(body)[:500]}")
+    return body["usage"]["completion_tokens"]
+
+
+def _load(url: str, model: str, requests: int, concurrency: int, max_tokens: int) -> float:
+    """Requests/s for ``requests`` chats with ``concurrency`` in flight."""
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        tokens = list(pool.map(lambda i: _chat(url, model, max_tokens, i), range(requests)))
+    elapsed = time.perf_counter() - start
+    if any(t != max_tokens for t in tokens):
+        raise RuntimeError(f"expected {max_tokens} tokens per chat, got {sorted(set(tokens))}")
+    return requests / elapsed
+
+
+def run_variant(name: str, ckpt: Path, args, logdir: Path, rnd: int) -> dict[int, float]:
+    port = free_port()
+    argv = [venv_bin("vllm"), "serve", str(ckpt), *COMMON, "--host", "127.0.0.1",
+            "--port", str(port)]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    if name == "plugin":
+        argv += ["--stage-configs-path", str(YAML)]
+    else:
+        env["VLLM_PLUGINS"] = "none"
+    url = f"http://127.0.0.1:{port}"
+    with Server(argv, env, logdir / f"{name}-{rnd}.log") as server:
+        ready = wait_health(server, f"{url}/health", timeout=args.timeout)
+        print(f"  {name}: ready in {ready:.1f} s", flush=True)
+        for c in args.concurrency:  # warm-up: every batch size class once
+            _load(url, str(ckpt), c, c, args.max_tokens)
+        return {c: _load(url, str(ckpt), args.requests, c, args.max_tokens)
+                for c in args.concurrency}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", type=Path, help="tiny checkpoint dir (made if missing)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--requests", type=int, default=64, help="chats per measurement")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--timeout", type=float, default=600)
+    args = parser.parse_args()
+    install_sigterm_as_interrupt()
+    tmp = Path(tempfile.mkdtemp(prefix="text-bench-"))
+    ckpt = args.checkpoint or tmp / "ckpt"
+    if not (ckpt / "config.json").exists():
+        make_checkpoint(ckpt)
+    results: dict[str, list[dict[int, float]]] = {"plain": [], "plugin": []}
+    for rnd in range(args.rounds):
+        order = ["plain", "plugin"] if rnd % 2 == 0 else ["plugin", "plain"]
+        print(f"round {rnd + 1}/{args.rounds}: {' then '.join(order)}", flush=True)
+        for name in order:
+            results[name].append(run_variant(name, ckpt, args, tmp, rnd))
+            print(f"  {name}: " + ", ".join(f"c={c} {r:.1f} req/s"
+                                            for c, r in results[name][-1].items()), flush=True)
+    rows = []
+    for c in args.concurrency:
+        plain = median([r[c] for r in results["plain"]])
+        plugin = median([r[c] for r in results["plugin"]])
+        rows.append([str(c), fmt(plain), fmt(plugin), fmt(plugin / plain, ".2f") + "x"])
+    print(table(["concurrency", "plain req/s", "plugin req/s", "plugin / plain"], rows,
+                title=f"text chat, {args.requests} chats x {args.max_tokens} tokens, "
+                      f"median of {args.rounds} rounds (logs: {tmp})"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""The stage payload channel of the plugin's worker, with scripted scheduler outputs.
+
+``worker/stage_io.py`` and ``compat/model_runner.py`` against fakes shaped like vLLM's
+``SchedulerOutput`` and model runners; the engine tests run the real ones.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_omni_plugin.compat.model_runner import batch_req_ids
+from vllm_omni_plugin.extra_args import PAYLOAD
+from vllm_omni_plugin.payload_store import PayloadStore
+from vllm_omni_plugin.worker.stage_io import StageIO
+
+
+def _params(extra=None, stop=(7,)):
+    return SimpleNamespace(extra_args=extra, all_stop_token_ids=set(stop))
+
+
+def _new(req_id, extra=None, computed=0):
+    return SimpleNamespace(req_id=req_id, sampling_params=_params(extra),
+                           num_computed_tokens=computed)
+
+
+def _step(new=(), cached=(), scheduled=None, finished=()):
+    """A SchedulerOutput: ``cached`` is ``[(req_id, num_computed), ...]``."""
+    return SimpleNamespace(
+        scheduled_new_reqs=list(new), finished_req_ids=set(finished),
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[r for r, _ in cached],
+                                              num_computed_tokens=[c for _, c in cached]),
+        num_scheduled_tokens=dict(scheduled or {}),
+        total_num_scheduled_tokens=sum((scheduled or {}).values()))
+
+
+class _Model:
+    """Rows ``[n, 1]`` holding each row's global index, so slicing is visible."""
+
+    def __init__(self):
+        self.rows = {}
+
+    def forward(self, n: int):
+        self.rows = {"embed": torch.arange(n, dtype=torch.float32)[:, None]}
+
+    def stage_output_rows(self):
+        return self.rows
+
+    def stage_output_once(self):
+        return {"tts_embed": torch.ones(3, 1)}
+
+
+@pytest.fixture
+def store(tmp_path):
+    return PayloadStore(str(tmp_path / "payloads"))
+
+
+def _out(store, key):
+    store.create(key)
+    return {PAYLOAD: {"out": key, "err": key + ".err"}}
+
+
+def test_rows_follow_the_runner_order_and_skip_plain_requests(store):
+    io, model = StageIO(0, store), _Model()
+    step = _step(new=[_new("a", _out(store, "ka")), _new("plain"), _new("b", _out(store, "kb"))],
+                 scheduled={"a": 3, "plain": 2, "b": 4})
+    assert io.begin_step(step)
+    model.forward(9)
+    io.publish(model, ["b", "plain", "a"], step)  # the runner's row order
+    assert store.get("kb")["embed"].flatten().tolist() == [0, 1, 2, 3]
+    assert store.get("ka")["embed"].flatten().tolist() == [6, 7, 8]
+    assert store.get("ka")["tts_embed"].shape == (3, 1)
+    # a decode step: one row each, no second tts_embed
+    step = _step(cached=[("a", 3), ("b", 4), ("plain", 2)], scheduled={"a": 1, "b": 1, "plain": 1})
+    assert io.begin_step(step)
+    model.forward(3)
+    io.publish(model, ["a", "b", "plain"], step)
+    assert store.get("ka")["embed"].flatten().tolist() == [6, 7, 8, 0]
+    assert store.get("ka")["tts_embed"].shape == (3, 1)
+
+
+def test_plain_requests_alone_publish_nothing(store):
+    io = StageIO(0, store)
+    assert not io.begin_step(_step(new=[_new("plain")], scheduled={"plain": 4}))
+
+
+def test_recompute_after_preemption_publishes_no_row_twice(store):
+    io, model = StageIO(0, store), _Model()
+    step = _step(new=[_new("a", _out(store, "ka"))], scheduled={"a": 5})
+    io.begin_step(step)
+    model.forward(5)
+    io.publish(model, ["a"], step)
+    # preempted, then recomputed from 0 in two chunks of 4, then it goes on
+    for computed, n in ((0, 4), (4, 4)):
+        step = _step(cached=[("a", computed)], scheduled={"a": n})
+        io.begin_step(step)
+        model.forward(n)
+        io.publish(model, ["a"], step)
+    assert store.get("ka")["embed"].flatten().tolist() == [0, 1, 2, 3, 4, 1, 2, 3]
+
+
+def test_bad_keys_fail_the_request_and_force_its_stop_token(store, caplog):
+    io = StageIO(3, store)
+    step = _step(new=[_new("bad", {PAYLOAD: {"bogus": "x"}}), _new("ok")],
+                 scheduled={"bad": 2, "ok": 2})
+    io.begin_step(step)
+    output = SimpleNamespace(req_ids=["ok", "bad"], sampled_token_ids=[[5], [9]])
+    io.override_failed(output)
+    assert output.sampled_token_ids == [[5], [7]]
+    assert "stage 3: request bad failed" in caplog.text
+
+
+def test_a_model_without_stage_outputs_fails_publishing_requests(store):
+    io = StageIO(1, store)
+    keys = _out(store, "k")
+    step = _step(new=[_new("a", keys)], scheduled={"a": 2})
+    io.begin_step(step)
+    io.publish(object(), ["a"], step)
+    assert "publishes no stage outputs" in store.error("k")
+
+
+def test_prefix_cache_hit_fails_a_publishing_request(store):
+    io = StageIO(0, store)
+    io.begin_step(_step(new=[_new("a", _out(store, "k"), computed=32)], scheduled={"a": 4}))
+    assert "enable_prefix_caching: false" in store.error("k")
+
+
+def test_batch_req_ids_reads_either_runner_layout():
+    v1 = SimpleNamespace(execute_model_state=SimpleNamespace(logits=None),
+                         input_batch=SimpleNamespace(req_ids=["x", "y"]))
+    assert batch_req_ids(v1) == ["x", "y"]
+    v2 = SimpleNamespace(execute_model_state=SimpleNamespace(
+        input_batch=SimpleNamespace(req_ids=["y", "x"])))
+    assert batch_req_ids(v2) == ["y", "x"]
+    with pytest.raises(RuntimeError, match="compat/model_runner.py"):
+        batch_req_ids(SimpleNamespace())
