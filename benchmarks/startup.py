@@ -12,17 +12,20 @@ in its own process group and measures, from launch:
   (sent right after /health; the response must carry WAV audio);
 
 and, from the server log (each line stamped on arrival, see ``_common.Server``),
-a per-stage breakdown: the reference worker's ``stage N: loaded ... in X s``,
-vLLM's EngineCore ``init engine (...) took X s``, the plugin's
+a per-stage breakdown: model load (the reference worker's ``stage N: loaded ... in X s``;
+for the thinker on vLLM's worker, vLLM's ``Initializing model took`` + ``Loading weights
+took``), vLLM's EngineCore ``init engine (...) took X s``, the plugin's
 ``stage N (name) engine ready in X s``, and when each stage became ready on the
 launch timeline.
 
 Side by side (interleaved with the pipeline runs, order alternating per run)
-it times the thinker stage alone, served by plain ``vllm serve`` (same
-checkpoint, no ``--stage-configs-path``, ``VLLM_OMNI_PLUGIN_BACKEND=reference``,
-``--hf-overrides '{"architectures": ["OmniPluginQwen3OmniThinker"]}'``), to
-/health and to a first text-only chat (``max_tokens`` 8), and prints the
+it times the thinker alone, served by plain ``vllm serve`` with the plugin off
+(``VLLM_PLUGINS=none``: vLLM's own Qwen3-Omni thinker, same checkpoint and flags),
+to /health and to a first text-only chat (``max_tokens`` 8), and prints the
 pipeline / single-stage ratios.
+
+On vLLM's CPU build every server gets ``--gpu-memory-utilization 0.3`` and
+``VLLM_CPU_KVCACHE_SPACE=1`` (unless set).
 
 The talker's codec-frame budget comes from the YAML (2048 in
 ``stage_configs/qwen3_omni_moe.yaml``; on CPU that makes the first request
@@ -45,7 +48,6 @@ from __future__ import annotations
 import argparse
 import base64
 import io
-import json
 import os
 import re
 import shutil
@@ -72,12 +74,14 @@ from _common import (  # noqa: E402
 )
 
 DEFAULT_YAML = REPO / "stage_configs" / "qwen3_omni_moe.yaml"
-THINKER_ARCH = "OmniPluginQwen3OmniThinker"
 
 RE_ENGINE_READY = re.compile(r"stage (\d+) \(([^)]*)\) engine ready in ([\d.]+) s")
 RE_LOADED = re.compile(
     r"\((?:EngineCore\S*|\w+) pid=(\d+)\).*stage (\S+): loaded (\S+) in ([\d.]+) s"
 )
+RE_OMNI_WORKER = re.compile(r"\((?:EngineCore\S*|\w+) pid=(\d+)\).*stage (\d+): OmniWorker \(")
+RE_VLLM_LOAD = re.compile(
+    r"\((?:EngineCore\S*|\w+) pid=(\d+)\).*(?:Initializing model|Loading weights) took ([\d.]+) s")
 RE_INIT_ENGINE = re.compile(r"\(EngineCore\S* pid=(\d+)\).*init engine \(.*\) took ([\d.]+) s")
 RE_LISTENING = re.compile(r"Starting vLLM (?:API )?server on")
 
@@ -115,9 +119,7 @@ def serve_argv(ckpt: Path, port: int, args, yaml_path: Path | None) -> list[str]
             "--max-model-len", str(args.max_model_len), "--dtype", args.dtype]
     if yaml_path is not None:
         argv += ["--stage-configs-path", str(yaml_path)]
-    else:
-        argv += ["--hf-overrides", json.dumps({"architectures": [THINKER_ARCH]})]
-    return argv
+    return argv + ["--gpu-memory-utilization", "0.3"]
 
 
 def wav_seconds(b64: str) -> float:
@@ -149,13 +151,39 @@ def first_chat(port: int, ckpt: Path, audio: bool, timeout: float) -> dict:
     return out
 
 
-def parse_log(lines: list[tuple[float, str]]) -> dict:
-    """Per-stage numbers from the stamped server log."""
+def _engine_pid(pid: str) -> str:
+    """The EngineCore of a worker process (its parent; vLLM's CPU platform runs the
+    worker in a process of its own), read while the server runs."""
+    import psutil
+
+    try:
+        return str(psutil.Process(int(pid)).ppid())
+    except psutil.Error:
+        return pid
+
+
+def parse_log(lines: list[tuple[float, str]], single: bool = False) -> dict:
+    """Per-stage numbers from the stamped server log (call while the server runs).
+    ``single``: plain vLLM serving one engine, stage "0"."""
     stages: dict[str, dict] = {}
     pid_stage: dict[str, str] = {}
     init_by_pid: dict[str, tuple[float, float]] = {}
+    vllm_load: dict[str, tuple[float, float]] = {}  # pid -> (t, seconds)
     listening = None
     for t, line in lines:
+        m = RE_OMNI_WORKER.search(line)
+        if m:
+            pid_stage[m.group(1)] = m.group(2)
+            stages.setdefault(m.group(2), {})["arch"] = "vLLM's thinker"
+            continue
+        m = RE_VLLM_LOAD.search(line)
+        if m:
+            t0, secs = vllm_load.get(m.group(1), (t, 0.0))
+            vllm_load[m.group(1)] = (t, secs + float(m.group(2)))
+            if single:
+                pid_stage[m.group(1)] = "0"
+                stages.setdefault("0", {})["arch"] = "vLLM's thinker"
+            continue
         m = RE_LOADED.search(line)
         if m:
             pid, sid, arch, secs = m.groups()
@@ -176,6 +204,11 @@ def parse_log(lines: list[tuple[float, str]]) -> dict:
             continue
         if listening is None and RE_LISTENING.search(line):
             listening = t
+    for pid, (t, secs) in vllm_load.items():
+        if pid in pid_stage:
+            stages[pid_stage[pid]].update(load=secs, t_loaded=t)
+    for pid, sid in list(pid_stage.items()):
+        pid_stage.setdefault(_engine_pid(pid), sid)
     for pid, (t, secs) in init_by_pid.items():
         sid = pid_stage.get(pid)
         if sid is not None:
@@ -188,12 +221,11 @@ def parse_log(lines: list[tuple[float, str]]) -> dict:
 def one_run(kind: str, ckpt: Path, args, yaml_path: Path | None, log_dir: Path, idx: int) -> dict:
     port = free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if kind == "single":
-        env["VLLM_OMNI_PLUGIN_BACKEND"] = "reference"
+        env["VLLM_PLUGINS"] = "none"
         argv = serve_argv(ckpt, port, args, None)
     else:
-        if args.backend:
-            env["VLLM_OMNI_PLUGIN_BACKEND"] = args.backend
         argv = serve_argv(ckpt, port, args, yaml_path)
     log_path = log_dir / f"run{idx}-{kind}.log"
     print(f"[run {idx}] {kind}: launching on port {port} (log {log_path})", flush=True)
@@ -205,7 +237,7 @@ def one_run(kind: str, ckpt: Path, args, yaml_path: Path | None, log_dir: Path, 
         result["chat_latency"] = chat["latency"]
         result["audio_s"] = chat["audio_s"]
         result["text"] = chat["text"]
-        result.update(parse_log(server.snapshot()))
+        result.update(parse_log(server.snapshot(), single=kind == "single"))
     print(f"[run {idx}] {kind}: /health {result['health']:.1f} s, first chat "
           f"{result['first_chat']:.1f} s (latency {result['chat_latency']:.2f} s"
           + (f", {result['audio_s']:.2f} s of audio" if result["audio_s"] is not None else "")
@@ -312,9 +344,6 @@ def main() -> int:
                          "0 serves the YAML unchanged")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--backend", default=None,
-                    help="VLLM_OMNI_PLUGIN_BACKEND for the pipeline server (default: inherited; "
-                         "the thinker-only baseline always uses 'reference')")
     ap.add_argument("--no-baseline", action="store_true",
                     help="skip the thinker-only vllm serve baseline")
     ap.add_argument("--timeout", type=float, default=600.0,

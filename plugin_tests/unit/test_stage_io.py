@@ -136,3 +136,21 @@ def test_batch_req_ids_reads_either_runner_layout():
     assert batch_req_ids(v2) == ["y", "x"]
     with pytest.raises(RuntimeError, match="compat/model_runner.py"):
         batch_req_ids(SimpleNamespace())
+
+
+def test_async_runner_output_of_a_failed_request_carries_its_stop_token(store):
+    """With async scheduling (GPU) the worker returns vLLM's AsyncModelRunnerOutput;
+    the failed request's stop token is put in when the output is read."""
+    from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+
+    from vllm_omni_plugin.worker.omni_worker import _FixedAsyncOutput
+
+    class Pending(AsyncModelRunnerOutput):
+        def get_output(self):
+            return ModelRunnerOutput(req_ids=["bad", "ok"], req_id_to_index={"bad": 0, "ok": 1},
+                                     sampled_token_ids=[[9], [5]])
+
+    io = StageIO(0, store)
+    io.begin_step(_step(new=[_new("bad", {PAYLOAD: [1]}), _new("ok")],
+                        scheduled={"bad": 1, "ok": 1}))
+    assert _FixedAsyncOutput(Pending(), io).get_output().sampled_token_ids == [[7], [5]]

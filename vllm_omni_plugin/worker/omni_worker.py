@@ -16,7 +16,13 @@ Requests without payload keys (plain text chat) pass through untouched.
 
 from __future__ import annotations
 
+from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+
+from vllm_omni_plugin.compat.model_runner import batch_req_ids
+from vllm_omni_plugin.config.settings import OmniSettings
 from vllm_omni_plugin.logger import init_logger
+from vllm_omni_plugin.payload_store import PayloadStore
+from vllm_omni_plugin.worker.stage_io import StageIO
 
 logger = init_logger(__name__)
 
@@ -31,10 +37,6 @@ class OmniWorkerMixin:
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        from vllm_omni_plugin.config.settings import OmniSettings
-        from vllm_omni_plugin.payload_store import PayloadStore
-        from vllm_omni_plugin.worker.stage_io import StageIO
-
         settings = OmniSettings.from_vllm_config(self.vllm_config)
         store = PayloadStore(settings.payload_dir) if settings and settings.payload_dir \
             else None
@@ -43,8 +45,6 @@ class OmniWorkerMixin:
                     self.omni_io.stage_id, type(self).__name__, self.platform_worker.__name__)
 
     def execute_model(self, scheduler_output):
-        from vllm_omni_plugin.compat.model_runner import batch_req_ids
-
         publishing = self.omni_io.begin_step(scheduler_output)
         output = super().execute_model(scheduler_output)
         if publishing and scheduler_output.total_num_scheduled_tokens:
@@ -56,8 +56,6 @@ class OmniWorkerMixin:
         return self._fix_failed(super().sample_tokens(grammar_output))
 
     def _fix_failed(self, output):
-        from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
-
         if isinstance(output, ModelRunnerOutput):
             self.omni_io.override_failed(output)
         elif isinstance(output, AsyncModelRunnerOutput):
@@ -82,25 +80,16 @@ def _platform_worker_cls() -> type:
     return Worker
 
 
-def _async_output_cls():
-    from vllm.v1.outputs import AsyncModelRunnerOutput
+class _FixedAsyncOutput(AsyncModelRunnerOutput):
+    """An async runner output whose failed requests emit their stop token."""
 
-    class FixedAsyncOutput(AsyncModelRunnerOutput):
-        """An async runner output whose failed requests emit their stop token."""
+    def __init__(self, inner: AsyncModelRunnerOutput, io: StageIO):
+        self._inner, self._io = inner, io
 
-        def __init__(self, inner, io):
-            self._inner, self._io = inner, io
-
-        def get_output(self):
-            output = self._inner.get_output()
-            self._io.override_failed(output)
-            return output
-
-    return FixedAsyncOutput
-
-
-def _FixedAsyncOutput(inner, io):  # noqa: N802 - constructs the lazily built class
-    return _async_output_cls()(inner, io)
+    def get_output(self) -> ModelRunnerOutput:
+        output = self._inner.get_output()
+        self._io.override_failed(output)
+        return output
 
 
 def __getattr__(name: str):
