@@ -8,12 +8,14 @@ Both servers serve the same tiny Qwen3-Omni checkpoint on the same vLLM build:
   the thinker stage (vLLM's class, extended, on the plugin's ``OmniWorker``) answering
   text, with the talker and code2wav engines started and idle.
 
-Per round (the order of the two alternates between rounds) each server is started,
-warmed up with four waves of chats at each concurrency, then for each concurrency in
-``--concurrency`` it answers ``--requests`` chats (``max_tokens`` ``--max-tokens``,
-``ignore_eos``, greedy, so every chat generates the same number of tokens) with that
-many in flight. Printed per concurrency: requests/s of each (median over rounds) and
-the ratio plugin / plain (target >= 0.95).
+Both servers run at once (the idle one costs nothing once its workers stop polling),
+are warmed up with four waves of chats at each concurrency, then for each concurrency
+in ``--concurrency`` and each of ``--trials`` paired trials (order alternating) each
+answers ``--requests`` chats (``max_tokens`` ``--max-tokens``, ``ignore_eos``, greedy,
+so every chat generates the same number of tokens) with that many in flight. Pairing
+in time cancels the slow drifts of a shared 2-core machine. Printed per concurrency:
+requests/s of each (median), the median and range of the per-trial ratios plugin /
+plain (target >= 0.95).
 
 Common flags of both servers: ``--max-model-len 2048 --dtype float32
 --gpu-memory-utilization 0.3`` and ``VLLM_CPU_KVCACHE_SPACE=1`` (vLLM's CPU build).
@@ -21,7 +23,7 @@ Common flags of both servers: ``--max-model-len 2048 --dtype float32
 Usage (from the repository root)::
 
     .venv/bin/python benchmarks/text_bench.py
-    .venv/bin/python benchmarks/text_bench.py --rounds 5 --requests 512
+    .venv/bin/python benchmarks/text_bench.py --trials 9 --requests 512
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from _common import (  # noqa: E402
 )
 
 YAML = REPO / "stage_configs" / "qwen3_omni_moe.yaml"
+IDLE_S = 2.0
 COMMON = ["--max-model-len", "2048", "--dtype", "float32", "--gpu-memory-utilization", "0.3"]
 
 
@@ -86,7 +89,7 @@ def _load(url: str, model: str, requests: int, concurrency: int, max_tokens: int
     return asyncio.run(_chats(url, model, requests, concurrency, max_tokens))
 
 
-def run_variant(name: str, ckpt: Path, args, logdir: Path, rnd: int) -> dict[int, float]:
+def start(name: str, ckpt: Path, args, logdir: Path) -> tuple[Server, str]:
     port = free_port()
     argv = [venv_bin("vllm"), "serve", str(ckpt), *COMMON, "--host", "127.0.0.1",
             "--port", str(port)]
@@ -95,20 +98,18 @@ def run_variant(name: str, ckpt: Path, args, logdir: Path, rnd: int) -> dict[int
         argv += ["--stage-configs-path", str(YAML)]
     else:
         env["VLLM_PLUGINS"] = "none"
+    server = Server(argv, env, logdir / f"{name}.log")
+    server.start()
     url = f"http://127.0.0.1:{port}"
-    with Server(argv, env, logdir / f"{name}-{rnd}.log") as server:
-        ready = wait_health(server, f"{url}/health", timeout=args.timeout)
-        print(f"  {name}: ready in {ready:.1f} s", flush=True)
-        for c in args.concurrency:  # warm-up: every batch size class, a few times
-            _load(url, str(ckpt), 4 * c, c, args.max_tokens)
-        return {c: _load(url, str(ckpt), args.requests, c, args.max_tokens)
-                for c in args.concurrency}
+    ready = wait_health(server, f"{url}/health", timeout=args.timeout)
+    print(f"{name}: ready in {ready:.1f} s (log {logdir / (name + '.log')})", flush=True)
+    return server, url
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", type=Path, help="tiny checkpoint dir (made if missing)")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--trials", type=int, default=5, help="paired measurements per concurrency")
     parser.add_argument("--requests", type=int, default=256, help="chats per measurement")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
@@ -119,22 +120,37 @@ def main() -> int:
     ckpt = args.checkpoint or tmp / "ckpt"
     if not (ckpt / "config.json").exists():
         make_checkpoint(ckpt)
-    results: dict[str, list[dict[int, float]]] = {"plain": [], "plugin": []}
-    for rnd in range(args.rounds):
-        order = ["plain", "plugin"] if rnd % 2 == 0 else ["plugin", "plain"]
-        print(f"round {rnd + 1}/{args.rounds}: {' then '.join(order)}", flush=True)
-        for name in order:
-            results[name].append(run_variant(name, ckpt, args, tmp, rnd))
-            print(f"  {name}: " + ", ".join(f"c={c} {r:.1f} req/s"
-                                            for c, r in results[name][-1].items()), flush=True)
-    rows = []
-    for c in args.concurrency:
-        plain = median([r[c] for r in results["plain"]])
-        plugin = median([r[c] for r in results["plugin"]])
-        rows.append([str(c), fmt(plain), fmt(plugin), fmt(plugin / plain, ".2f") + "x"])
-    print(table(["concurrency", "plain req/s", "plugin req/s", "plugin / plain"], rows,
+    servers = {}
+    try:
+        for name in ("plain", "plugin"):
+            servers[name] = start(name, ckpt, args, tmp)
+        for _, url in servers.values():
+            for c in args.concurrency:  # warm-up: every batch size class, a few times
+                _load(url, str(ckpt), 4 * c, c, args.max_tokens)
+        rows = []
+        for c in args.concurrency:
+            rates: dict[str, list[float]] = {"plain": [], "plugin": []}
+            for trial in range(args.trials):
+                order = ["plain", "plugin"] if trial % 2 == 0 else ["plugin", "plain"]
+                for name in order:
+                    # The idle server's workers busy-poll for 1 s after their last step
+                    # (vLLM's shm_broadcast SpinCondition): let them go idle first.
+                    time.sleep(IDLE_S)
+                    rates[name].append(_load(servers[name][1], str(ckpt), args.requests, c,
+                                             args.max_tokens))
+                print(f"c={c} trial {trial + 1}: plain {rates['plain'][-1]:.1f}, plugin "
+                      f"{rates['plugin'][-1]:.1f} req/s", flush=True)
+            ratios = [b / a for a, b in zip(rates["plain"], rates["plugin"], strict=True)]
+            rows.append([str(c), fmt(median(rates["plain"])), fmt(median(rates["plugin"])),
+                         fmt(median(ratios), ".2f") + "x",
+                         f"{min(ratios):.2f}-{max(ratios):.2f}"])
+    finally:
+        for server, _ in servers.values():
+            server.stop()
+    print(table(["concurrency", "plain req/s", "plugin req/s", "plugin / plain (median)",
+                 "range"], rows,
                 title=f"text chat, {args.requests} chats x {args.max_tokens} tokens, "
-                      f"median of {args.rounds} rounds (logs: {tmp})"))
+                      f"{args.trials} paired trials (logs: {tmp})"))
     return 0
 
 

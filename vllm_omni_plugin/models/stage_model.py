@@ -3,7 +3,8 @@
 A stage model is registered with vLLM's ``ModelRegistry`` (so vLLM's config,
 scheduler and engine core treat it like any generative model) and is executed
 by a worker one request-slice at a time through :meth:`OmniStageModel.forward_step`.
-The reference backend (``vllm_omni_plugin.reference``) is such a worker.
+The reference worker (``vllm_omni_plugin.reference``) is such a worker; the thinker
+runs on vLLM's own model runner instead (``models/qwen3_omni/thinker.py``).
 
 Models are built on Hugging Face modeling code with attention routed through
 ``transformers.AttentionInterface`` to the active backend's paged KV cache,

@@ -1,7 +1,8 @@
-"""The reference backend's worker: runs stage models eagerly on CPU.
+"""The reference worker: runs the talker and code2wav stage models eagerly on CPU.
 
-Selected through vLLM's ``--worker-cls`` extension point (the plugin's
-``ReferencePlatform`` sets it). It honours vLLM's scheduler: chunked
+Selected per stage through vLLM's ``worker_cls`` extension point (the stage YAML's
+``engine_args``), until those stages move onto vLLM's own model runner as the
+thinker has (``worker/omni_worker.py``). It honours vLLM's scheduler: chunked
 prefills, block tables from ``KVCacheConfig`` (a real paged KV cache held in
 torch tensors), preemption/resumption and finished requests. Each scheduled
 request slice runs through :meth:`OmniStageModel.forward_step`.
@@ -75,10 +76,10 @@ class ReferenceWorker(WorkerBase):
         )
         if not (isinstance(model_cls, type) and issubclass(model_cls, OmniStageModel)):
             raise TypeError(
-                f"the reference backend runs only vllm-omni-plugin stage models; "
+                f"the reference worker runs only vllm-omni-plugin stage models; "
                 f"architecture {arch!r} resolves to {model_cls.__module__}.{model_cls.__name__}. "
-                "Serve it with an accelerator, or point the stage's hf_overrides.architectures "
-                "at a stage model"
+                "Use vllm_omni_plugin.worker.omni_worker.OmniWorker (or vLLM's own worker) "
+                "for it, or point the stage's hf_overrides.architectures at a stage model"
             )
         with torch.device("cpu"):
             self.model: OmniStageModel = model_cls(vllm_config=self.vllm_config)

@@ -79,13 +79,15 @@ class StageIO:
             self._requests.pop(req_id, None)
         for new in scheduler_output.scheduled_new_reqs:
             self._add(new)
+        if not self._requests or not any(
+                (t := self._requests.get(r)) is not None and t.out_key and not t.failed
+                for r in scheduler_output.num_scheduled_tokens):
+            return False
         cached = scheduler_output.scheduled_cached_reqs
         self._computed = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
         for new in scheduler_output.scheduled_new_reqs:
             self._computed[new.req_id] = new.num_computed_tokens
-        return any(
-            (t := self._requests.get(r)) is not None and t.out_key and not t.failed
-            for r in scheduler_output.num_scheduled_tokens)
+        return True
 
     def _add(self, new) -> None:
         if new.req_id in self._requests:  # resumed after preemption (model runner V2)
