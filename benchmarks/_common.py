@@ -204,6 +204,21 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
+def engine_core_pid(pid: int) -> int:
+    """The EngineCore of a process that logged for a stage: the process itself, or its
+    parent when it is a worker (vLLM's CPU platform runs each engine's worker in a process
+    of its own, titled ``VLLM::Worker``). Read while the server runs.
+
+    Raises:
+        psutil.Error: the process is gone or cannot be read.
+    """
+    import psutil
+
+    proc = psutil.Process(pid)
+    title = proc.cmdline()[:1]
+    return proc.ppid() if title and title[0].startswith("VLLM::Worker") else pid
+
+
 def http_get_status(url: str, timeout: float = 2.0) -> int | None:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:

@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     REPO,
     Server,
+    engine_core_pid,
     free_port,
     install_sigterm_as_interrupt,
     make_checkpoint,
@@ -123,12 +124,9 @@ def burst(args, url: str, model: str, pid: int) -> dict:
 
 
 def restart(url: str, model: str, server: Server) -> dict:
-    import psutil
-
-    found = re.findall(r"\((EngineCore|Worker) pid=(\d+)\).*stage 1: loaded",
-                       "\n".join(line for _, line in server.snapshot()))
-    kind, pid = found[-1]  # the worker runs in a process of its own on vLLM's CPU platform
-    engine = int(pid) if kind == "EngineCore" else psutil.Process(int(pid)).ppid()
+    pids = re.findall(r"\((?:EngineCore|Worker) pid=(\d+)\).*stage 1: loaded",
+                      "\n".join(line for _, line in server.snapshot()))
+    engine = engine_core_pid(int(pids[-1]))
     t0 = server.elapsed()
     os.kill(engine, 9)
     status, answered = chat(url, model, "After the kill.")

@@ -62,6 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     REPO,
     Server,
+    engine_core_pid,
     fmt,
     free_port,
     install_sigterm_as_interrupt,
@@ -151,17 +152,6 @@ def first_chat(port: int, ckpt: Path, audio: bool, timeout: float) -> dict:
     return out
 
 
-def _engine_pid(pid: str) -> str:
-    """The EngineCore of a worker process (its parent; vLLM's CPU platform runs the
-    worker in a process of its own), read while the server runs."""
-    import psutil
-
-    try:
-        return str(psutil.Process(int(pid)).ppid())
-    except psutil.Error:
-        return pid
-
-
 def parse_log(lines: list[tuple[float, str]], single: bool = False) -> dict:
     """Per-stage numbers from the stamped server log (call while the server runs).
     ``single``: plain vLLM serving one engine, stage "0"."""
@@ -207,8 +197,13 @@ def parse_log(lines: list[tuple[float, str]], single: bool = False) -> dict:
     for pid, (t, secs) in vllm_load.items():
         if pid in pid_stage:
             stages[pid_stage[pid]].update(load=secs, t_loaded=t)
+    import psutil
+
     for pid, sid in list(pid_stage.items()):
-        pid_stage.setdefault(_engine_pid(pid), sid)
+        try:
+            pid_stage.setdefault(str(engine_core_pid(int(pid))), sid)
+        except psutil.Error:  # gone already: its lines stay matched by its own pid
+            pass
     for pid, (t, secs) in init_by_pid.items():
         sid = pid_stage.get(pid)
         if sid is not None:

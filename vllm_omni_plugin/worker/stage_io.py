@@ -135,11 +135,11 @@ class StageIO:
             raise RuntimeError(f"stage {self.stage_id}: {type(model).__name__} publishes no "
                                "stage outputs, but the request asks for them")
         skip = max(0, tracked.published - start)
-        chunk = {name: t[offset + skip:offset + n].to("cpu") for name, t in rows.items()}
-        if start == 0 and tracked.published == 0:
-            once = getattr(model, "stage_output_once", None)
-            chunk.update({k: v.to("cpu") for k, v in (once() if once else {}).items()})
-        if skip < n:
+        if skip < n:  # else every row was published before this recompute
+            chunk = {name: t[offset + skip:offset + n].to("cpu") for name, t in rows.items()}
+            if start == 0 and tracked.published == 0:
+                once = getattr(model, "stage_output_once", None)
+                chunk.update({k: v.to("cpu") for k, v in (once() if once else {}).items()})
             self.store.append(tracked.out_key, chunk)
         tracked.published = max(tracked.published, start + n)
 
