@@ -31,7 +31,9 @@ class StageResult:
             ``"error"``.
         payload: output tensors (for audio: ``waveform`` ``[samples]`` float32).
         sample_rate: Hz, for audio.
-        final_input: the final stage's input payload (e.g. code2wav's codec codes).
+        stage_outputs: every downstream stage's output for this request, by stage id
+            (an ``UpstreamOutput``: prompt and output token ids, payload; e.g. the
+            talker's codec codes).
         error: the message for the client when the request failed.
         status: HTTP status for the client when ``error`` is set.
         retry_after: seconds the client should wait before retrying (HTTP
@@ -41,7 +43,7 @@ class StageResult:
     output_type: str
     payload: dict[str, Any] = field(default_factory=dict)
     sample_rate: int | None = None
-    final_input: dict[str, Any] = field(default_factory=dict)
+    stage_outputs: dict[int, Any] = field(default_factory=dict)
     error: str | None = None
     status: int = 200
     retry_after: float | None = None

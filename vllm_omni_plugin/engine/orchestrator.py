@@ -173,7 +173,7 @@ class Orchestrator:
         request leaves it; None when the request was aborted meanwhile."""
         from vllm_omni_plugin.processors.hookspecs import UpstreamOutput
 
-        last, last_input = None, {}
+        last = None
         extras = {**extra, xargs.SPEAKER: request.voice, "hf_config": self.hf_config}
         for stage in self._downstream:
             try:
@@ -186,7 +186,6 @@ class Orchestrator:
             except Exception as exc:
                 raise StageError(stage.stage_id, stage.name,
                                  f"input processor {stage.input_processor!r}: {exc}") from exc
-            last_input = stage_input.payload
             if request_id in self._aborted:
                 return None
             try:
@@ -206,7 +205,8 @@ class Orchestrator:
         rate = payload.pop("sample_rate", None)
         return StageResult(output_type=last.final_output_type or "latent", payload=payload,
                            sample_rate=int(rate[0]) if rate is not None else None,
-                           final_input=last_input)
+                           stage_outputs={s: o for s, o in outputs.items()
+                                          if s != self.entry.stage_id})
 
     async def _run_stage(self, request_id, stage, stage_input):
         """Run ``stage`` for the request on one of its replicas; None when aborted."""

@@ -7,6 +7,9 @@ subclass of the worker the current platform uses (``CPUWorker`` on vLLM's CPU bu
 ``Worker`` on CUDA/ROCm), so one class serves both: vLLM's model runner does batching,
 chunked prefill, the paged KV cache and sampling. The subclass only
 
+* hands a stage model that declares ``uses_stage_step = True`` the step being executed
+  (:class:`~vllm_omni_plugin.worker.stage_io.StageStep`: which rows belong to which
+  request, each request's input payload and sampling params),
 * publishes, after each forward, the stage outputs of requests that carry an output
   payload key (:class:`~vllm_omni_plugin.worker.stage_io.StageIO`), and
 * makes a request that failed in the plugin's code emit its stop token.
@@ -22,7 +25,7 @@ from vllm_omni_plugin.compat.model_runner import batch_req_ids
 from vllm_omni_plugin.config.settings import OmniSettings
 from vllm_omni_plugin.logger import init_logger
 from vllm_omni_plugin.payload_store import PayloadStore
-from vllm_omni_plugin.worker.stage_io import StageIO
+from vllm_omni_plugin.worker.stage_io import StageIO, StageStep
 
 logger = init_logger(__name__)
 
@@ -45,11 +48,18 @@ class OmniWorkerMixin:
                     self.omni_io.stage_id, type(self).__name__, self.platform_worker.__name__)
 
     def execute_model(self, scheduler_output):
-        publishing = self.omni_io.begin_step(scheduler_output)
-        output = super().execute_model(scheduler_output)
+        model = _unwrapped(self.model_runner.get_model())
+        stepwise = getattr(model, "uses_stage_step", False)
+        publishing = self.omni_io.begin_step(scheduler_output, always=stepwise)
+        if stepwise:
+            model.stage_step = StageStep(self.omni_io, self.model_runner, scheduler_output)
+        try:
+            output = super().execute_model(scheduler_output)
+        finally:
+            if stepwise:
+                model.stage_step = None
         if publishing and scheduler_output.total_num_scheduled_tokens:
-            self.omni_io.publish(self.model_runner.get_model(),
-                                 batch_req_ids(self.model_runner), scheduler_output)
+            self.omni_io.publish(model, batch_req_ids(self.model_runner), scheduler_output)
         return self._fix_failed(output)
 
     def sample_tokens(self, grammar_output):
@@ -61,6 +71,12 @@ class OmniWorkerMixin:
         elif isinstance(output, AsyncModelRunnerOutput):
             return _FixedAsyncOutput(output, self.omni_io)
         return output
+
+
+def _unwrapped(model):
+    """The model itself under vLLM's CUDA-graph wrapper (which has ``unwrap()``)."""
+    unwrap = getattr(type(model), "unwrap", None)
+    return unwrap(model) if unwrap is not None else model
 
 
 def _platform_worker_cls() -> type:

@@ -1,19 +1,30 @@
-"""Per-request bookkeeping of a stage's output payloads, independent of any model runner.
+"""Per-request bookkeeping of a stage's payloads, independent of any model runner.
 
 A request sent by the orchestrator names payload keys in its
-``SamplingParams.extra_args`` (:func:`vllm_omni_plugin.extra_args.payload_keys`). For a
-request with an output key, every engine step appends the rows of the positions it fed
-(``[n, ...]`` per tensor, the model's :meth:`stage_output_rows`) to the payload store, the
-first chunk also carrying the model's per-request :meth:`stage_output_once` tensors. A
-request whose keys are malformed, or whose publishing fails, is *failed*: the failure is
-recorded under its failure key (the orchestrator fails that request with an error naming
-the stage) and the worker makes it emit its stop token, so the engine keeps serving.
+``SamplingParams.extra_args`` (:func:`vllm_omni_plugin.extra_args.payload_keys`).
+
+* **Input.** A request with an input key gets its input payload loaded once, when it is
+  first scheduled; a stage model that declares ``uses_stage_step = True`` reads it, and
+  the step's row-to-request map, through the :class:`StageStep` the worker hands it for
+  each engine step.
+* **Output.** For a request with an output key, every engine step appends to the payload
+  store the rows of the positions it fed (``[n, ...]`` per tensor, the model's
+  :meth:`stage_output_rows`; the first chunk also carries the model's per-request
+  :meth:`stage_output_once` tensors) and whatever the model produced for that request in
+  the step (its :meth:`stage_output_requests`).
+
+A request whose keys are malformed, whose input cannot be read, or whose publishing (or
+model code) fails, is *failed*: the failure is recorded under its failure key (the
+orchestrator fails that request with an error naming the stage) and the worker makes it
+emit its stop token, so the engine keeps serving.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from vllm_omni_plugin import extra_args as xargs
 from vllm_omni_plugin.logger import init_logger
@@ -31,6 +42,83 @@ class _Tracked:
     #: positions whose rows were published (a recompute after preemption
     #: must not publish them again)
     published: int = 0
+    num_prompt_tokens: int = 0
+    params: Any = None
+    #: the input payload (tensors from the orchestrator), empty when none
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's rows in a step's forward.
+
+    Attributes:
+        req_id: vLLM's request id.
+        start: index of its first row in the flattened batch.
+        num_tokens: its rows (consecutive).
+        num_computed: tokens of the request already in the KV cache: the position of its
+            first row.
+        num_prompt_tokens: length of its prompt (0 for a request the plugin does not track).
+    """
+
+    req_id: str
+    start: int
+    num_tokens: int
+    num_computed: int
+    num_prompt_tokens: int
+
+
+class StageStep:
+    """The engine step being executed, as a stage model sees it from inside its forward.
+
+    The worker binds one to the model (``model.stage_step``) around the model runner's
+    ``execute_model`` and unbinds it after, so a forward outside a step (vLLM's dummy and
+    profiling runs) sees None.
+
+    Attributes:
+        finished: requests finished since the previous step (drop their state).
+    """
+
+    def __init__(self, io: StageIO, model_runner, scheduler_output):
+        self._io, self._runner, self._out = io, model_runner, scheduler_output
+        self.finished = frozenset(scheduler_output.finished_req_ids)
+
+    def requests(self) -> list[ScheduledRequest]:
+        """The step's requests in the forward's row order (valid inside the forward)."""
+        from vllm_omni_plugin.compat.model_runner import batch_req_ids
+
+        counts, computed = self._out.num_scheduled_tokens, self._io.computed
+        rows, start = [], 0
+        for req_id in batch_req_ids(self._runner):
+            tracked = self._io.tracked(req_id)
+            n = counts[req_id]
+            rows.append(ScheduledRequest(req_id, start, n, computed[req_id],
+                                         tracked.num_prompt_tokens if tracked else 0))
+            start += n
+        return rows
+
+    def inputs(self, req_id: str) -> dict[str, torch.Tensor]:
+        """The request's input payload (``{}`` when it has none)."""
+        tracked = self._io.tracked(req_id)
+        return tracked.inputs if tracked is not None else {}
+
+    def params(self, req_id: str):
+        """The request's ``SamplingParams`` (None for a request the plugin does not track)."""
+        tracked = self._io.tracked(req_id)
+        return tracked.params if tracked is not None else None
+
+    def failed(self, req_id: str) -> bool:
+        tracked = self._io.tracked(req_id)
+        return tracked is not None and tracked.failed
+
+    def fail(self, req_id: str, exc: Exception) -> None:
+        """Fail one request (its error is reported, it emits its stop token); the rest of
+        the batch goes on."""
+        tracked = self._io.tracked(req_id)
+        if tracked is None:
+            raise exc
+        if not tracked.failed:
+            self._io.fail(req_id, tracked, exc)
 
 
 def request_payload_keys(req_id: str, params: Any, store: PayloadStore | None
@@ -72,16 +160,17 @@ class StageIO:
         self._computed: dict[str, int] = {}
 
     # -- scheduling ---------------------------------------------------------------
-    def begin_step(self, scheduler_output) -> bool:
+    def begin_step(self, scheduler_output, *, always: bool = False) -> bool:
         """Track the step's new and finished requests; True when a request scheduled
-        this step publishes (the caller then calls :meth:`publish` after the forward)."""
+        this step publishes (the caller then calls :meth:`publish` after the forward),
+        or when ``always`` (the model reads a :class:`StageStep`)."""
         for req_id in scheduler_output.finished_req_ids:
             self._requests.pop(req_id, None)
         for new in scheduler_output.scheduled_new_reqs:
             self._add(new)
-        if not self._requests or not any(
+        if not always and (not self._requests or not any(
                 (t := self._requests.get(r)) is not None and t.out_key and not t.failed
-                for r in scheduler_output.num_scheduled_tokens):
+                for r in scheduler_output.num_scheduled_tokens)):
             return False
         cached = scheduler_output.scheduled_cached_reqs
         self._computed = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
@@ -89,24 +178,38 @@ class StageIO:
             self._computed[new.req_id] = new.num_computed_tokens
         return True
 
+    @property
+    def computed(self) -> dict[str, int]:
+        """Request id -> position of its first row in the current step."""
+        return self._computed
+
+    def tracked(self, req_id: str) -> _Tracked | None:
+        return self._requests.get(req_id)
+
     def _add(self, new) -> None:
         if new.req_id in self._requests:  # resumed after preemption (model runner V2)
             return
         params = new.sampling_params
         keys, problem = request_payload_keys(new.req_id, params, self.store)
-        if problem is None and not keys.failure_key:
+        if problem is None and not keys.failure_key and not keys.input:
             return  # a plain request: nothing to track
         tracked = _Tracked(out_key=keys.output, failure_key=keys.failure_key,
-                           stop_token=stop_token_of(params))
+                           stop_token=stop_token_of(params), params=params,
+                           num_prompt_tokens=len(new.prompt_token_ids or ()))
         self._requests[new.req_id] = tracked
         if problem is not None:
-            self._fail(new.req_id, tracked, problem)
-        elif keys.output and new.num_computed_tokens:
+            self.fail(new.req_id, tracked, problem)
+        elif (keys.output or keys.input) and new.num_computed_tokens:
             # Payload rows map one-to-one to fed positions; a prefix-cache hit skips some.
-            self._fail(new.req_id, tracked, RuntimeError(
-                f"stage {self.stage_id}: a request publishing payloads hit the prefix cache "
+            self.fail(new.req_id, tracked, RuntimeError(
+                f"stage {self.stage_id}: a request carrying payloads hit the prefix cache "
                 f"({new.num_computed_tokens} tokens); set enable_prefix_caching: false in "
                 "this stage's engine_args"))
+        elif keys.input:
+            try:
+                tracked.inputs = self.store.get(keys.input)
+            except Exception as exc:
+                self.fail(new.req_id, tracked, exc)
 
     # -- after the forward --------------------------------------------------------
     def publish(self, model, batch_req_ids: list[str], scheduler_output) -> None:
@@ -117,34 +220,44 @@ class StageIO:
             batch_req_ids: the scheduled requests in the model runner's row order; each
                 owns ``scheduler_output.num_scheduled_tokens[req_id]`` consecutive rows.
         """
-        rows = getattr(model, "stage_output_rows", None)
-        rows = rows() if rows is not None else None
+        rows_of = getattr(model, "stage_output_rows", None)
+        requests_of = getattr(model, "stage_output_requests", None)
+        outputs = None if rows_of is None and requests_of is None else (
+            rows_of() if rows_of else {}, requests_of() if requests_of else {})
         offset = 0
         for req_id in batch_req_ids:
             n = scheduler_output.num_scheduled_tokens[req_id]
             tracked = self._requests.get(req_id)
             if tracked is not None and tracked.out_key and not tracked.failed:
                 try:
-                    self._publish(model, rows, tracked, offset, n, self._computed[req_id])
+                    self._publish(model, outputs, req_id, tracked, offset, n,
+                                  self._computed[req_id])
                 except Exception as exc:
-                    self._fail(req_id, tracked, exc)
+                    self.fail(req_id, tracked, exc)
             offset += n
 
-    def _publish(self, model, rows, tracked: _Tracked, offset: int, n: int, start: int):
-        if rows is None:
+    def _publish(self, model, outputs, req_id: str, tracked: _Tracked,
+                 offset: int, n: int, start: int):
+        if outputs is None:
             raise RuntimeError(f"stage {self.stage_id}: {type(model).__name__} publishes no "
                                "stage outputs, but the request asks for them")
+        rows, per_request = outputs
+        chunk = {}
         skip = max(0, tracked.published - start)
-        if skip < n:  # else every row was published before this recompute
+        if rows and skip < n:  # else every row was published before this recompute
             chunk = {name: t[offset + skip:offset + n].to("cpu") for name, t in rows.items()}
             if start == 0 and tracked.published == 0:
                 once = getattr(model, "stage_output_once", None)
                 chunk.update({k: v.to("cpu") for k, v in (once() if once else {}).items()})
+        if req_id in per_request:
+            chunk.update({k: v.to("cpu") for k, v in per_request[req_id].items()})
+        if chunk:
             self.store.append(tracked.out_key, chunk)
         tracked.published = max(tracked.published, start + n)
 
     # -- failures -----------------------------------------------------------------
-    def _fail(self, req_id: str, tracked: _Tracked, exc: Exception) -> None:
+    def fail(self, req_id: str, tracked: _Tracked, exc: Exception) -> None:
+        """Record ``exc`` as the request's failure; it emits its stop token from now on."""
         logger.error("stage %s: request %s failed: %s: %s", self.stage_id, req_id,
                      type(exc).__name__, exc, exc_info=exc)
         tracked.failed = True

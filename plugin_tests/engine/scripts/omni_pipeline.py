@@ -78,7 +78,7 @@ async def main(ckpt, yaml_path, out_dir, scenarios):
             result = results.pop("parity", None)
             assert result is not None and result.error is None, result
             np.savez(os.path.join(out_dir, "served.npz"),
-                     codes=result.final_input["codes"].numpy(),
+                     codes=result.stage_outputs[1].payload["codes"].numpy(),
                      waveform=result.payload["waveform"].numpy())
             report["thinker_tokens"] = list(final.outputs[0].token_ids)
             report["sample_rate"] = result.sample_rate

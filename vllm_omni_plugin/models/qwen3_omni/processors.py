@@ -73,17 +73,20 @@ def thinker2talker(upstream: list[UpstreamOutput], stage, extras: dict[str, Any]
 def talker2code2wav(upstream: list[UpstreamOutput], stage, extras: dict[str, Any]) -> StageInput:
     """Talker codes -> code2wav request.
 
-    Payload out: ``codes`` ``[T, num_code_groups]`` int64 (the talker's codes
-    without the step that emitted ``codec_eos``). Prompt: one placeholder id.
+    The prompt carries the codes (:func:`.code2wav.code2wav_prompt_ids`: ``16 T`` ids,
+    frame-major, codebook ``q`` offset by ``q * codebook_size``), so code2wav takes no
+    input payload.
 
     Raises:
-        ValueError: the talker produced no codes.
+        ValueError: the talker produced no codes, or codes code2wav cannot decode.
     """
+    from vllm_omni_plugin.models.qwen3_omni.code2wav import code2wav_prompt_ids
+
     (talker,) = upstream
     codes = talker.payload.get("codes")
     if codes is None or codes.shape[0] == 0:
         raise ValueError("the talker produced no codec codes")
-    return StageInput(prompt_token_ids=[0], payload={"codes": codes.to(torch.long)})
+    return StageInput(prompt_token_ids=code2wav_prompt_ids(codes, extras["hf_config"]))
 
 
 @hookimpl

@@ -1,124 +1,446 @@
-"""Qwen3-Omni talker stage: codec frames from the thinker's output.
+"""Qwen3-Omni talker stage on vLLM's model runner: codec frames from the thinker's output.
 
-Runs HF's ``Qwen3OmniMoeTalkerForConditionalGeneration`` with its decoder on
-the backend's paged KV cache (the code predictor keeps HF's own per-frame
-cache). Per request (input payload from ``thinker2talker``):
+The talker decoder is vLLM's own ``Qwen3MoeModel`` (its attention on the paged KV cache,
+q/k norms, M-RoPE, fused MoE with the sigmoid-gated shared expert) built on the talker's
+text config; the code predictor, the codec head and the two projections are built here
+from vLLM's linear, norm, rotary and embedding layers. vLLM's scheduler batches, chunks
+and preempts talker requests like any other, and vLLM's sampler draws code 0.
 
-* prefill positions ``0..L-1`` take ``build_talker_prompt(...).prompt_embeds``;
-* decode position ``L+s`` takes ``talker_step_embeds`` of frame ``s``;
-* code 0 of each frame is the token vLLM samples from HF-processed logits
-  (repetition penalty over earlier code-0 ids, codec id suppression);
-* :meth:`after_sample` runs the code predictor for codes 1..15 and publishes
-  ``codes`` ``[1, num_code_groups]`` int64 per frame (none for ``codec_eos``).
+One talker request (input payload from ``thinker2talker``, a prompt of ``L`` placeholder
+ids) runs as in HF ``Qwen3OmniMoeForConditionalGeneration.generate`` (the executable spec
+is :func:`.talker_inputs.reference_talker_generate`):
 
-The functions in :mod:`.talker_inputs` are checked against HF ``generate``
-(plugin_tests/unit/test_talker_inputs.py).
+* prompt position ``p < L`` takes row ``p`` of :func:`.talker_inputs.build_talker_prompt`;
+* the token vLLM samples at position ``L + s - 1`` is code 0 of frame ``s``; when it is fed
+  back (position ``L + s``), the code predictor turns it and the talker hidden state at
+  ``L + s - 1`` into the frame's 15 residual codes, and the row's embedding is the sum of
+  the 16 codebook embeddings plus trailing text row ``s`` (or ``tts_pad``);
+* the frame is published as ``codes`` ``[1, 16]`` int64 when it is computed, so a frame
+  exists only for code-0 tokens that were fed: never for ``codec_eos`` (the stop token),
+  and, as in HF, not for the last code 0 of a request cut by ``max_tokens``.
+
+Frames and the last hidden state are kept per request until it finishes, keyed by
+position, so a recompute after preemption reuses them instead of re-predicting.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
 import torch
+import torch.nn.functional as F
+from torch import nn
+from vllm.model_executor.layers.activation import get_act_fn
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import (
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models.interfaces import SupportsMRoPE
+from vllm.model_executor.models.qwen3_moe import Qwen3MoeMLP, Qwen3MoeModel
 
 from vllm_omni_plugin.models.qwen3_omni import talker_inputs as ti
-from vllm_omni_plugin.models.stage_model import (
-    OmniStageModel,
-    StepInput,
-    StepOutput,
-    decoder_kv_shapes,
+
+#: vLLM's sampler treats a temperature below this as greedy (``vllm.v1.sample``).
+_GREEDY_TEMPERATURE = 1e-5
+#: HF checkpoint names -> this module's fused parameters (``(fused, shard id)``).
+_STACKED = (
+    (".qkv_proj.", ".q_proj.", "q"),
+    (".qkv_proj.", ".k_proj.", "k"),
+    (".qkv_proj.", ".v_proj.", "v"),
+    (".gate_up_proj.", ".gate_proj.", 0),
+    (".gate_up_proj.", ".up_proj.", 1),
 )
-from vllm_omni_plugin.reference.paged_attention import use_paged_attention
 
 
-class Qwen3OmniTalkerStage(OmniStageModel):
-    """Stage model for the talker (checkpoint prefix ``talker.``)."""
+def plain_mrope_positions(num_tokens: int) -> torch.Tensor:
+    """``[3, num_tokens]`` int64 M-RoPE positions of a text-only sequence (t == h == w)."""
+    return torch.arange(num_tokens, dtype=torch.long).expand(3, -1).clone()
 
-    weight_prefix = "talker."
+
+def load_stacked(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """Load HF-named weights into ``module``, fusing q/k/v and gate/up projections.
+
+    Raises:
+        KeyError: a weight names no parameter of ``module``.
+    """
+    params = dict(module.named_parameters())
+    loaded = set()
+    for name, tensor in weights:
+        for fused, part, shard in _STACKED:
+            if part in name:
+                target = name.replace(part, fused)
+                params[target].weight_loader(params[target], tensor, shard)
+                break
+        else:
+            target = name
+            param = params[target]
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+        loaded.add(target)
+    return loaded
+
+
+class _ResizeMLP(nn.Module):
+    """HF ``Qwen3OmniMoeTalkerResizeMLP``: thinker width -> talker width
+    (``linear_fc2(act(linear_fc1(x)))``, both with bias)."""
+
+    def __init__(self, in_size: int, mid_size: int, out_size: int, act: str, prefix: str):
+        super().__init__()
+        self.linear_fc1 = ReplicatedLinear(in_size, mid_size, bias=True,
+                                           prefix=f"{prefix}.linear_fc1")
+        self.act = get_act_fn(act)
+        self.linear_fc2 = ReplicatedLinear(mid_size, out_size, bias=True,
+                                           prefix=f"{prefix}.linear_fc2")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(self.act(self.linear_fc1(x)[0]))[0]
+
+
+class _CodePredictorAttention(nn.Module):
+    """Qwen3 attention (q/k RMSNorm, RoPE) over a per-call cache: the code predictor
+    attends within one frame (at most ``num_code_groups`` positions), so it keeps no
+    paged KV cache."""
+
+    def __init__(self, config, prefix: str):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
+            bias=config.attention_bias, prefix=f"{prefix}.qkv_proj")
+        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, config.hidden_size,
+                                        bias=config.attention_bias, prefix=f"{prefix}.o_proj")
+        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.rotary_emb = get_rope(self.head_dim, max_position=config.num_code_groups + 1,
+                                   rope_parameters=config.rope_parameters)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                cache: list[torch.Tensor] | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``x`` ``[B, n, H]`` at ``positions`` ``[n]``; ``cache`` holds the earlier
+        positions' keys and values ``[B, kv_heads, t, head_dim]`` (None at the start)."""
+        b, n, _ = x.shape
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x)[0].split([q_size, kv_size, kv_size], dim=-1)
+        q = self.q_norm(q.reshape(b, n, self.num_heads, self.head_dim)).reshape(b * n, q_size)
+        k = self.k_norm(k.reshape(b, n, self.num_kv_heads, self.head_dim)).reshape(b * n,
+                                                                                  kv_size)
+        q, k = self.rotary_emb(positions.repeat(b), q, k)
+        q = q.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.reshape(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.reshape(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if cache is not None:
+            k, v = torch.cat((cache[0], k), dim=2), torch.cat((cache[1], v), dim=2)
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=cache is None and n > 1,
+            enable_gqa=self.num_heads != self.num_kv_heads)
+        out = self.o_proj(out.transpose(1, 2).reshape(b, n, q_size))[0]
+        return out, [k, v]
+
+
+class _CodePredictorLayer(nn.Module):
+    def __init__(self, config, prefix: str):
+        super().__init__()
+        self.self_attn = _CodePredictorAttention(config, f"{prefix}.self_attn")
+        self.mlp = Qwen3MoeMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                               prefix=f"{prefix}.mlp")
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, x, positions, cache):
+        attn, cache = self.self_attn(self.input_layernorm(x), positions, cache)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
+
+
+class _CodePredictorModel(nn.Module):
+    def __init__(self, config, prefix: str):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            _CodePredictorLayer(config, f"{prefix}.layers.{i}")
+            for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.codec_embedding = nn.ModuleList(
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                   prefix=f"{prefix}.codec_embedding.{j}")
+            for j in range(config.num_code_groups - 1))
+
+
+class Qwen3OmniCodePredictor(nn.Module):
+    """HF ``Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration``, batched:
+    codes 1..15 of a frame from the talker's hidden state and code 0."""
+
+    def __init__(self, config, prefix: str = "code_predictor"):
+        super().__init__()
+        self.config = config
+        self.model = _CodePredictorModel(config, f"{prefix}.model")
+        self.lm_head = nn.ModuleList(
+            ReplicatedLinear(config.hidden_size, config.vocab_size, bias=False,
+                             prefix=f"{prefix}.lm_head.{j}")
+            for j in range(config.num_code_groups - 1))
+
+    def get_input_embeddings(self) -> nn.ModuleList:
+        return self.model.codec_embedding
+
+    @torch.no_grad()
+    def predict(self, hidden: torch.Tensor, code0_embeds: torch.Tensor,
+                greedy: list[bool], generators: list[torch.Generator | None]) -> torch.Tensor:
+        """Residual codes ``[B, num_code_groups - 1]`` int64.
+
+        Args:
+            hidden: ``[B, H]`` talker hidden states (after the final norm) at the positions
+                whose logits gave code 0.
+            code0_embeds: ``[B, H]`` the talker's codec embedding of each code 0.
+            greedy: per row, argmax (else HF's sampling: top-k 50, top-p 0.8).
+            generators: per row, the request's generator (None: torch's global RNG).
+        """
+        x = torch.stack((hidden.to(code0_embeds.dtype), code0_embeds), dim=1)  # [B, 2, H]
+        caches: list = [None] * len(self.model.layers)
+        start, codes = 0, []
+        for j, head in enumerate(self.lm_head):
+            positions = torch.arange(start, start + x.shape[1], device=x.device)
+            for i, layer in enumerate(self.model.layers):
+                x, caches[i] = layer(x, positions, caches[i])
+            logits = head(self.model.norm(x[:, -1]))[0]
+            code = self._sample(logits, greedy, generators)
+            codes.append(code)
+            start += x.shape[1]
+            if j + 1 < len(self.lm_head):
+                x = self.model.codec_embedding[j](code).unsqueeze(1)
+        return torch.stack(codes, dim=1)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, greedy: list[bool],
+                generators: list[torch.Generator | None]) -> torch.Tensor:
+        if all(greedy):
+            return logits.argmax(dim=-1)
+        return torch.cat([
+            ti.sample_from_logits(logits[i:i + 1], greedy=g, top_k=ti.HF_CODE_PREDICTOR_TOP_K,
+                                  top_p=ti.HF_CODE_PREDICTOR_TOP_P, generator=gen)
+            for i, (g, gen) in enumerate(zip(greedy, generators, strict=True))])
+
+
+@dataclass
+class _Request:
+    prompt: ti.TalkerPrompt
+    greedy: bool
+    generator: torch.Generator | None
+    #: frames[s]: the 16 codes fed at position L + s
+    frames: list[torch.Tensor] = field(default_factory=list)
+    #: talker hidden state at position ``hidden_pos`` (the last one fed)
+    hidden: torch.Tensor | None = None
+    hidden_pos: int = -1
+
+
+class Qwen3OmniTalkerStage(nn.Module, SupportsMRoPE):
+    """The talker (checkpoint prefix ``talker.``) as a vLLM model; see the module docstring.
+
+    Reads each request's input payload (``thinker2talker``) and row map from the
+    :class:`~vllm_omni_plugin.worker.stage_io.StageStep` the plugin's worker binds to
+    :attr:`stage_step`; a request whose payload is unusable fails alone.
+    """
+
+    uses_stage_step = True
 
     @classmethod
     def engine_hf_overrides(cls, hf_config):
         # vLLM reads a Qwen3-Omni checkpoint's text config from
-        # thinker_config.text_config for every engine (HF's get_text_config), and
-        # validates prompt and stop ids against its vocab_size. The talker's
-        # tokens are codec ids, so its engine gets the talker's vocabulary size
-        # there; this stage never reads thinker_config otherwise.
+        # thinker_config.text_config for every engine (HF's get_text_config) and
+        # validates prompt and stop ids against its vocab_size: the talker's tokens are
+        # codec ids. The decoder itself is built on talker_config.text_config.
         vocab = hf_config.talker_config.text_config.vocab_size
         return {"thinker_config": {"text_config": {"vocab_size": vocab}}}
 
-    def build(self) -> None:
-        from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf
-
-        talker_config = self.hf_config.talker_config
-        use_paged_attention(talker_config.text_config)
-        # the code predictor keeps HF's own per-frame cache
-        talker_config.code_predictor_config._attn_implementation = "sdpa"
-        self.talker = hf.Qwen3OmniMoeTalkerForConditionalGeneration(talker_config)
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        super().__init__()
+        hf_config = vllm_config.model_config.hf_config
+        self.omni_config = hf_config
+        talker_config = hf_config.talker_config
+        text_config = talker_config.text_config
+        decoder_config = vllm_config.with_hf_config(text_config,
+                                                    architectures=["Qwen3MoeForCausalLM"])
+        # with_hf_config leaves hf_text_config (which vLLM's decoder reads) as it was
+        decoder_config.model_config.hf_text_config = text_config
+        self.model = Qwen3MoeModel(vllm_config=decoder_config, prefix="model")
+        self.codec_head = ParallelLMHead(text_config.vocab_size, text_config.hidden_size,
+                                         prefix="codec_head")
+        self.logits_processor = LogitsProcessor(text_config.vocab_size)
+        resize = (talker_config.thinker_hidden_size, text_config.intermediate_size,
+                  text_config.hidden_size, text_config.hidden_act)
+        self.text_projection = _ResizeMLP(*resize, prefix="text_projection")
+        self.hidden_projection = _ResizeMLP(*resize, prefix="hidden_projection")
+        self.code_predictor = Qwen3OmniCodePredictor(talker_config.code_predictor_config)
+        self.register_buffer("suppress", ti.talker_logits_mask(hf_config), persistent=False)
         self.speakers = {v: k for k, v in (talker_config.speaker_id or {}).items()}
-        self.suppress = ti.talker_logits_mask(self.hf_config, self.vocab_size)
+        self.stage_step = None
+        self._requests: dict[str, _Request] = {}
+        self._outputs: dict[str, dict[str, torch.Tensor]] = {}
 
-    def stage_module(self):
-        return self.talker
+    # -- vLLM model interface -----------------------------------------------------------
+    def get_input_embeddings(self) -> nn.Module:
+        """The talker's codec embedding (HF ``talker.model.codec_embedding``)."""
+        return self.model.embed_tokens
 
-    @property
-    def vocab_size(self) -> int:
-        return self.talker.config.text_config.vocab_size
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
 
-    def kv_cache_shapes(self) -> list[tuple[int, int]]:
-        return decoder_kv_shapes(self.talker.config.text_config)
+    def get_mrope_input_positions(self, input_tokens, mm_features):
+        # Text-only talker prompts: HF's 3-row positions are all 0..L-1 (rope delta 0).
+        return plain_mrope_positions(len(input_tokens)), 0
 
-    def _prompt(self, step: StepInput) -> ti.TalkerPrompt:
-        prompt = step.state.get("prompt")
-        if prompt is None:
-            p = step.payload
-            speaker_id = int(p["speaker_id"][0])
-            if speaker_id not in self.speakers:
-                raise ValueError(f"unknown talker speaker id {speaker_id}")
-            prompt = ti.build_talker_prompt(
-                self.talker, self.hf_config, p["sequence_ids"], p["thinker_embed"],
-                p.get("thinker_hidden"), self.speakers[speaker_id],
-                tts_token_embeds=p["tts_embed"],
-                prompt_len=int(p["prompt_len"][0]) if "prompt_len" in p else None,
-            )
-            step.state["prompt"] = prompt
-            step.state["frames"] = []
-        return prompt
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None,
+                **kwargs):
+        self._outputs = {}
+        if self.stage_step is not None:
+            inputs_embeds = self._step_embeds(self.stage_step, input_ids)
+        hidden = self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+        if self.stage_step is not None:
+            for r in self.stage_step.requests():
+                state = self._requests.get(r.req_id)
+                if state is not None:
+                    # a copy: the runner may reuse its output buffer next step
+                    state.hidden = hidden[r.start + r.num_tokens - 1].clone()
+                    state.hidden_pos = r.num_computed + r.num_tokens - 1
+        return hidden
 
-    def forward_step(self, step: StepInput) -> StepOutput:
-        prompt = self._prompt(step)
-        length = prompt.prompt_embeds.shape[0]
-        frames = step.state["frames"]
-        rows = []
-        for pos in step.positions.tolist():
-            if pos < length:
-                rows.append(prompt.prompt_embeds[pos:pos + 1])
-            else:
-                s = pos - length
-                rows.append(ti.talker_step_embeds(self.talker, frames[s], s,
-                                                  prompt.trailing_text_hidden,
-                                                  prompt.tts_pad_embed))
-        embeds = torch.cat(rows, dim=0).to(self.dtype).unsqueeze(0)
-        out = self.talker.model(inputs_embeds=embeds, position_ids=step.positions.unsqueeze(0),
-                                use_cache=False)
-        if not step.needs_logits:
-            return StepOutput(logits=None)
-        hidden = out.last_hidden_state[:, -1]
-        step.state["last_hidden"] = hidden
-        logits = self.talker.codec_head(hidden)
-        params = step.sampling_params
-        penalty = params.repetition_penalty if params is not None else 1.0
-        scores = ti.process_talker_logits(
-            logits, [int(f[0]) for f in frames], self.hf_config,
-            repetition_penalty=penalty, suppress_mask=self.suppress,
-        )
-        return StepOutput(logits=scores[0])
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        logits = self.logits_processor(self.codec_head, hidden_states)
+        if logits is None:
+            return None
+        # HF suppresses the codec special and speaker ids for code 0 (eos stays allowed).
+        return logits.masked_fill(self.suppress[:logits.shape[-1]], float("-inf"))
 
-    def after_sample(self, step: StepInput, token_id: int) -> dict[str, torch.Tensor]:
-        if token_id == self.hf_config.talker_config.codec_eos_token_id:
-            return {}
-        params = step.sampling_params
-        greedy = params is None or params.temperature < 1e-5
-        codes = ti.predict_residual_codes(
-            self.talker, step.state["last_hidden"], torch.tensor([token_id]),
-            greedy=greedy, generator=step.generator,
-        )
-        step.state["frames"].append(codes)
-        return {"codes": codes.unsqueeze(0)}
+    def stage_output_requests(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Frames computed by the last forward: req id -> ``{"codes": [k, 16] int64}``."""
+        return self._outputs
+
+    # -- per-step inputs ----------------------------------------------------------------
+    def _step_embeds(self, step, input_ids: torch.Tensor) -> torch.Tensor:
+        for req_id in step.finished:
+            self._requests.pop(req_id, None)
+        embed = self.get_input_embeddings()
+        rows = torch.zeros((input_ids.shape[0], embed.weight.shape[1]),
+                           dtype=embed.weight.dtype, device=input_ids.device)
+        pending: list[tuple[str, _Request, int, int]] = []  # (req id, state, row, frame)
+        for r in step.requests():
+            if step.failed(r.req_id):
+                continue
+            try:
+                state = self._state(step, r)
+                length = state.prompt.num_prompt_tokens
+                first, end = r.num_computed, r.num_computed + r.num_tokens
+                if first < length:  # prompt rows
+                    rows[r.start:r.start + min(end, length) - first] = \
+                        state.prompt.prompt_embeds[first:min(end, length)]
+                for pos in range(max(first, length), end):
+                    row = r.start + pos - first
+                    if pos - length < len(state.frames):  # recomputed after preemption
+                        frame = state.frames[pos - length]
+                        rows[row] = self._frame_embeds(frame[None], [state], [pos - length])[0]
+                    elif pos - 1 != state.hidden_pos:
+                        raise RuntimeError(
+                            f"talker request {r.req_id}: position {pos} needs the hidden "
+                            f"state at {pos - 1}, which was not kept")
+                    else:
+                        pending.append((r.req_id, state, row, pos - length))
+            except Exception as exc:
+                step.fail(r.req_id, exc)
+        if pending:
+            self._predict_frames(pending, input_ids, rows)
+        return rows
+
+    def _state(self, step, r) -> _Request:
+        state = self._requests.get(r.req_id)
+        if state is not None:
+            return state
+        payload = step.inputs(r.req_id)
+        for name in ("sequence_ids", "thinker_embed", "tts_embed", "speaker_id"):
+            if name not in payload:
+                raise ValueError(f"talker request {r.req_id}: input payload lacks {name!r}")
+        speaker_id = int(payload["speaker_id"][0])
+        if speaker_id not in self.speakers:
+            raise ValueError(f"unknown talker speaker id {speaker_id}")
+        embed = self.get_input_embeddings().weight
+
+        def tensor(name):  # the thinker's float rows, in the talker's device and dtype
+            value = payload.get(name)
+            return None if value is None else value.to(embed.device, embed.dtype)
+
+        prompt = ti.build_talker_prompt(
+            self, self.omni_config, payload["sequence_ids"], tensor("thinker_embed"),
+            tensor("thinker_hidden"), self.speakers[speaker_id],
+            tts_token_embeds=tensor("tts_embed"),
+            prompt_len=int(payload["prompt_len"][0]) if "prompt_len" in payload else None)
+        if prompt.num_prompt_tokens != r.num_prompt_tokens:
+            raise ValueError(
+                f"talker request {r.req_id}: the prompt has {r.num_prompt_tokens} ids but "
+                f"the thinker's output makes {prompt.num_prompt_tokens} talker positions")
+        params = step.params(r.req_id)
+        greedy = params is None or params.temperature < _GREEDY_TEMPERATURE
+        seed = getattr(params, "seed", None)
+        generator = torch.Generator(embed.device).manual_seed(seed) \
+            if seed is not None and not greedy else None
+        state = _Request(prompt, greedy, generator)
+        self._requests[r.req_id] = state
+        return state
+
+    def _predict_frames(self, pending, input_ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Run the code predictor for the newest decode row of each request in ``pending``."""
+        states = [p[1] for p in pending]
+        index = torch.tensor([p[2] for p in pending], device=input_ids.device)
+        code0 = input_ids[index]
+        residual = self.code_predictor.predict(
+            torch.stack([s.hidden for s in states]), self.get_input_embeddings()(code0),
+            [s.greedy for s in states], [s.generator for s in states])
+        frames = torch.cat((code0[:, None], residual), dim=1).to(torch.long)
+        rows[index] = self._frame_embeds(frames, states, [p[3] for p in pending])
+        for (req_id, state, _, _), frame in zip(pending, frames, strict=True):
+            state.frames.append(frame)
+            self._outputs[req_id] = {"codes": frame[None].cpu()}
+
+    def _frame_embeds(self, frames: torch.Tensor, states: list[_Request],
+                      steps: list[int]) -> torch.Tensor:
+        """``[B, H]`` decode inputs: the sum of a frame's 16 codebook embeddings plus
+        trailing text row ``s`` (``tts_pad`` once the text is exhausted)."""
+        out = self.get_input_embeddings()(frames[:, 0])
+        for j, table in enumerate(self.code_predictor.get_input_embeddings()):
+            out = out + table(frames[:, j + 1])
+        text = [s.prompt.trailing_text_hidden[k] if k < s.prompt.trailing_text_hidden.shape[0]
+                else s.prompt.tts_pad_embed.reshape(-1) for s, k in zip(states, steps,
+                                                                        strict=True)]
+        return out + torch.stack(text).to(out.dtype)
+
+    # -- weights ------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load the checkpoint's ``talker.*`` weights (others are skipped).
+
+        Raises:
+            ValueError: a parameter of the talker has no weight in the checkpoint.
+        """
+        decoder, own = [], []
+        for name, tensor in weights:
+            if not name.startswith("talker."):
+                continue
+            name = name[len("talker."):]
+            if name == "model.codec_embedding.weight":
+                name = "model.embed_tokens.weight"
+            (decoder if name.startswith("model.") else own).append((name, tensor))
+        loaded = {f"model.{n}" for n in self.model.load_weights(
+            (n[len("model."):], t) for n, t in decoder)}
+        loaded |= load_stacked(self, own)
+        missing = sorted(set(dict(self.named_parameters())) - loaded)
+        if missing:
+            raise ValueError(f"the checkpoint lacks {len(missing)} talker weights, "
+                             f"e.g. {missing[:3]}")
+        return loaded

@@ -1,0 +1,211 @@
+"""The code2wav stage on vLLM's own worker and model runner, waveform for waveform against HF.
+
+A child process (``scripts/code2wav_generate.py``) runs one engine of the code2wav stage
+architecture (``OmniPluginQwen3OmniCode2Wav``) on the plugin's ``OmniWorker``, publishing
+into a payload store. Meanwhile the test process computes Hugging Face's own waveforms
+with ``Qwen3OmniMoeForConditionalGeneration.code2wav.chunked_decode(codes, chunk_size=300,
+left_context_size=25)`` (what HF ``generate`` runs). The engine serves:
+
+* batch 0: requests of 5, 17, 40 and 650 frames (650: three of HF's 300-frame chunks,
+  two with left context) and two malformed prompts, all in one ``generate`` call;
+* batches 1-4: each well-formed request alone.
+
+Checked: every waveform equals HF's, batched equals alone, the batch ran as one engine
+step, and each malformed prompt fails only its own request with its error in the store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "code2wav_generate.py"
+#: the checkout under test, importable in the child even where the installed plugin is
+#: another checkout
+REPO = Path(__file__).resolve().parents[2]
+ENGINE_TIMEOUT_S = 900
+
+#: Frames per well-formed request; 650 > 2 * HF's chunk size of 300.
+FRAMES = (5, 17, 40, 650)
+#: float32 end to end, same operations as HF up to the order of float additions
+#: (vLLM's fused linear layers, RMSNorm and rotary kernels, padded batches): differences
+#: are a few float32 ulps of the waveform (peak ~0.18 on the tiny checkpoint).
+ATOL_HF = 1e-5
+#: A padded batch runs the same operations as a request alone on other GEMM shapes.
+ATOL_BATCH = 1e-6
+#: max_model_len and token budget: the longest prompt, and the whole batch in one step.
+MAX_TOKENS_PER_STEP = 16 * 1024
+
+BAD_LENGTH = "length"  # 37 ids: not a multiple of num_quantizers (16)
+BAD_ORDER = "order"    # frame 0's first two ids swapped: quantizer 1's id at position 0
+
+
+def _codes():
+    import torch
+
+    g = torch.Generator().manual_seed(1234)
+    return [torch.randint(0, 2048, (t, 16), generator=g) for t in FRAMES]
+
+
+def _child_env() -> dict[str, str]:
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))),
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in the child: steps observable
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "PYTHONUNBUFFERED": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_qwen3_omni):
+    import torch
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    return Qwen3OmniMoeForConditionalGeneration.from_pretrained(
+        tiny_qwen3_omni, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_qwen3_omni, hf_model, tmp_path_factory):
+    """``{"result": the script's output, "store": PayloadStore, "hf": [waveform per
+    FRAMES], "prompts": batch 0's prompts, "kinds": what each of them is}``.
+
+    The engine script and HF's decoding run concurrently.
+    """
+    import torch
+
+    from vllm_omni_plugin.models.qwen3_omni.code2wav import code2wav_prompt_ids
+    from vllm_omni_plugin.payload_store import PayloadStore
+
+    config = hf_model.config
+    codes = _codes()
+    good = [code2wav_prompt_ids(c, config) for c in codes]
+    bad_order = list(good[0])
+    bad_order[0], bad_order[1] = bad_order[1], bad_order[0]
+    prompts = [good[0], good[0][:37], good[1], good[2], bad_order, good[3]]
+    kinds = [0, BAD_LENGTH, 1, 2, BAD_ORDER, 3]  # index into FRAMES, or the defect
+    logdir = tmp_path_factory.mktemp("code2wav")
+    spec = {
+        "model": tiny_qwen3_omni,
+        "payload_dir": str(logdir / "payloads"),
+        "engine_args": {"max_model_len": MAX_TOKENS_PER_STEP,
+                        "max_num_batched_tokens": MAX_TOKENS_PER_STEP},
+        "batches": [prompts] + [[p] for p in good],
+    }
+    (logdir / "spec.json").write_text(json.dumps(spec))  # too long for one argv string
+    with open(logdir / "spec.json") as stdin, open(logdir / "engine.out", "w") as out, \
+            open(logdir / "engine.err", "w") as err:
+        proc = subprocess.Popen([sys.executable, str(SCRIPT)], stdin=stdin, stdout=out,
+                                stderr=err, text=True, env=_child_env())
+    try:
+        with torch.inference_mode():
+            hf = [hf_model.code2wav.chunked_decode(c.T.unsqueeze(0), chunk_size=300,
+                                                   left_context_size=25).reshape(-1).float()
+                  for c in codes]
+        proc.wait(timeout=ENGINE_TIMEOUT_S)
+        stdout = (logdir / "engine.out").read_text()
+        lines = stdout.strip().splitlines()
+        if proc.returncode != 0 or not lines or not lines[-1].startswith("{"):
+            pytest.fail(f"engine script exited {proc.returncode}:\n{stdout[-3000:]}\n"
+                        f"{(logdir / 'engine.err').read_text()[-6000:]}")
+        result = json.loads(lines[-1])
+        if "error" in result:
+            pytest.fail(f"engine failed:\n{result['error']}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return {"result": result, "store": PayloadStore(spec["payload_dir"]), "hf": hf,
+            "prompts": prompts, "kinds": kinds}
+
+
+def _waveform(runs, batch: int, index: int):
+    import torch
+
+    key = runs["result"]["batches"][batch]["keys"][index]
+    assert runs["store"].error(key) is None, runs["store"].error(key)
+    payload = runs["store"].get(key)
+    assert set(payload) == {"waveform", "sample_rate"}, sorted(payload)
+    assert payload["waveform"].dtype == torch.float32 and payload["waveform"].dim() == 1
+    assert payload["sample_rate"].dtype == torch.int64
+    assert payload["sample_rate"].tolist() == [24000]
+    return payload["waveform"]
+
+
+def test_waveforms_equal_hf(runs):
+    """Each request served alone equals HF's chunked decode of its codes."""
+    import torch
+
+    for i, frames in enumerate(FRAMES):
+        got, want = _waveform(runs, 1 + i, 0), runs["hf"][i]
+        assert got.shape == want.shape, (frames, got.shape, want.shape)
+        torch.testing.assert_close(got, want, atol=ATOL_HF, rtol=0,
+                                   msg=lambda m, f=frames: f"{f} frames: {m}")
+        assert want.abs().max() > 0.01  # the tiny checkpoint makes audible-scale output
+
+
+def test_batched_requests_equal_each_alone(runs):
+    """The batch ran as one engine step; each of its waveforms equals its solo run and HF."""
+    import torch
+
+    result = runs["result"]
+    prompts = runs["prompts"]
+    assert result["steps"] is not None, "steps are observed in-process only"
+    assert [len(prompts), sum(map(len, prompts))] in result["steps"], result["steps"]
+    for index, kind in enumerate(runs["kinds"]):
+        if isinstance(kind, int):
+            batched, alone = _waveform(runs, 0, index), _waveform(runs, 1 + kind, 0)
+            torch.testing.assert_close(batched, alone, atol=ATOL_BATCH, rtol=0)
+            torch.testing.assert_close(batched, runs["hf"][kind], atol=ATOL_HF, rtol=0)
+
+
+@pytest.mark.parametrize("kind,message", [(BAD_LENGTH, "not a positive multiple of 16"),
+                                          (BAD_ORDER, "quantizer 0")])
+def test_malformed_prompt_fails_only_its_request(runs, kind, message):
+    """A malformed prompt fails its own request (error in the store, no waveform); the
+    other requests of the batch succeed (test_batched_requests_equal_each_alone)."""
+    batch = runs["result"]["batches"][0]
+    index = runs["kinds"].index(kind)
+    key = batch["keys"][index]
+    error = runs["store"].error(key)
+    assert error is not None and "ValueError" in error and message in error, error
+    assert batch["finished"][index]
+    assert all(batch["finished"])
+    for other, k in enumerate(runs["kinds"]):
+        if isinstance(k, int):
+            assert runs["store"].error(batch["keys"][other]) is None
+
+
+def test_prompt_ids_round_trip_and_errors(hf_model):
+    import torch
+
+    from vllm_omni_plugin.models.qwen3_omni.code2wav import (
+        code2wav_prompt_ids,
+        codes_from_prompt_ids,
+    )
+
+    config = hf_model.config
+    codes = _codes()[1]
+    ids = code2wav_prompt_ids(codes, config)
+    assert len(ids) == 16 * codes.shape[0]
+    assert ids[:3] == [int(codes[0, 0]), 2048 + int(codes[0, 1]), 4096 + int(codes[0, 2])]
+    assert max(ids) < 16 * 2048
+    assert torch.equal(codes_from_prompt_ids(torch.tensor(ids), config), codes)
+    for bad, message in [(codes[:, :15], r"\[T >= 1, 16\]"), (codes[:0], r"\[T >= 1, 16\]"),
+                         (codes.float(), "integers"), (codes + 2048, r"\[0, 2048\)"),
+                         (codes - 5000, r"\[0, 2048\)")]:
+        with pytest.raises(ValueError, match=message):
+            code2wav_prompt_ids(bad, config)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        codes_from_prompt_ids(torch.tensor(ids[:-1]), config)
