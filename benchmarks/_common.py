@@ -6,6 +6,8 @@ project's venv interpreter without extra installs.
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import os
 import signal
@@ -17,6 +19,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import wave
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -257,3 +260,26 @@ def post_json(url: str, body: dict, timeout: float) -> tuple[int, dict | str]:
         return status, json.loads(text)
     except json.JSONDecodeError:
         return status, text
+
+
+def wav_seconds(b64: str) -> float:
+    """Duration in seconds of a base64 WAV (the chat API's ``message.audio.data``)."""
+    with wave.open(io.BytesIO(base64.b64decode(b64))) as w:
+        return w.getnframes() / w.getframerate()
+
+
+def write_short_talker_yaml(src: Path, dst: Path, max_tokens: int) -> Path:
+    """Copy the pipeline YAML ``src`` to ``dst`` with the talker's (stage 1)
+    ``max_tokens`` (codec frames) set to ``max_tokens``."""
+    import yaml
+
+    data = yaml.safe_load(src.read_text())
+    talker = [s for s in data["stages"] if int(s["stage_id"]) == 1]
+    if not talker:
+        raise SystemExit(f"{src}: no stage 1 to apply --talker-max-tokens to")
+    talker[0].setdefault("default_sampling_params", {})["max_tokens"] = max_tokens
+    dst.write_text(
+        f"# benchmark copy of {src} with stage 1 max_tokens={max_tokens}\n"
+        + yaml.safe_dump(data, sort_keys=False)
+    )
+    return dst

@@ -46,15 +46,12 @@ its run ends, on error, on Ctrl-C and on SIGTERM.
 from __future__ import annotations
 
 import argparse
-import base64
-import io
 import os
 import re
 import shutil
 import sys
 import tempfile
 import time
-import wave
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -72,6 +69,8 @@ from _common import (  # noqa: E402
     table,
     venv_bin,
     wait_health,
+    wav_seconds,
+    write_short_talker_yaml,
 )
 
 DEFAULT_YAML = REPO / "stage_configs" / "qwen3_omni_moe.yaml"
@@ -97,21 +96,6 @@ def stage_names(yaml_path: Path) -> dict[int, str]:
     return {int(s["stage_id"]): str(s.get("name", s["stage_id"])) for s in data["stages"]}
 
 
-def write_short_talker_yaml(src: Path, dst: Path, max_tokens: int) -> Path:
-    import yaml
-
-    data = yaml.safe_load(src.read_text())
-    talker = [s for s in data["stages"] if int(s["stage_id"]) == 1]
-    if not talker:
-        raise SystemExit(f"{src}: no stage 1 to apply --talker-max-tokens to")
-    talker[0].setdefault("default_sampling_params", {})["max_tokens"] = max_tokens
-    dst.write_text(
-        f"# benchmarks/startup.py: copy of {src} with stage 1 max_tokens={max_tokens}\n"
-        + yaml.safe_dump(data, sort_keys=False)
-    )
-    return dst
-
-
 # --------------------------------------------------------------------------- runs
 
 
@@ -121,11 +105,6 @@ def serve_argv(ckpt: Path, port: int, args, yaml_path: Path | None) -> list[str]
     if yaml_path is not None:
         argv += ["--stage-configs-path", str(yaml_path)]
     return argv + ["--gpu-memory-utilization", "0.3"]
-
-
-def wav_seconds(b64: str) -> float:
-    with wave.open(io.BytesIO(base64.b64decode(b64))) as w:
-        return w.getnframes() / w.getframerate()
 
 
 def first_chat(port: int, ckpt: Path, audio: bool, timeout: float) -> dict:

@@ -2,7 +2,7 @@
 reach the pipeline's internals; dead stage engines are restarted; bursts are
 bounded by admission control.
 
-One server for the module (three real EngineCores on the reference backend);
+One server for the module (three real EngineCores on vLLM's worker and model runner);
 tests run in file order and the last ones kill stage engines with SIGKILL:
 
 * the talker (stage 1) is restarted by its supervisor (``max_restarts`` default)
@@ -28,7 +28,7 @@ from plugin_tests.serve_utils import ServeProcess
 
 pytestmark = pytest.mark.e2e
 
-TALKER_MAX_FRAMES = 48
+TALKER_MAX_TOKENS = 48
 TALKER_BOUND = 2
 ADMISSION_TIMEOUT_S = 0.5
 
@@ -39,7 +39,7 @@ def server(tiny_qwen3_omni, tmp_path_factory):
     with open(QWEN3_OMNI_YAML) as f:
         pipeline = yaml.safe_load(f)
     talker, code2wav = pipeline["stages"][1], pipeline["stages"][2]
-    talker["default_sampling_params"]["max_tokens"] = TALKER_MAX_FRAMES
+    talker["default_sampling_params"]["max_tokens"] = TALKER_MAX_TOKENS
     talker["runtime"] = {"max_inflight": TALKER_BOUND}
     code2wav["runtime"] = {"max_restarts": 0}
     yaml_path = root / "pipeline.yaml"
@@ -93,12 +93,12 @@ def _metric(server, name: str, **labels) -> float | None:
 
 
 def _engine_pid(server, stage: int) -> int:
-    """The stage's EngineCore: the process that logged loading its model, or that
-    process's parent when it is a worker (vLLM's CPU platform runs the worker in a
-    process of its own)."""
+    """The stage's EngineCore: the parent of the worker process that logged starting the
+    plugin's worker (vLLM's CPU platform runs the worker in a process of its own), or
+    that process itself when the worker runs inside the EngineCore."""
     import psutil
 
-    found = re.findall(rf"\((EngineCore|Worker) pid=(\d+)\).*stage {stage}: loaded",
+    found = re.findall(rf"\((EngineCore|Worker)\S* pid=(\d+)\).*stage {stage}: OmniWorker",
                        server.log())
     assert found, f"stage {stage} engine pid not found in the log"
     kind, pid = found[-1]

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.e2e
 
 HEARTBEAT_TIMEOUT = 4.0
 WAIT_TIMEOUT = 5.0
-TALKER_MAX_FRAMES = 96  # a few seconds per request on the reference backend
+TALKER_MAX_TOKENS = 96  # long enough for a request to be mid-talker when a replica dies
 TOKEN = "test-cluster-secret"
 
 
@@ -37,7 +37,7 @@ def cluster(tiny_qwen3_omni, tmp_path_factory):
     with open(QWEN3_OMNI_YAML) as f:
         pipeline = yaml.safe_load(f)
     talker = pipeline["stages"][1]
-    talker["default_sampling_params"]["max_tokens"] = TALKER_MAX_FRAMES
+    talker["default_sampling_params"]["max_tokens"] = TALKER_MAX_TOKENS
     talker["runtime"] = {"num_replicas": 0}  # headless replicas only
     pipeline["stages"][2]["runtime"] = {"num_replicas": 2}  # two local code2wav replicas
     yaml_path = root / "pipeline.yaml"

@@ -1,10 +1,11 @@
 """The code2wav stage on vLLM's own worker and model runner, waveform for waveform against HF.
 
-A child process (``scripts/code2wav_generate.py``) runs one engine of the code2wav stage
+A child process (``scripts/code2wav_generate.py``) runs engines of the code2wav stage
 architecture (``OmniPluginQwen3OmniCode2Wav``) on the plugin's ``OmniWorker``, publishing
 into a payload store. Meanwhile the test process computes Hugging Face's own waveforms
 with ``Qwen3OmniMoeForConditionalGeneration.code2wav.chunked_decode(codes, chunk_size=300,
-left_context_size=25)`` (what HF ``generate`` runs). The engine serves:
+left_context_size=25)`` (what HF ``generate`` runs). The ``default`` engine (the stage's
+settings: chunked prefill off) serves
 
 * batch 0: requests of 5, 17, 40 and 650 frames (650: three of HF's 300-frame chunks,
   two with left context) and two malformed prompts, all in one ``generate`` call;
@@ -12,6 +13,9 @@ left_context_size=25)`` (what HF ``generate`` runs). The engine serves:
 
 Checked: every waveform equals HF's, batched equals alone, the batch ran as one engine
 step, and each malformed prompt fails only its own request with its error in the store.
+vLLM's engine core turns chunked prefill off for a model without KV cache, so a prompt
+never reaches the model split; the model's guard against it is probed inside the engine
+(``probe_model`` in the script): a split prompt fails alone with an error that says so.
 """
 
 from __future__ import annotations
@@ -99,9 +103,13 @@ def runs(tiny_qwen3_omni, hf_model, tmp_path_factory):
     spec = {
         "model": tiny_qwen3_omni,
         "payload_dir": str(logdir / "payloads"),
-        "engine_args": {"max_model_len": MAX_TOKENS_PER_STEP,
-                        "max_num_batched_tokens": MAX_TOKENS_PER_STEP},
-        "batches": [prompts] + [[p] for p in good],
+        "engines": [
+            {"name": "default",
+             "engine_args": {"max_model_len": MAX_TOKENS_PER_STEP,
+                             "max_num_batched_tokens": MAX_TOKENS_PER_STEP},
+             "batches": [prompts] + [[p] for p in good],
+             "probe": True},
+        ],
     }
     (logdir / "spec.json").write_text(json.dumps(spec))  # too long for one argv string
     with open(logdir / "spec.json") as stdin, open(logdir / "engine.out", "w") as out, \
@@ -119,21 +127,26 @@ def runs(tiny_qwen3_omni, hf_model, tmp_path_factory):
         if proc.returncode != 0 or not lines or not lines[-1].startswith("{"):
             pytest.fail(f"engine script exited {proc.returncode}:\n{stdout[-3000:]}\n"
                         f"{(logdir / 'engine.err').read_text()[-6000:]}")
-        result = json.loads(lines[-1])
-        if "error" in result:
-            pytest.fail(f"engine failed:\n{result['error']}")
+        result = json.loads(lines[-1])["engines"]
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    return {"result": result, "store": PayloadStore(spec["payload_dir"]), "hf": hf,
+    return {"engines": result, "store": PayloadStore(spec["payload_dir"]), "hf": hf,
             "prompts": prompts, "kinds": kinds}
 
 
-def _waveform(runs, batch: int, index: int):
+def _engine(runs, name: str = "default") -> dict:
+    result = runs["engines"][name]
+    if "error" in result:
+        pytest.fail(f"engine {name!r} failed:\n{result['error']}")
+    return result
+
+
+def _waveform(runs, batch: int, index: int, engine: str = "default"):
     import torch
 
-    key = runs["result"]["batches"][batch]["keys"][index]
+    key = _engine(runs, engine)["batches"][batch]["keys"][index]
     assert runs["store"].error(key) is None, runs["store"].error(key)
     payload = runs["store"].get(key)
     assert set(payload) == {"waveform", "sample_rate"}, sorted(payload)
@@ -159,7 +172,7 @@ def test_batched_requests_equal_each_alone(runs):
     """The batch ran as one engine step; each of its waveforms equals its solo run and HF."""
     import torch
 
-    result = runs["result"]
+    result = _engine(runs)
     prompts = runs["prompts"]
     assert result["steps"] is not None, "steps are observed in-process only"
     assert [len(prompts), sum(map(len, prompts))] in result["steps"], result["steps"]
@@ -175,7 +188,7 @@ def test_batched_requests_equal_each_alone(runs):
 def test_malformed_prompt_fails_only_its_request(runs, kind, message):
     """A malformed prompt fails its own request (error in the store, no waveform); the
     other requests of the batch succeed (test_batched_requests_equal_each_alone)."""
-    batch = runs["result"]["batches"][0]
+    batch = _engine(runs)["batches"][0]
     index = runs["kinds"].index(kind)
     key = batch["keys"][index]
     error = runs["store"].error(key)
@@ -185,6 +198,19 @@ def test_malformed_prompt_fails_only_its_request(runs, kind, message):
     for other, k in enumerate(runs["kinds"]):
         if isinstance(k, int):
             assert runs["store"].error(batch["keys"][other]) is None
+
+
+def test_split_prompt_fails_only_its_request(runs):
+    """Rows of a prompt split over steps fail that request with an error naming the
+    setting; a whole prompt in the same step is decoded. Outside a step (vLLM's dummy
+    runs) the forward returns zeros and decodes nothing; logits are ``[n, 16 * 2048]``."""
+    probe = _engine(runs)["probe"]
+    assert set(probe["failures"]) == {"split-first", "split-rest"}, probe
+    assert all("enable_chunked_prefill: false" in e for e in probe["failures"].values())
+    assert set(probe["outputs"]) == {"whole"}, probe
+    assert probe["hidden"] == [128, 1] and probe["dummy"] == [208, 1] and probe["dummy_zero"]
+    assert probe["dummy_outputs"] == 0
+    assert probe["logits"] == [2, 16 * 2048]
 
 
 def test_prompt_ids_round_trip_and_errors(hf_model):

@@ -14,16 +14,16 @@ import torch
 from vllm_omni_plugin.compat.model_runner import batch_req_ids
 from vllm_omni_plugin.extra_args import PAYLOAD
 from vllm_omni_plugin.payload_store import PayloadStore
-from vllm_omni_plugin.worker.stage_io import StageIO
+from vllm_omni_plugin.worker.stage_io import ScheduledRequest, StageIO, StageStep
 
 
 def _params(extra=None, stop=(7,)):
     return SimpleNamespace(extra_args=extra, all_stop_token_ids=set(stop))
 
 
-def _new(req_id, extra=None, computed=0):
+def _new(req_id, extra=None, computed=0, prompt_len=4):
     return SimpleNamespace(req_id=req_id, sampling_params=_params(extra),
-                           num_computed_tokens=computed)
+                           num_computed_tokens=computed, prompt_token_ids=[1] * prompt_len)
 
 
 def _step(new=(), cached=(), scheduled=None, finished=()):
@@ -154,3 +154,52 @@ def test_async_runner_output_of_a_failed_request_carries_its_stop_token(store):
     io.begin_step(_step(new=[_new("bad", {PAYLOAD: [1]}), _new("ok")],
                         scheduled={"bad": 1, "ok": 1}))
     assert _FixedAsyncOutput(Pending(), io).get_output().sampled_token_ids == [[7], [5]]
+
+
+def _runner(*req_ids):
+    """A V1 model runner as far as the row map goes."""
+    return SimpleNamespace(input_batch=SimpleNamespace(req_ids=list(req_ids)))
+
+
+def test_a_stage_step_maps_rows_and_hands_over_inputs_and_params(store):
+    store.put("in-a", {"x": torch.arange(3)})
+    io = StageIO(1, store)
+    keys = {PAYLOAD: {"in": "in-a", **_out(store, "out-a")[PAYLOAD]}}
+    step = _step(new=[_new("a", keys, prompt_len=6), _new("plain")],
+                 cached=[("old", 9)], scheduled={"a": 6, "plain": 2, "old": 1},
+                 finished=["gone"])
+    assert io.begin_step(step, always=True)
+    view = StageStep(io, _runner("old", "a", "plain"), step)
+    assert view.requests() == [ScheduledRequest("old", 0, 1, 9, 0),
+                               ScheduledRequest("a", 1, 6, 0, 6),
+                               ScheduledRequest("plain", 7, 2, 0, 0)]
+    assert view.inputs("a")["x"].tolist() == [0, 1, 2] and view.inputs("plain") == {}
+    assert view.params("a") is step.scheduled_new_reqs[0].sampling_params
+    assert view.finished == {"gone"}
+    view.fail("a", ValueError("bad frame"))
+    assert view.failed("a") and "ValueError: bad frame" in store.error("out-a")
+    output = SimpleNamespace(req_ids=["a", "plain"], sampled_token_ids=[[3], [4]])
+    io.override_failed(output)
+    assert output.sampled_token_ids == [[7], [4]]
+
+
+def test_an_unreadable_input_payload_fails_its_request_only(store):
+    io = StageIO(2, store)
+    keys = {PAYLOAD: {"in": "missing", **_out(store, "out-b")[PAYLOAD]}}
+    io.begin_step(_step(new=[_new("b", keys), _new("plain")], scheduled={"b": 4, "plain": 4}))
+    assert store.error("out-b") is not None
+    assert io.tracked("b").failed and io.tracked("plain") is None
+
+
+def test_per_request_outputs_are_published_with_the_requests_rows(store):
+    class PerRequest:
+        def stage_output_requests(self):
+            return {"a": {"codes": torch.tensor([[1, 2]])}}
+
+    io = StageIO(1, store)
+    step = _step(new=[_new("a", _out(store, "ka")), _new("b", _out(store, "kb"))],
+                 scheduled={"a": 2, "b": 2})
+    io.begin_step(step)
+    io.publish(PerRequest(), ["a", "b"], step)
+    assert store.get("ka")["codes"].tolist() == [[1, 2]]
+    assert store.get("kb") == {} and store.error("kb") is None

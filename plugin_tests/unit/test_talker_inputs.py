@@ -18,12 +18,13 @@ eos path is also tested by biasing the eos logit on both sides and forcing a min
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-
+from torch import nn  # noqa: E402
 from transformers import (  # noqa: E402
     Qwen3OmniMoeConfig,
     Qwen3OmniMoeForConditionalGeneration,
@@ -33,6 +34,209 @@ from vllm_omni_plugin.models.qwen3_omni import talker_inputs as ti  # noqa: E402
 
 THINKER_MAX_NEW = 12
 TALKER_MAX_NEW = 20  # HF max_new_tokens -> 19 frames
+
+
+# --------------------------------------------------------------------------------------------
+# HF's talker loop, re-expressed on HF's talker modules (the reference ``build_talker_prompt``
+# is checked through; the served talker, ``models/qwen3_omni/talker.py``, is checked against
+# HF ``generate`` directly in plugin_tests/engine/test_pipeline_engine.py)
+# --------------------------------------------------------------------------------------------
+
+# Defaults of ``Qwen3OmniMoeForConditionalGeneration.generate`` (transformers 5.19).
+HF_TALKER_TEMPERATURE = 0.9
+HF_TALKER_TOP_K = 50
+HF_TALKER_TOP_P = 1.0
+HF_TALKER_REPETITION_PENALTY = 1.05
+
+
+@torch.no_grad()
+def talker_step_embeds(
+    talker: nn.Module,
+    codes: torch.Tensor,
+    step: int,
+    trailing_text_hidden: torch.Tensor,
+    tts_pad_embed: torch.Tensor,
+) -> torch.Tensor:
+    """Talker input embedding ``[1, H]`` for decode step ``step`` (0-based after the prefill).
+
+    ``codes`` are the ``num_code_groups`` codes of frame ``step`` (the frame produced by the
+    previous talker position). Mirrors HF ``prepare_inputs_for_generation``: the codec embedding
+    of code 0 plus the code predictor's embedding ``j-1`` of code ``j`` (summed in that order),
+    plus ``trailing_text_hidden[step]`` or, once exhausted, ``tts_pad_embed``.
+    """
+    codes = codes.reshape(-1).to(torch.long)
+    dev = talker.get_input_embeddings().weight.device
+    codes = codes.to(dev)
+    cp_embeds = talker.code_predictor.get_input_embeddings()
+    if codes.shape[0] != len(cp_embeds) + 1:
+        raise ValueError(f"expected {len(cp_embeds) + 1} codes, got {codes.shape[0]}")
+    parts = [talker.get_input_embeddings()(codes[:1])]
+    parts += [cp_embeds[j - 1](codes[j : j + 1]) for j in range(1, codes.shape[0])]
+    embeds = torch.cat(parts, dim=0).unsqueeze(0).sum(1)  # [1, H]
+    if step < trailing_text_hidden.shape[0]:
+        return embeds + trailing_text_hidden[step : step + 1].to(embeds.device)
+    return embeds + tts_pad_embed.reshape(1, -1).to(embeds.device)
+
+
+@torch.no_grad()
+def predict_residual_codes(
+    talker: nn.Module,
+    last_hidden: torch.Tensor,
+    code0: torch.Tensor,
+    greedy: bool = True,
+    generator: torch.Generator | None = None,
+    *,
+    top_k: int = ti.HF_CODE_PREDICTOR_TOP_K,
+    top_p: float = ti.HF_CODE_PREDICTOR_TOP_P,
+) -> torch.Tensor:
+    """All ``num_code_groups`` codes of one frame (code0 first): ``LongTensor[num_code_groups]``.
+
+    ``last_hidden``: ``[1, H]`` talker last-layer (post-norm) hidden state at the position whose
+    ``codec_head`` logits produced ``code0``. Equivalent to HF's
+    ``code_predictor.generate(inputs_embeds=[last_hidden, codec_embedding(code0)],
+    max_new_tokens=num_code_groups-1)``: greedy is exact; sampled uses HF's top_k=50, top_p=0.8.
+    """
+    from transformers import DynamicCache
+
+    cp = talker.code_predictor
+    dev = last_hidden.device
+    code0 = code0.reshape(1).to(device=dev, dtype=torch.long)
+    cp_embeds = cp.get_input_embeddings()
+    num_groups = len(cp_embeds) + 1
+    cache = DynamicCache(config=cp.config)
+    code0_embed = talker.get_input_embeddings()(code0).reshape(1, 1, -1)
+    inputs = torch.cat((last_hidden.reshape(1, 1, -1).to(code0_embed.dtype), code0_embed), dim=1)
+    codes = [code0]
+    for j in range(num_groups - 1):
+        out = cp.model(inputs_embeds=inputs, past_key_values=cache, use_cache=True)
+        logits = cp.lm_head[j](out.last_hidden_state)[:, -1]
+        code = ti.sample_from_logits(
+            logits, greedy=greedy, top_k=top_k, top_p=top_p, generator=generator
+        ).to(torch.long)
+        codes.append(code)
+        if j + 1 < num_groups - 1:
+            inputs = cp_embeds[j](code).reshape(1, 1, -1)
+    return torch.cat(codes)
+
+
+def process_talker_logits(
+    logits: torch.Tensor,
+    generated_code0: torch.Tensor | Sequence[int],
+    config,
+    *,
+    repetition_penalty: float = HF_TALKER_REPETITION_PENALTY,
+    min_new_tokens: int = 0,
+    suppress_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """HF's talker logits processors for code 0, in HF order. ``logits``: [1, V] -> float32 [1, V].
+
+    1. repetition penalty (``RepetitionPenaltyLogitsProcessor``) over the code-0 ids generated so
+       far in this request (not the prompt): ``x < 0 ? x * p : x / p`` once per distinct id;
+    2. if ``len(generated_code0) < min_new_tokens``: eos -> -inf (``MinNewTokensLength``);
+    3. suppress mask (``ti.talker_logits_mask``) -> -inf.
+    """
+    tcfg = getattr(config, "talker_config", config)
+    scores = logits.float().reshape(1, -1).clone()
+    prev = torch.as_tensor(generated_code0, dtype=torch.long, device=scores.device).reshape(1, -1)
+    if repetition_penalty is not None and repetition_penalty != 1.0 and prev.numel() > 0:
+        score = torch.gather(scores, 1, prev)
+        score = torch.where(score < 0, score * repetition_penalty, score / repetition_penalty)
+        scores = scores.scatter(1, prev, score)
+    if prev.shape[1] < min_new_tokens:
+        scores[:, tcfg.codec_eos_token_id] = -float("inf")
+    if suppress_mask is None:
+        suppress_mask = ti.talker_logits_mask(config, scores.shape[-1])
+    return scores.masked_fill(suppress_mask.to(scores.device), -float("inf"))
+
+
+@torch.no_grad()
+def reference_talker_generate(
+    talker: nn.Module,
+    config,
+    prompt: ti.TalkerPrompt,
+    max_steps: int,
+    *,
+    repetition_penalty: float = HF_TALKER_REPETITION_PENALTY,
+    min_new_tokens: int = 0,
+    greedy: bool = True,
+    temperature: float = HF_TALKER_TEMPERATURE,
+    top_k: int = HF_TALKER_TOP_K,
+    top_p: float = HF_TALKER_TOP_P,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Reference talker loop on a plain ``DynamicCache``: ``LongTensor[num_code_groups, T]``.
+
+    Equals HF ``generate(..., talker_max_new_tokens=max_steps + 1,
+    talker_repetition_penalty=repetition_penalty, talker_min_new_tokens=min_new_tokens)`` codes
+    (greedy: exactly). ``T <= max_steps``; the eos frame is never included.
+    """
+    from transformers import DynamicCache
+
+    tcfg = config.talker_config
+    eos = tcfg.codec_eos_token_id
+    dev = prompt.prompt_embeds.device
+    suppress = ti.talker_logits_mask(config, tcfg.text_config.vocab_size).to(dev)
+    cache = DynamicCache(config=tcfg.text_config)
+
+    def forward(embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Positions default to cache length + arange: prefill 0..L-1, decode step s at L + s.
+        out = talker.model(inputs_embeds=embeds.unsqueeze(0), past_key_values=cache, use_cache=True)
+        hidden = out.last_hidden_state  # [1, n, H], post final norm
+        return hidden[:, -1], talker.codec_head(hidden)[:, -1]
+
+    hidden, logits = forward(prompt.prompt_embeds)
+    frames: list[torch.Tensor] = []
+    code0_history: list[int] = []
+    for step in range(max_steps):
+        scores = process_talker_logits(
+            logits,
+            code0_history,
+            config,
+            repetition_penalty=repetition_penalty,
+            min_new_tokens=min_new_tokens,
+            suppress_mask=suppress,
+        )
+        code0 = ti.sample_from_logits(
+            scores,
+            greedy=greedy,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            generator=generator,
+        )
+        if int(code0) == eos:
+            break
+        code0_history.append(int(code0))
+        codes = predict_residual_codes(talker, hidden, code0, greedy=greedy, generator=generator)
+        frames.append(codes)
+        if len(frames) == max_steps:
+            break
+        embeds = talker_step_embeds(
+            talker, codes, step, prompt.trailing_text_hidden, prompt.tts_pad_embed
+        )
+        hidden, logits = forward(embeds)
+    if not frames:
+        return torch.zeros((tcfg.num_code_groups, 0), dtype=torch.long, device=dev)
+    return torch.stack(frames, dim=1)
+
+
+def codes_for_code2wav(
+    codes: torch.Tensor, codec_eos_token_id: int | None = None
+) -> torch.Tensor:
+    """``[num_code_groups, T]`` frames -> ``[1, num_code_groups, T']`` code2wav input.
+
+    HF calls ``code2wav.chunked_decode(x, chunk_size=300, left_context_size=25)`` on exactly the
+    emitted frames (``T' = T``). If ``codec_eos_token_id`` is given, frames from the first one whose
+    code 0 is eos are dropped (for callers that record the eos step).
+    """
+    if codes.dim() != 2:
+        raise ValueError(f"expected codes [num_code_groups, T], got shape {tuple(codes.shape)}")
+    codes = codes.to(torch.long)
+    if codec_eos_token_id is not None:
+        hits = torch.nonzero(codes[0] == codec_eos_token_id, as_tuple=False).flatten()
+        if hits.numel():
+            codes = codes[:, : int(hits[0])]
+    return codes.unsqueeze(0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -265,7 +469,7 @@ def test_thinker_rows_are_all_positions_but_the_last(talker_parity_model):
     torch.testing.assert_close(embed, expected, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("repetition_penalty", [ti.HF_TALKER_REPETITION_PENALTY, 1.0])
+@pytest.mark.parametrize("repetition_penalty", [HF_TALKER_REPETITION_PENALTY, 1.0])
 def test_greedy_codes_and_waveform_match_hf(talker_parity_model, repetition_penalty):
     model, cfg = talker_parity_model, talker_parity_model.config
     ids = _prompt_ids(cfg)
@@ -274,13 +478,13 @@ def test_greedy_codes_and_waveform_match_hf(talker_parity_model, repetition_pena
         thinker_eos_token_id=cfg.im_end_token_id,
         talker_max_new_tokens=TALKER_MAX_NEW,
     )
-    if repetition_penalty != ti.HF_TALKER_REPETITION_PENALTY:
+    if repetition_penalty != HF_TALKER_REPETITION_PENALTY:
         kwargs["talker_repetition_penalty"] = repetition_penalty
     hf_seq, hf_wav, hf_codes = _hf_generate(model, ids, **kwargs)
 
     seq, _, _, prompt = _our_prompt(model, ids, cfg.im_end_token_id)
     assert torch.equal(seq, hf_seq)
-    codes = ti.reference_talker_generate(
+    codes = reference_talker_generate(
         model.talker, cfg, prompt, TALKER_MAX_NEW - 1, repetition_penalty=repetition_penalty
     )
     assert torch.equal(codes, hf_codes)
@@ -294,7 +498,7 @@ def test_greedy_codes_and_waveform_match_hf(talker_parity_model, repetition_pena
 
     with torch.no_grad():
         wav = model.code2wav.chunked_decode(
-            ti.codes_for_code2wav(codes),
+            codes_for_code2wav(codes),
             chunk_size=ti.HF_CODE2WAV_CHUNK_SIZE,
             left_context_size=ti.HF_CODE2WAV_LEFT_CONTEXT,
         ).float()
@@ -342,14 +546,14 @@ def test_thinker_eos_and_talker_eos_with_min_new_tokens(talker_parity_model):
 
         seq, _, _, prompt = _our_prompt(model, ids, thinker_eos)
         assert torch.equal(seq, hf_seq)
-        codes = ti.reference_talker_generate(model.talker, cfg, prompt, 39, min_new_tokens=min_new)
+        codes = reference_talker_generate(model.talker, cfg, prompt, 39, min_new_tokens=min_new)
         assert codes.shape[1] == min_new
         assert torch.equal(codes, hf_codes)
         # Without the minimum the biased talker stops at once.
-        empty = ti.reference_talker_generate(model.talker, cfg, prompt, 39)
+        empty = reference_talker_generate(model.talker, cfg, prompt, 39)
         assert empty.shape == (cfg.talker_config.num_code_groups, 0)
         with torch.no_grad():
-            wav = model.code2wav.chunked_decode(ti.codes_for_code2wav(codes)).float()
+            wav = model.code2wav.chunked_decode(codes_for_code2wav(codes)).float()
     finally:
         model.talker.codec_head = head
     torch.testing.assert_close(wav, hf_wav, rtol=0, atol=1e-5)
@@ -371,7 +575,7 @@ def test_sampled_talker_matches_hf_with_same_seed(talker_parity_model):
     )
     _, _, _, prompt = _our_prompt(model, ids, cfg.im_end_token_id)
     torch.manual_seed(1234)
-    codes = ti.reference_talker_generate(model.talker, cfg, prompt, n - 1, greedy=False)
+    codes = reference_talker_generate(model.talker, cfg, prompt, n - 1, greedy=False)
     assert torch.equal(codes, hf_codes)
     model.talker.code_predictor.generation_config.do_sample = False  # HF mutates it; reset
 
@@ -391,7 +595,7 @@ def test_predict_residual_codes_matches_code_predictor_generate(talker_parity_mo
             max_new_tokens=talker.config.num_code_groups - 1,
             do_sample=False,
         )
-    ours = ti.predict_residual_codes(talker, hidden, code0)
+    ours = predict_residual_codes(talker, hidden, code0)
     assert ours.shape == (talker.config.num_code_groups,)
     assert ours[0] == 7
     assert torch.equal(ours[1:], hf[0])
@@ -468,11 +672,11 @@ def test_process_talker_logits():
     eos = cfg.talker_config.codec_eos_token_id
     logits = torch.zeros(1, v)
     logits[0, 3], logits[0, 4], logits[0, eos] = 2.0, -2.0, 5.0
-    out = ti.process_talker_logits(logits, [3, 4, 3], cfg, min_new_tokens=4)
+    out = process_talker_logits(logits, [3, 4, 3], cfg, min_new_tokens=4)
     assert out[0, 3] == pytest.approx(2.0 / 1.05) and out[0, 4] == pytest.approx(-2.0 * 1.05)
     assert out[0, eos] == -float("inf")  # 3 generated < min_new_tokens 4
     assert out[0, cfg.talker_config.codec_pad_id] == -float("inf")
-    out = ti.process_talker_logits(logits, [3, 4, 3, 5], cfg, min_new_tokens=4)
+    out = process_talker_logits(logits, [3, 4, 3, 5], cfg, min_new_tokens=4)
     assert out[0, eos] == 5.0
 
 
@@ -482,23 +686,23 @@ def test_talker_step_embeds_uses_trailing_then_pad(talker_parity_model):
     codes = torch.arange(talker.config.num_code_groups) + 1
     trailing = torch.randn(3, h)
     pad = torch.randn(1, h)
-    zero = ti.talker_step_embeds(talker, codes, 5, torch.zeros(0, h), torch.zeros(1, h))
+    zero = talker_step_embeds(talker, codes, 5, torch.zeros(0, h), torch.zeros(1, h))
     expected = talker.get_input_embeddings()(codes[:1])
     for j, emb in enumerate(talker.code_predictor.get_input_embeddings(), start=1):
         expected = expected + emb(codes[j : j + 1])
     torch.testing.assert_close(zero, expected)
     for step in range(5):
-        got = ti.talker_step_embeds(talker, codes, step, trailing, pad)
+        got = talker_step_embeds(talker, codes, step, trailing, pad)
         add = trailing[step : step + 1] if step < 3 else pad
         torch.testing.assert_close(got, zero + add)
 
 
 def test_codes_for_code2wav():
     codes = torch.arange(16 * 5).reshape(16, 5) % 7
-    out = ti.codes_for_code2wav(codes)
+    out = codes_for_code2wav(codes)
     assert out.shape == (1, 16, 5) and out.dtype == torch.long
     assert torch.equal(out[0], codes)
     codes[0, 3] = 999
-    assert ti.codes_for_code2wav(codes, codec_eos_token_id=999).shape == (1, 16, 3)
+    assert codes_for_code2wav(codes, codec_eos_token_id=999).shape == (1, 16, 3)
     with pytest.raises(ValueError):
-        ti.codes_for_code2wav(codes[0])
+        codes_for_code2wav(codes[0])

@@ -103,11 +103,14 @@ async def run_on_engine(engine, store: PayloadStore, task: StageTask,
         raise TaskError(f"sampling params {task.sampling}: {exc}") from exc
     base = safe_key(task.request_id)
     in_key, out_key = f"{base}.in", f"{base}.out"
-    params.extra_args = {xargs.PAYLOAD: {"in": in_key, "out": out_key}}
+    # a stage whose request is all in its prompt (code2wav) gets no input key
+    keys = {"in": in_key, "out": out_key} if task.payload else {"out": out_key}
+    params.extra_args = {xargs.PAYLOAD: keys}
     produced = False
     final = None
     try:
-        await asyncio.to_thread(store.put, in_key, task.payload)
+        if task.payload:
+            await asyncio.to_thread(store.put, in_key, task.payload)
         store.create(out_key)
         prompt = TokensPrompt(prompt_token_ids=list(task.prompt_token_ids))
         try:

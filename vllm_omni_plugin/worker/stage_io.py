@@ -208,6 +208,9 @@ class StageIO:
         elif keys.input:
             try:
                 tracked.inputs = self.store.get(keys.input)
+                if not tracked.inputs:
+                    raise RuntimeError(f"stage {self.stage_id}: the input payload "
+                                       f"{keys.input!r} is missing or empty")
             except Exception as exc:
                 self.fail(new.req_id, tracked, exc)
 

@@ -11,18 +11,27 @@ Input: a JSON spec as ``argv[1]`` (or on stdin when no argument is given)::
     {
       "model": "/path/to/checkpoint",
       "payload_dir": "/path/to/store",
-      "engine_args": {...},                 # extra vllm.LLM(...) kwargs
-      "batches": [[[id, ...], ...], ...]    # llm.generate() calls, in order: prompts
+      "engines": [                              # run one after another
+        {
+          "name": "default",
+          "engine_args": {...},                 # extra vllm.LLM(...) kwargs
+          "batches": [[[id, ...], ...], ...],   # llm.generate() calls, in order: prompts
+          "probe": true                         # optional: see probe_model
+        }
+      ]
     }
 
-Each prompt of batch ``b`` publishes under the payload key ``"b{b}.p{i}"`` (created here,
-as the orchestrator does; its failure key is ``"b{b}.p{i}.err"``); ``max_tokens=1``.
+Each prompt ``i`` of batch ``b`` publishes under the payload key ``"{name}.b{b}.p{i}"``
+(created here, as the orchestrator does; its failure key is that key plus ``".err"``);
+``max_tokens=1``.
 
-Output: the last stdout line is ``{"batches": [{"keys": [...], "token_ids": [[...], ...],
-"finished": [...]}, ...], "steps": [[num_requests, num_tokens], ...] or None,
-"init_s": ..., "total_s": ...}``; ``steps`` lists the worker's steps with tokens
-(only when the engine core runs in this process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``);
-or ``{"error": traceback}``.
+Output: the last stdout line is ``{"engines": {name: result}}`` where ``result`` is
+``{"batches": [{"keys": [...], "token_ids": [[...], ...], "finished": [...]}, ...],
+"steps": [[num_requests, num_tokens], ...] or None, "init_s": ..., "total_s": ...}``
+(``steps``: the worker's steps with tokens, only when the engine core runs in this
+process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), or ``{"error": traceback}`` when that
+engine failed (the others still run); with ``"probe"`` it also holds ``"probe"``, what
+:func:`probe_model` returned.
 """
 
 from __future__ import annotations
@@ -73,7 +82,50 @@ def _observe_steps() -> None:
     OmniWorkerMixin.execute_model = execute_model
 
 
-def run(spec: dict) -> dict:
+def probe_model(model) -> dict:
+    """Drive the engine's model (inside its worker) through steps vLLM's scheduler does not
+    produce for it: rows of a prompt split over steps (the engine core turns chunked
+    prefill off for a model without KV cache), next to a whole prompt; then a forward
+    outside any step (vLLM's dummy runs)."""
+    import torch
+
+    from vllm_omni_plugin.worker.stage_io import ScheduledRequest
+
+    class Step:  # the StageStep interface the model uses
+        def __init__(self, rows):
+            self.rows, self.failures = rows, {}
+
+        def requests(self):
+            return self.rows
+
+        def failed(self, req_id):
+            return req_id in self.failures
+
+        def fail(self, req_id, exc):
+            self.failures[req_id] = f"{type(exc).__name__}: {exc}"
+
+    cfg = model.config
+    device = next(model.parameters()).device
+    frame = torch.arange(cfg.num_quantizers, device=device) * cfg.codebook_size  # codes 0
+    ids = frame.repeat(5 + 3 + 5)
+    step = Step([ScheduledRequest("split-first", 0, 64, 0, 80),
+                 ScheduledRequest("whole", 64, 48, 0, 48),
+                 ScheduledRequest("split-rest", 112, 16, 64, 80)])
+    model.stage_step = step
+    try:
+        hidden = model(ids[:128], torch.arange(128, device=device))
+    finally:
+        model.stage_step = None
+    outputs = {k: {n: list(t.shape) for n, t in v.items()}
+               for k, v in model.stage_output_requests().items()}
+    dummy = model(ids, torch.arange(ids.numel(), device=device))
+    return {"failures": step.failures, "outputs": outputs, "hidden": list(hidden.shape),
+            "dummy": list(dummy.shape), "dummy_zero": bool((dummy == 0).all()),
+            "dummy_outputs": len(model.stage_output_requests()),
+            "logits": list(model.compute_logits(hidden[:2]).shape)}
+
+
+def run(model: str, payload_dir: str, spec: dict) -> dict:
     from transformers import AutoConfig
     from vllm import LLM, SamplingParams
 
@@ -82,8 +134,9 @@ def run(spec: dict) -> dict:
     from vllm_omni_plugin.models.qwen3_omni.code2wav import Qwen3OmniCode2WavStage
     from vllm_omni_plugin.payload_store import PayloadStore
 
+    if STEPS is not None:
+        STEPS.clear()
     start = time.perf_counter()
-    model = spec["model"]
     # what the stage launcher (engine/stages.py) merges into the stage's hf_overrides
     overrides = Qwen3OmniCode2WavStage.engine_hf_overrides(AutoConfig.from_pretrained(model))
     engine_args = {
@@ -91,15 +144,15 @@ def run(spec: dict) -> dict:
         "hf_overrides": {"architectures": [ARCH], **overrides},
         "additional_config": OmniSettings(
             stage_configs_path=QWEN3_OMNI_YAML, stage_id=STAGE_ID, entry=False,
-            payload_dir=spec["payload_dir"]).additional_config(),
+            payload_dir=payload_dir).additional_config(),
         **spec.get("engine_args", {}),
     }
-    store = PayloadStore(spec["payload_dir"])
+    store = PayloadStore(payload_dir)
     llm = LLM(model, **engine_args)
     init_s = time.perf_counter() - start
     batches = []
     for b, prompts in enumerate(spec["batches"]):
-        keys = [f"b{b}.p{i}" for i in range(len(prompts))]
+        keys = [f"{spec['name']}.b{b}.p{i}" for i in range(len(prompts))]
         for key in keys:
             store.create(key)  # the consumer opens keys; the worker only writes
         params = [SamplingParams(temperature=0.0, max_tokens=1, detokenize=False,
@@ -112,8 +165,10 @@ def run(spec: dict) -> dict:
             "token_ids": [list(o.outputs[0].token_ids) for o in outs],
             "finished": [bool(o.finished) for o in outs],
         })
-    result = {"batches": batches, "steps": STEPS, "init_s": round(init_s, 2),
-              "total_s": round(time.perf_counter() - start, 2)}
+    probe = llm.apply_model(probe_model)[0] if spec.get("probe") else None
+    result = {"batches": batches, "probe": probe,
+              "steps": list(STEPS) if STEPS is not None else None,
+              "init_s": round(init_s, 2), "total_s": round(time.perf_counter() - start, 2)}
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
@@ -124,13 +179,16 @@ def main(argv: list[str]) -> int:
     spec = json.loads(argv[1] if len(argv) > 1 else sys.stdin.read())
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
         _observe_steps()  # the worker runs in this process
-    try:
-        result = run(spec)
-    except Exception:
-        traceback.print_exc()
-        result = {"error": traceback.format_exc()[-6000:]}
+    results = {}
+    for engine in spec["engines"]:
+        try:
+            results[engine["name"]] = run(spec["model"], spec["payload_dir"], engine)
+        except Exception:  # report it, run the other engines
+            traceback.print_exc()
+            results[engine["name"]] = {"error": traceback.format_exc()[-6000:]}
+        print(f"engine {engine['name']!r} done", file=sys.stderr, flush=True)
     sys.stdout.flush()
-    print(json.dumps(result), flush=True)
+    print(json.dumps({"engines": results}), flush=True)
     return 0
 
 

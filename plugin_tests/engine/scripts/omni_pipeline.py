@@ -1,9 +1,11 @@
-"""Drive a real OmniEngineClient (three EngineCores, reference backend) in one
-process and report what each scenario observed as JSON on the last stdout line.
+"""Drive a real OmniEngineClient (three EngineCores on vLLM's worker and model runner)
+in one process and report what each scenario observed as JSON on the last stdout line.
 
 Usage: python omni_pipeline.py CKPT YAML OUT_DIR SCENARIO [SCENARIO ...]
-Scenarios: parity (saves served codes/waveform to OUT_DIR/served.npz),
-cancel (client disconnect while the talker runs), abort (explicit abort()).
+Scenarios: parity (each of :data:`PROMPTS` alone, then :data:`CONCURRENT` requests
+cycling through them at once; codes and waveforms saved to OUT_DIR/served.npz as
+``{solo,concurrent}_{codes,waveform}_{i}``), cancel (client disconnect while the talker
+runs), abort (explicit abort()).
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ import sys
 import time
 
 import numpy as np
+
+PROMPTS = ["Say hello", "Tell me a story about a cat", "What is two plus two?", "hi"]
+CONCURRENT = 8
 
 
 async def _wait_for_stage(orchestrator, request_id, stage_id, timeout=120.0):
@@ -49,14 +54,14 @@ async def main(ckpt, yaml_path, out_dir, scenarios):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(ckpt)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "Say hello"}],
-                                         add_generation_prompt=True, tokenize=False)
-    prompt_ids = tokenizer(text, add_special_tokens=False).input_ids
-    report["prompt_ids"] = list(prompt_ids)
+    prompts = [tokenizer(tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False).input_ids for text in PROMPTS]
+    report["prompt_ids"] = [list(p) for p in prompts]
 
     results = {}
 
-    async def run(request_id):
+    async def run(request_id, prompt_ids=prompts[0]):
         """The final output; the pipeline's result lands in ``results[request_id]``."""
         final = None
         request = OmniRequest(modalities=("text", "audio"))
@@ -74,14 +79,23 @@ async def main(ckpt, yaml_path, out_dir, scenarios):
     talker = client.orchestrator.pools[1].replicas[0].engine
     try:
         if "parity" in scenarios:
-            final = await run("parity")
-            result = results.pop("parity", None)
-            assert result is not None and result.error is None, result
-            np.savez(os.path.join(out_dir, "served.npz"),
-                     codes=result.stage_outputs[1].payload["codes"].numpy(),
-                     waveform=result.payload["waveform"].numpy())
-            report["thinker_tokens"] = list(final.outputs[0].token_ids)
-            report["sample_rate"] = result.sample_rate
+            served, report["thinker_tokens"] = {}, {}
+
+            def keep(kind, i, final):
+                result = results.pop(f"{kind}{i}", None)
+                assert result is not None and result.error is None, result
+                served[f"{kind}_codes_{i}"] = result.stage_outputs[1].payload["codes"].numpy()
+                served[f"{kind}_waveform_{i}"] = result.payload["waveform"].numpy()
+                report["thinker_tokens"][f"{kind}_{i}"] = list(final.outputs[0].token_ids)
+                report["sample_rate"] = result.sample_rate
+
+            for i, prompt in enumerate(prompts):
+                keep("solo", i, await run(f"solo{i}", prompt))
+            finals = await asyncio.gather(*(run(f"concurrent{i}", prompts[i % len(prompts)])
+                                            for i in range(CONCURRENT)))
+            for i, final in enumerate(finals):
+                keep("concurrent", i, final)
+            np.savez(os.path.join(out_dir, "served.npz"), **served)
         for scenario in ("cancel", "abort"):
             if scenario not in scenarios:
                 continue

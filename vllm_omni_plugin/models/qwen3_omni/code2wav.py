@@ -8,7 +8,8 @@ model runner (the plugin's ``OmniWorker``), batched across requests like any mod
   ``q * codebook_size + codes[t, q]`` (:func:`code2wav_prompt_ids`; prompt length
   ``num_quantizers * T``). These are exactly the rows of HF's ``code_embedding`` table
   that HF looks up (``codes + code_offset``), so vLLM validates them against the
-  vocabulary ``num_quantizers * codebook_size`` (:meth:`Qwen3OmniCode2WavStage.engine_hf_overrides`).
+  vocabulary ``num_quantizers * codebook_size``
+  (:meth:`Qwen3OmniCode2WavStage.engine_hf_overrides`).
 * **Forward.** For every request of the step (read from the ``StageStep`` the worker binds
   to ``model.stage_step``), the waveform HF ``Qwen3OmniMoeCode2Wav.chunked_decode(codes,
   chunk_size=300, left_context_size=25)`` returns, computed here: the step's chunks of all
@@ -25,8 +26,12 @@ rotary embedding, activation) with a causal sliding-window attention computed in
 by ``torch.nn.functional.scaled_dot_product_attention``; the convolutional upsampler and
 decoder, which vLLM has no layers for, are transformers' own modules.
 
-The engine must run with chunked prefill off (a request's prompt in one step), prefix
-caching off, and ``max_tokens=1``.
+Engine settings: ``enable_chunked_prefill: false``, ``enable_prefix_caching: false``,
+``max_tokens=1``. vLLM's engine core turns chunked prefill off by itself for a model
+without KV cache, whatever the engine args say, so a prompt longer than
+``max_num_batched_tokens`` would never be scheduled (its request waits forever); with
+``enable_chunked_prefill: false`` vLLM defaults ``max_num_batched_tokens`` to
+``max_model_len`` and refuses a smaller one. Prefix caching would skip prompt positions.
 """
 
 from __future__ import annotations
@@ -313,7 +318,13 @@ def _length_after(module: nn.Module, n: int) -> int:
 def _right_padding_is_exact(module: nn.Module) -> bool:
     """True when every convolution is causal, so frames appended after a sequence do not
     change its outputs: stride-1 causal convs (their right padding is 0) and transposed
-    convs that trim at least ``kernel - stride`` samples on the right."""
+    convs that trim at least ``kernel - stride`` samples on the right (and no other
+    convolution)."""
+    causal = (hf.Qwen3OmniMoeCausalConvNet, hf.Qwen3OmniMoeCausalTransConvNet)
+    wrapped = {id(m.conv) for m in module.modules() if isinstance(m, causal)}
+    if any(isinstance(m, nn.modules.conv._ConvNd) and id(m) not in wrapped
+           for m in module.modules()):
+        return False
     for m in module.modules():
         if isinstance(m, hf.Qwen3OmniMoeCausalConvNet) and m.stride != 1:
             return False
@@ -341,6 +352,8 @@ class Qwen3OmniCode2Wav(nn.Module):
         self.code_embedding = VocabParallelEmbedding(
             self.codebook_size * self.num_quantizers, config.hidden_size,
             prefix=f"{prefix}.code_embedding")
+        self.register_buffer("code_offset", torch.arange(self.num_quantizers) * self.codebook_size,
+                             persistent=False)
         self.pre_transformer = Code2WavTransformer(config, prefix=f"{prefix}.pre_transformer")
         # the convolutional parts are transformers' modules, built as HF builds them
         dtype = torch.get_default_dtype()
@@ -368,18 +381,19 @@ class Qwen3OmniCode2Wav(nn.Module):
             n = _length_after(block, n)
         return n
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, codes: torch.Tensor) -> torch.Tensor:
         """HF ``Qwen3OmniMoeCode2Wav.forward`` on a batch of equal-length sequences.
 
         Args:
-            ids: ``[batch, frames, num_quantizers]`` int64 embedding rows
-                (``q * codebook_size + code``, i.e. prompt ids).
+            codes: ``[batch, frames, num_quantizers]`` int64 codes in ``[0, codebook_size)``
+                (HF takes ``[batch, num_quantizers, frames]``).
 
         Returns:
             ``[batch, num_samples(frames)]`` waveforms in ``[-1, 1]`` (model dtype).
         """
-        batch, frames, nq = ids.shape
-        hidden = self.code_embedding(ids.reshape(-1)).view(batch, frames, nq, -1).mean(2)
+        batch, frames, nq = codes.shape
+        rows = (codes + self.code_offset).reshape(-1)
+        hidden = self.code_embedding(rows).view(batch, frames, nq, -1).mean(2)
         hidden = self.pre_transformer(hidden).permute(0, 2, 1)
         for blocks in self.upsample:
             for block in blocks:
@@ -395,7 +409,7 @@ class _Job:
     """One request being decoded in a step."""
 
     req_id: str
-    ids: torch.Tensor  # [T, num_quantizers] embedding rows
+    codes: torch.Tensor  # [T, num_quantizers]
     pieces: dict[int, torch.Tensor] | None  # segment index -> samples kept; None: failed
 
 
@@ -486,9 +500,9 @@ class Qwen3OmniCode2WavStage(nn.Module, SupportsMRoPE):
                         f"{r.num_computed}..{r.num_computed + r.num_tokens} of "
                         f"{r.num_prompt_tokens}: set enable_chunked_prefill: false (and a "
                         "max_num_batched_tokens >= max_model_len) in this stage's engine_args")
-                ids = input_ids[r.start:r.start + r.num_tokens]
-                codes = codes_from_prompt_ids(ids, self.config)
-                jobs.append(_Job(r.req_id, codes + self._offsets(codes.device), {}))
+                codes = codes_from_prompt_ids(input_ids[r.start:r.start + r.num_tokens],
+                                              self.config)
+                jobs.append(_Job(r.req_id, codes, {}))
             except Exception as exc:
                 step.fail(r.req_id, exc)
         if jobs:
@@ -508,15 +522,11 @@ class Qwen3OmniCode2WavStage(nn.Module, SupportsMRoPE):
         return self._outputs
 
     # -- decoding -----------------------------------------------------------------------
-    def _offsets(self, device) -> torch.Tensor:
-        return torch.arange(self.code2wav.num_quantizers, dtype=torch.long,
-                            device=device) * self.code2wav.codebook_size
-
     def _decode(self, jobs: list[_Job]) -> None:
         """Every job's waveform into :attr:`_outputs`; a job that fails is failed alone."""
         model = self.code2wav
         work = [(job, i, seg) for job in jobs
-                for i, seg in enumerate(chunk_schedule(job.ids.shape[0]))]
+                for i, seg in enumerate(chunk_schedule(job.codes.shape[0]))]
         if model.right_padding_is_exact:
             # longest first, so each padded call holds chunks of similar lengths
             work.sort(key=lambda item: item[2].end - item[2].begin, reverse=True)
@@ -560,9 +570,9 @@ class Qwen3OmniCode2WavStage(nn.Module, SupportsMRoPE):
             return
         frames = max(seg.end - seg.begin for _, _, seg in group)
         batch = torch.zeros(len(group), frames, model.num_quantizers, dtype=torch.long,
-                            device=group[0][0].ids.device)
+                            device=group[0][0].codes.device)
         for row, (job, _, seg) in enumerate(group):
-            batch[row, :seg.end - seg.begin] = job.ids[seg.begin:seg.end]
+            batch[row, :seg.end - seg.begin] = job.codes[seg.begin:seg.end]
         wav = model(batch)
         for row, (job, index, seg) in enumerate(group):
             end = model.num_samples(seg.end - seg.begin)

@@ -7,8 +7,8 @@ from vLLM's linear, norm, rotary and embedding layers. vLLM's scheduler batches,
 and preempts talker requests like any other, and vLLM's sampler draws code 0.
 
 One talker request (input payload from ``thinker2talker``, a prompt of ``L`` placeholder
-ids) runs as in HF ``Qwen3OmniMoeForConditionalGeneration.generate`` (the executable spec
-is :func:`.talker_inputs.reference_talker_generate`):
+ids) runs as in HF ``Qwen3OmniMoeForConditionalGeneration.generate`` (written out in
+:mod:`.talker_inputs`):
 
 * prompt position ``p < L`` takes row ``p`` of :func:`.talker_inputs.build_talker_prompt`;
 * the token vLLM samples at position ``L + s - 1`` is code 0 of frame ``s``; when it is fed
@@ -48,7 +48,10 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.interfaces import SupportsMRoPE
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeMLP, Qwen3MoeModel
 
+from vllm_omni_plugin.logger import init_logger
 from vllm_omni_plugin.models.qwen3_omni import talker_inputs as ti
+
+logger = init_logger(__name__)
 
 #: vLLM's sampler treats a temperature below this as greedy (``vllm.v1.sample``).
 _GREEDY_TEMPERATURE = 1e-5
@@ -308,10 +311,12 @@ class Qwen3OmniTalkerStage(nn.Module, SupportsMRoPE):
         if self.stage_step is not None:
             for r in self.stage_step.requests():
                 state = self._requests.get(r.req_id)
-                if state is not None:
+                last = r.num_computed + r.num_tokens - 1
+                # a recompute after preemption re-feeds earlier positions: keep the newest
+                if state is not None and last >= state.hidden_pos:
                     # a copy: the runner may reuse its output buffer next step
                     state.hidden = hidden[r.start + r.num_tokens - 1].clone()
-                    state.hidden_pos = r.num_computed + r.num_tokens - 1
+                    state.hidden_pos = last
         return hidden
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
@@ -346,6 +351,10 @@ class Qwen3OmniTalkerStage(nn.Module, SupportsMRoPE):
                 for pos in range(max(first, length), end):
                     row = r.start + pos - first
                     if pos - length < len(state.frames):  # recomputed after preemption
+                        if pos == length:
+                            logger.info("talker request %s resumed after preemption: its %d "
+                                        "frames are reused, not predicted again", r.req_id,
+                                        len(state.frames))
                         frame = state.frames[pos - length]
                         rows[row] = self._frame_embeds(frame[None], [state], [pos - length])[0]
                     elif pos - 1 != state.hidden_pos:

@@ -2,9 +2,10 @@
 
 HF transformers (5.19, ``models/qwen3_omni_moe/modeling_qwen3_omni_moe.py``) runs thinker ->
 talker -> code2wav inside one ``generate`` call. Our stages are separate processes with a paged KV
-cache, so this module re-expresses the HF glue as pure functions. Everything here is checked
-bit-for-bit against HF ``generate`` in ``plugin_tests/unit/test_talker_inputs.py`` (greedy, and
-sampled with the same global torch seed: the RNG draws happen in HF's order).
+cache, so this module writes the HF glue down: the talker prompt as pure functions
+(``build_talker_prompt``, checked bit-for-bit against HF ``generate`` in
+``plugin_tests/unit/test_talker_inputs.py``, greedy and sampled with the same global torch seed)
+and the decode loop as a description, which ``models/qwen3_omni/talker.py`` serves.
 
 Thinker outputs the talker needs
 --------------------------------
@@ -51,8 +52,9 @@ Talker prompt (``build_talker_prompt``)
 * ``talker_input_ids = [user token ids ; tts_pad_token_id x 9]``; only used by HF for the 3D rope
   index when audio/image/video inputs are present (``audio_feature_lengths`` / grid kwargs).
 
-Talker decode (``reference_talker_generate`` is the executable spec)
---------------------------------------------------------------------
+Talker decode (``models/qwen3_omni/talker.py`` serves it; the test's ``reference_talker_generate``
+re-runs it on HF's modules)
+----------------------------------------------------------------------------------------------
 Prefill: feed ``prompt_embeds`` ([L, H]) at positions ``0 .. L-1``. Decode step ``s`` (0-based)
 feeds one embedding at position ``L + s``. Text-only: HF builds 4-row position ids
 ``[text; t; h; w]`` with all rows equal to ``0..L-1`` (attention mask cumsum - 1) and then
@@ -66,7 +68,7 @@ Per frame ``f`` (one talker position gives one 16-code frame):
 
 1. ``h = talker.model(...).last_hidden_state[:, -1]`` (after the final norm) at the last fed
    position; ``logits = talker.codec_head(h)`` in float32.
-2. logits processors (``process_talker_logits``), in HF order: repetition penalty over the code-0
+2. logits processors, in HF order: repetition penalty over the code-0
    tokens generated so far (HF default ``talker_repetition_penalty=1.05``, applied EVEN when
    greedy; the prompt is excluded because HF generates from ``inputs_embeds``), the min-new-tokens
    eos mask (only if requested), then ``talker_logits_mask``: ids ``[V-1024, V)`` minus
@@ -74,27 +76,27 @@ Per frame ``f`` (one talker position gives one 16-code frame):
    Sampled (HF defaults): temperature 0.9, top_k 50, top_p 1.0, multinomial.
 3. ``code0 == codec_eos_token_id`` -> stop; the eos frame is not emitted (HF never computes its
    residual codes).
-4. ``codes = predict_residual_codes(talker, h, code0)``: code predictor prefill over
+4. residual codes: code predictor prefill over
    ``[h, talker.codec_embedding(code0)]`` (positions 0, 1, ``lm_head[0]``), then 14 single-token
    steps feeding ``code_predictor.model.codec_embedding[j-1](code_j)`` at position ``j+1`` and
    reading ``lm_head[j]``. Fresh cache per frame. Greedy argmax, or HF sampling (top_k 50,
    top_p 0.8, temperature 1) when the talker samples.
-5. Next talker input (``talker_step_embeds``) for decode step ``s = f``:
+5. Next talker input for decode step ``s = f``:
    ``talker.codec_embedding(code0) + sum_j code_predictor.codec_embedding[j-1](code_j)
    + (trailing_text_hidden[s] if s < len(trailing_text_hidden) else tts_pad_embed)``.
 
 HF ``talker_max_new_tokens = N`` yields at most ``N - 1`` frames: the N-th code 0 is sampled but
-its residual codes are never computed (they would be computed by the following forward). So
-``reference_talker_generate(max_steps=N - 1)`` reproduces HF exactly and never runs that wasted
-forward. HF's ``talker_min_new_tokens = m`` masks eos while fewer than ``m`` code-0 tokens exist.
+its residual codes are never computed (they would be computed by the following forward). So a
+loop of ``N - 1`` frames reproduces HF exactly and never runs that wasted forward. HF's
+``talker_min_new_tokens = m`` masks eos while fewer than ``m`` code-0 tokens exist.
 
 Code2wav
 --------
 HF stacks the per-step residual codes into ``[1, 16, T]`` (T = emitted frames; for a single
 sequence no eos column ever exists, so nothing is trimmed) and calls
 ``code2wav.chunked_decode(codes, chunk_size=300, left_context_size=25)``, returning
-``wav.float()`` of shape ``[1, 1, samples]``. ``codes_for_code2wav`` builds that input. (For
-batches HF zeroes codes past each row's eos and cuts each waveform; not needed per request.)
+``wav.float()`` of shape ``[1, 1, samples]``. (For batches HF zeroes codes past each row's eos
+and cuts each waveform; not needed per request.)
 """
 
 from __future__ import annotations
@@ -110,27 +112,13 @@ __all__ = [
     "HF_CODE2WAV_LEFT_CONTEXT",
     "HF_CODE_PREDICTOR_TOP_K",
     "HF_CODE_PREDICTOR_TOP_P",
-    "HF_TALKER_REPETITION_PENALTY",
-    "HF_TALKER_TEMPERATURE",
-    "HF_TALKER_TOP_K",
-    "HF_TALKER_TOP_P",
     "TalkerPrompt",
     "build_talker_prompt",
-    "codes_for_code2wav",
-    "predict_residual_codes",
-    "process_talker_logits",
-    "reference_talker_generate",
     "sample_from_logits",
     "talker_logits_mask",
-    "talker_step_embeds",
     "tts_token_embeds_from",
 ]
 
-# Defaults of ``Qwen3OmniMoeForConditionalGeneration.generate`` (transformers 5.19).
-HF_TALKER_TEMPERATURE = 0.9
-HF_TALKER_TOP_K = 50
-HF_TALKER_TOP_P = 1.0
-HF_TALKER_REPETITION_PENALTY = 1.05
 # ``Qwen3OmniMoeTalkerForConditionalGeneration.prepare_inputs_for_generation`` when sampling.
 HF_CODE_PREDICTOR_TOP_K = 50
 HF_CODE_PREDICTOR_TOP_P = 0.8
@@ -374,35 +362,6 @@ def build_talker_prompt(
     )
 
 
-@torch.no_grad()
-def talker_step_embeds(
-    talker: nn.Module,
-    codes: torch.Tensor,
-    step: int,
-    trailing_text_hidden: torch.Tensor,
-    tts_pad_embed: torch.Tensor,
-) -> torch.Tensor:
-    """Talker input embedding ``[1, H]`` for decode step ``step`` (0-based after the prefill).
-
-    ``codes`` are the ``num_code_groups`` codes of frame ``step`` (the frame produced by the
-    previous talker position). Mirrors HF ``prepare_inputs_for_generation``: the codec embedding
-    of code 0 plus the code predictor's embedding ``j-1`` of code ``j`` (summed in that order),
-    plus ``trailing_text_hidden[step]`` or, once exhausted, ``tts_pad_embed``.
-    """
-    codes = codes.reshape(-1).to(torch.long)
-    dev = talker.get_input_embeddings().weight.device
-    codes = codes.to(dev)
-    cp_embeds = talker.code_predictor.get_input_embeddings()
-    if codes.shape[0] != len(cp_embeds) + 1:
-        raise ValueError(f"expected {len(cp_embeds) + 1} codes, got {codes.shape[0]}")
-    parts = [talker.get_input_embeddings()(codes[:1])]
-    parts += [cp_embeds[j - 1](codes[j : j + 1]) for j in range(1, codes.shape[0])]
-    embeds = torch.cat(parts, dim=0).unsqueeze(0).sum(1)  # [1, H]
-    if step < trailing_text_hidden.shape[0]:
-        return embeds + trailing_text_hidden[step : step + 1].to(embeds.device)
-    return embeds + tts_pad_embed.reshape(1, -1).to(embeds.device)
-
-
 def sample_from_logits(
     logits: torch.Tensor,
     *,
@@ -432,47 +391,6 @@ def sample_from_logits(
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
 
 
-@torch.no_grad()
-def predict_residual_codes(
-    talker: nn.Module,
-    last_hidden: torch.Tensor,
-    code0: torch.Tensor,
-    greedy: bool = True,
-    generator: torch.Generator | None = None,
-    *,
-    top_k: int = HF_CODE_PREDICTOR_TOP_K,
-    top_p: float = HF_CODE_PREDICTOR_TOP_P,
-) -> torch.Tensor:
-    """All ``num_code_groups`` codes of one frame (code0 first): ``LongTensor[num_code_groups]``.
-
-    ``last_hidden``: ``[1, H]`` talker last-layer (post-norm) hidden state at the position whose
-    ``codec_head`` logits produced ``code0``. Equivalent to HF's
-    ``code_predictor.generate(inputs_embeds=[last_hidden, codec_embedding(code0)],
-    max_new_tokens=num_code_groups-1)``: greedy is exact; sampled uses HF's top_k=50, top_p=0.8.
-    """
-    from transformers import DynamicCache
-
-    cp = talker.code_predictor
-    dev = last_hidden.device
-    code0 = code0.reshape(1).to(device=dev, dtype=torch.long)
-    cp_embeds = cp.get_input_embeddings()
-    num_groups = len(cp_embeds) + 1
-    cache = DynamicCache(config=cp.config)
-    code0_embed = talker.get_input_embeddings()(code0).reshape(1, 1, -1)
-    inputs = torch.cat((last_hidden.reshape(1, 1, -1).to(code0_embed.dtype), code0_embed), dim=1)
-    codes = [code0]
-    for j in range(num_groups - 1):
-        out = cp.model(inputs_embeds=inputs, past_key_values=cache, use_cache=True)
-        logits = cp.lm_head[j](out.last_hidden_state)[:, -1]
-        code = sample_from_logits(
-            logits, greedy=greedy, top_k=top_k, top_p=top_p, generator=generator
-        ).to(torch.long)
-        codes.append(code)
-        if j + 1 < num_groups - 1:
-            inputs = cp_embeds[j](code).reshape(1, 1, -1)
-    return torch.cat(codes)
-
-
 def talker_logits_mask(config, vocab_size: int | None = None) -> torch.Tensor:
     """``BoolTensor[V]``, True = suppressed (logit set to ``-inf``) for the talker's code 0.
 
@@ -488,123 +406,3 @@ def talker_logits_mask(config, vocab_size: int | None = None) -> torch.Tensor:
     if 0 <= tcfg.codec_eos_token_id < v:
         mask[tcfg.codec_eos_token_id] = False
     return mask
-
-
-def process_talker_logits(
-    logits: torch.Tensor,
-    generated_code0: torch.Tensor | Sequence[int],
-    config,
-    *,
-    repetition_penalty: float = HF_TALKER_REPETITION_PENALTY,
-    min_new_tokens: int = 0,
-    suppress_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """HF's talker logits processors for code 0, in HF order. ``logits``: [1, V] -> float32 [1, V].
-
-    1. repetition penalty (``RepetitionPenaltyLogitsProcessor``) over the code-0 ids generated so
-       far in this request (not the prompt): ``x < 0 ? x * p : x / p`` once per distinct id;
-    2. if ``len(generated_code0) < min_new_tokens``: eos -> -inf (``MinNewTokensLength``);
-    3. suppress mask (``talker_logits_mask``) -> -inf.
-    """
-    tcfg = getattr(config, "talker_config", config)
-    scores = logits.float().reshape(1, -1).clone()
-    prev = torch.as_tensor(generated_code0, dtype=torch.long, device=scores.device).reshape(1, -1)
-    if repetition_penalty is not None and repetition_penalty != 1.0 and prev.numel() > 0:
-        score = torch.gather(scores, 1, prev)
-        score = torch.where(score < 0, score * repetition_penalty, score / repetition_penalty)
-        scores = scores.scatter(1, prev, score)
-    if prev.shape[1] < min_new_tokens:
-        scores[:, tcfg.codec_eos_token_id] = -float("inf")
-    if suppress_mask is None:
-        suppress_mask = talker_logits_mask(config, scores.shape[-1])
-    return scores.masked_fill(suppress_mask.to(scores.device), -float("inf"))
-
-
-@torch.no_grad()
-def reference_talker_generate(
-    talker: nn.Module,
-    config,
-    prompt: TalkerPrompt,
-    max_steps: int,
-    *,
-    repetition_penalty: float = HF_TALKER_REPETITION_PENALTY,
-    min_new_tokens: int = 0,
-    greedy: bool = True,
-    temperature: float = HF_TALKER_TEMPERATURE,
-    top_k: int = HF_TALKER_TOP_K,
-    top_p: float = HF_TALKER_TOP_P,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """Reference talker loop on a plain ``DynamicCache``: ``LongTensor[num_code_groups, T]``.
-
-    Equals HF ``generate(..., talker_max_new_tokens=max_steps + 1,
-    talker_repetition_penalty=repetition_penalty, talker_min_new_tokens=min_new_tokens)`` codes
-    (greedy: exactly). ``T <= max_steps``; the eos frame is never included.
-    """
-    from transformers import DynamicCache
-
-    tcfg = config.talker_config
-    eos = tcfg.codec_eos_token_id
-    dev = prompt.prompt_embeds.device
-    suppress = talker_logits_mask(config, tcfg.text_config.vocab_size).to(dev)
-    cache = DynamicCache(config=tcfg.text_config)
-
-    def forward(embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # Positions default to cache length + arange: prefill 0..L-1, decode step s at L + s.
-        out = talker.model(inputs_embeds=embeds.unsqueeze(0), past_key_values=cache, use_cache=True)
-        hidden = out.last_hidden_state  # [1, n, H], post final norm
-        return hidden[:, -1], talker.codec_head(hidden)[:, -1]
-
-    hidden, logits = forward(prompt.prompt_embeds)
-    frames: list[torch.Tensor] = []
-    code0_history: list[int] = []
-    for step in range(max_steps):
-        scores = process_talker_logits(
-            logits,
-            code0_history,
-            config,
-            repetition_penalty=repetition_penalty,
-            min_new_tokens=min_new_tokens,
-            suppress_mask=suppress,
-        )
-        code0 = sample_from_logits(
-            scores,
-            greedy=greedy,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            generator=generator,
-        )
-        if int(code0) == eos:
-            break
-        code0_history.append(int(code0))
-        codes = predict_residual_codes(talker, hidden, code0, greedy=greedy, generator=generator)
-        frames.append(codes)
-        if len(frames) == max_steps:
-            break
-        embeds = talker_step_embeds(
-            talker, codes, step, prompt.trailing_text_hidden, prompt.tts_pad_embed
-        )
-        hidden, logits = forward(embeds)
-    if not frames:
-        return torch.zeros((tcfg.num_code_groups, 0), dtype=torch.long, device=dev)
-    return torch.stack(frames, dim=1)
-
-
-def codes_for_code2wav(
-    codes: torch.Tensor, codec_eos_token_id: int | None = None
-) -> torch.Tensor:
-    """``[num_code_groups, T]`` frames -> ``[1, num_code_groups, T']`` code2wav input.
-
-    HF calls ``code2wav.chunked_decode(x, chunk_size=300, left_context_size=25)`` on exactly the
-    emitted frames (``T' = T``). If ``codec_eos_token_id`` is given, frames from the first one whose
-    code 0 is eos are dropped (for callers that record the eos step).
-    """
-    if codes.dim() != 2:
-        raise ValueError(f"expected codes [num_code_groups, T], got shape {tuple(codes.shape)}")
-    codes = codes.to(torch.long)
-    if codec_eos_token_id is not None:
-        hits = torch.nonzero(codes[0] == codec_eos_token_id, as_tuple=False).flatten()
-        if hits.numel():
-            codes = codes[:, : int(hits[0])]
-    return codes.unsqueeze(0)

@@ -1,0 +1,145 @@
+"""Audio chat throughput of the pipeline at several concurrencies, side by side in one run.
+
+One ``vllm serve CKPT --stage-configs-path stage_configs/qwen3_omni_moe.yaml`` on the
+tiny Qwen3-Omni checkpoint (every stage on vLLM's worker and model runner), with the
+talker's codec-frame budget set to ``--talker-frames`` (a copy of the YAML). Each chat
+asks for text and audio (``modalities: ["text", "audio"]``, greedy, ``max_tokens``
+``--max-tokens`` for the thinker); the prompts differ per request.
+
+After a warm-up at every concurrency, each of ``--trials`` trials runs ``--requests``
+chats at each concurrency in ``--concurrency`` (order rotating per trial, so slow
+drifts of a shared machine hit every level alike). Printed per concurrency (medians
+over trials): requests/s, latency p50 and p99 (all trials' requests), the real-time
+factor (request latency / seconds of speech returned; below 1 is faster than real
+time) and requests/s relative to concurrency 1 (the issue's target: >= 3x at 8).
+
+Usage (from the repository root)::
+
+    .venv/bin/python benchmarks/audio_bench.py
+    .venv/bin/python benchmarks/audio_bench.py --concurrency 1 8 16 --trials 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import (  # noqa: E402
+    REPO,
+    Server,
+    fmt,
+    free_port,
+    install_sigterm_as_interrupt,
+    make_checkpoint,
+    median,
+    table,
+    venv_bin,
+    wait_health,
+    wav_seconds,
+    write_short_talker_yaml,
+)
+
+YAML = REPO / "stage_configs" / "qwen3_omni_moe.yaml"
+
+
+async def _chats(url: str, model: str, requests: int, concurrency: int,
+                 max_tokens: int) -> tuple[float, list[float], list[float]]:
+    """(requests/s, per-request latencies in s, per-request seconds of speech)."""
+    import aiohttp  # a vLLM requirement
+
+    todo = iter(range(requests))
+    latencies: list[float] = []
+    speech: list[float] = []
+
+    async def worker(session):
+        for i in todo:
+            body = {"model": model, "max_tokens": max_tokens, "temperature": 0,
+                    "modalities": ["text", "audio"],
+                    "messages": [{"role": "user", "content": f"request {i}: say something"}]}
+            start = time.perf_counter()
+            async with session.post(f"{url}/v1/chat/completions", json=body) as r:
+                answer = await r.json()
+                if r.status != 200:
+                    raise RuntimeError(f"chat {i}: HTTP {r.status}: {str(answer)[:500]}")
+            latencies.append(time.perf_counter() - start)
+            speech.append(wav_seconds(answer["choices"][0]["message"]["audio"]["data"]))
+
+    timeout = aiohttp.ClientTimeout(total=1800)
+    async with aiohttp.ClientSession(timeout=timeout,
+                                     connector=aiohttp.TCPConnector(limit=concurrency,
+                                                                    force_close=True)) as s:
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(s) for _ in range(concurrency)))
+        return requests / (time.perf_counter() - start), latencies, speech
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", type=Path, help="tiny checkpoint dir (made if missing)")
+    parser.add_argument("--trials", type=int, default=3, help="measurements per concurrency")
+    parser.add_argument("--requests", type=int, default=16, help="chats per measurement")
+    parser.add_argument("--max-tokens", type=int, default=16, help="thinker tokens per chat")
+    parser.add_argument("--talker-frames", type=int, default=64,
+                        help="talker max_tokens (codec frames, 12.5 per second of speech)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--timeout", type=float, default=600)
+    args = parser.parse_args()
+    install_sigterm_as_interrupt()
+    tmp = Path(tempfile.mkdtemp(prefix="audio-bench-"))
+    ckpt = args.checkpoint or tmp / "ckpt"
+    if not (ckpt / "config.json").exists():
+        make_checkpoint(ckpt)
+    yaml_path = write_short_talker_yaml(YAML, tmp / "pipeline.yaml", args.talker_frames)
+    port = free_port()
+    argv = [venv_bin("vllm"), "serve", str(ckpt), "--max-model-len", "2048", "--dtype",
+            "float32", "--gpu-memory-utilization", "0.3", "--host", "127.0.0.1",
+            "--port", str(port), "--stage-configs-path", str(yaml_path)]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    url = f"http://127.0.0.1:{port}"
+    results: dict[int, list[tuple[float, list[float], list[float]]]] = {
+        c: [] for c in args.concurrency}
+    with Server(argv, env, tmp / "serve.log") as server:
+        ready = wait_health(server, f"{url}/health", timeout=args.timeout)
+        print(f"server ready in {ready:.1f} s (log {tmp / 'serve.log'})", flush=True)
+        for c in args.concurrency:  # warm-up
+            asyncio.run(_chats(url, str(ckpt), 2 * c, c, args.max_tokens))
+        for trial in range(args.trials):
+            order = args.concurrency[trial % len(args.concurrency):] + \
+                args.concurrency[:trial % len(args.concurrency)]
+            for c in order:
+                results[c].append(asyncio.run(_chats(url, str(ckpt), args.requests, c,
+                                                     args.max_tokens)))
+                print(f"trial {trial + 1}, c={c}: {results[c][-1][0]:.3f} req/s", flush=True)
+    base = median([r[0] for r in results[args.concurrency[0]]])
+    rows = []
+    for c in args.concurrency:
+        rates = [r[0] for r in results[c]]
+        latencies = [x for r in results[c] for x in r[1]]
+        rtf = [lat / s for r in results[c] for lat, s in zip(r[1], r[2], strict=True) if s]
+        speech = [s for r in results[c] for s in r[2]]
+        rows.append([str(c), fmt(median(rates), ".3f"), fmt(_percentile(latencies, 0.5), ".2f"),
+                     fmt(_percentile(latencies, 0.99), ".2f"), fmt(median(speech), ".2f"),
+                     fmt(median(rtf), ".2f"),
+                     fmt(median(rates) / base, ".2f") + "x"])
+    print(table(["concurrency", "req/s", "latency p50 s", "latency p99 s", "speech s",
+                 "RTF p50", f"req/s vs c={args.concurrency[0]}"], rows,
+                title=f"audio chat, {args.requests} chats x {args.trials} trials, thinker "
+                      f"{args.max_tokens} tokens, talker <= {args.talker_frames} frames "
+                      f"(log: {tmp / 'serve.log'})"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
