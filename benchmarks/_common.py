@@ -1,11 +1,13 @@
 """Helpers shared by the benchmark scripts (not part of the package).
 
-Everything here uses the standard library only, so the scripts run with the
-project's venv interpreter without extra installs.
+Everything here uses the standard library and what vLLM installs (aiohttp for the
+chat load), so the scripts run with the project's venv interpreter without extra
+installs.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -283,3 +285,35 @@ def write_short_talker_yaml(src: Path, dst: Path, max_tokens: int) -> Path:
         + yaml.safe_dump(data, sort_keys=False)
     )
     return dst
+
+
+async def _chat_load(url: str, make_body, requests: int, concurrency: int, check) -> float:
+    import aiohttp  # a vLLM requirement; an asyncio client keeps the client's CPU cost low
+
+    todo = iter(range(requests))
+
+    async def worker(session):
+        for i in todo:
+            start = time.perf_counter()
+            async with session.post(f"{url}/v1/chat/completions", json=make_body(i)) as r:
+                answer = await r.json()
+                if r.status != 200:
+                    raise RuntimeError(f"chat {i}: HTTP {r.status}: {str(answer)[:500]}")
+            check(i, answer, time.perf_counter() - start)
+
+    timeout = aiohttp.ClientTimeout(total=1800)
+    async with aiohttp.ClientSession(timeout=timeout,
+                                     connector=aiohttp.TCPConnector(limit=concurrency,
+                                                                    force_close=True)) as s:
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(s) for _ in range(concurrency)))
+        return requests / (time.perf_counter() - start)
+
+
+def chat_load(url: str, make_body, requests: int, concurrency: int, check) -> float:
+    """Requests/s for ``requests`` chat completions with ``concurrency`` in flight.
+
+    ``make_body(i)`` gives request ``i``'s JSON body; ``check(i, answer, latency_s)`` sees
+    each answer (raise to stop the run). A non-200 answer raises ``RuntimeError``.
+    """
+    return asyncio.run(_chat_load(url, make_body, requests, concurrency, check))

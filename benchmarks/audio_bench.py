@@ -22,11 +22,9 @@ Usage (from the repository root)::
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -34,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     REPO,
     Server,
+    chat_load,
     fmt,
     free_port,
     install_sigterm_as_interrupt,
@@ -49,35 +48,23 @@ from _common import (  # noqa: E402
 YAML = REPO / "stage_configs" / "qwen3_omni_moe.yaml"
 
 
-async def _chats(url: str, model: str, requests: int, concurrency: int,
-                 max_tokens: int) -> tuple[float, list[float], list[float]]:
+def _load(url: str, model: str, requests: int, concurrency: int,
+          max_tokens: int) -> tuple[float, list[float], list[float]]:
     """(requests/s, per-request latencies in s, per-request seconds of speech)."""
-    import aiohttp  # a vLLM requirement
-
-    todo = iter(range(requests))
     latencies: list[float] = []
     speech: list[float] = []
 
-    async def worker(session):
-        for i in todo:
-            body = {"model": model, "max_tokens": max_tokens, "temperature": 0,
-                    "modalities": ["text", "audio"],
-                    "messages": [{"role": "user", "content": f"request {i}: say something"}]}
-            start = time.perf_counter()
-            async with session.post(f"{url}/v1/chat/completions", json=body) as r:
-                answer = await r.json()
-                if r.status != 200:
-                    raise RuntimeError(f"chat {i}: HTTP {r.status}: {str(answer)[:500]}")
-            latencies.append(time.perf_counter() - start)
-            speech.append(wav_seconds(answer["choices"][0]["message"]["audio"]["data"]))
+    def body(i):
+        return {"model": model, "max_tokens": max_tokens, "temperature": 0,
+                "modalities": ["text", "audio"],
+                "messages": [{"role": "user", "content": f"request {i}: say something"}]}
 
-    timeout = aiohttp.ClientTimeout(total=1800)
-    async with aiohttp.ClientSession(timeout=timeout,
-                                     connector=aiohttp.TCPConnector(limit=concurrency,
-                                                                    force_close=True)) as s:
-        start = time.perf_counter()
-        await asyncio.gather(*(worker(s) for _ in range(concurrency)))
-        return requests / (time.perf_counter() - start), latencies, speech
+    def check(i, answer, latency):
+        latencies.append(latency)
+        speech.append(wav_seconds(answer["choices"][0]["message"]["audio"]["data"]))
+
+    rate = chat_load(url, body, requests, concurrency, check)
+    return rate, latencies, speech
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -114,13 +101,12 @@ def main() -> int:
         ready = wait_health(server, f"{url}/health", timeout=args.timeout)
         print(f"server ready in {ready:.1f} s (log {tmp / 'serve.log'})", flush=True)
         for c in args.concurrency:  # warm-up
-            asyncio.run(_chats(url, str(ckpt), 2 * c, c, args.max_tokens))
+            _load(url, str(ckpt), 2 * c, c, args.max_tokens)
         for trial in range(args.trials):
             order = args.concurrency[trial % len(args.concurrency):] + \
                 args.concurrency[:trial % len(args.concurrency)]
             for c in order:
-                results[c].append(asyncio.run(_chats(url, str(ckpt), args.requests, c,
-                                                     args.max_tokens)))
+                results[c].append(_load(url, str(ckpt), args.requests, c, args.max_tokens))
                 print(f"trial {trial + 1}, c={c}: {results[c][-1][0]:.3f} req/s", flush=True)
     base = median([r[0] for r in results[args.concurrency[0]]])
     rows = []

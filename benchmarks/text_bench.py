@@ -29,7 +29,6 @@ Usage (from the repository root)::
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
 import tempfile
@@ -41,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     REPO,
     Server,
+    chat_load,
     fmt,
     free_port,
     install_sigterm_as_interrupt,
@@ -56,37 +56,19 @@ IDLE_S = 2.0
 COMMON = ["--max-model-len", "2048", "--dtype", "float32", "--gpu-memory-utilization", "0.3"]
 
 
-async def _chats(url: str, model: str, requests: int, concurrency: int,
-                 max_tokens: int) -> float:
-    import aiohttp  # a vLLM requirement; an asyncio client keeps the client's CPU cost low
-
-    todo = iter(range(requests))
-
-    async def worker(session):
-        for i in todo:
-            body = {"model": model, "max_tokens": max_tokens, "temperature": 0,
-                    "ignore_eos": True,
-                    "messages": [{"role": "user",
-                                  "content": f"request {i}: tell me about the weather"}]}
-            async with session.post(f"{url}/v1/chat/completions", json=body) as r:
-                answer = await r.json()
-                if r.status != 200:
-                    raise RuntimeError(f"chat {i}: HTTP {r.status}: {str(answer)[:500]}")
-            if answer["usage"]["completion_tokens"] != max_tokens:
-                raise RuntimeError(f"chat {i}: {answer['usage']} != {max_tokens} tokens")
-
-    timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout,
-                                     connector=aiohttp.TCPConnector(limit=concurrency,
-                                                                    force_close=True)) as s:
-        start = time.perf_counter()
-        await asyncio.gather(*(worker(s) for _ in range(concurrency)))
-        return requests / (time.perf_counter() - start)
-
-
 def _load(url: str, model: str, requests: int, concurrency: int, max_tokens: int) -> float:
     """Requests/s for ``requests`` chats with ``concurrency`` in flight."""
-    return asyncio.run(_chats(url, model, requests, concurrency, max_tokens))
+
+    def body(i):
+        return {"model": model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                "messages": [{"role": "user",
+                              "content": f"request {i}: tell me about the weather"}]}
+
+    def check(i, answer, _latency):
+        if answer["usage"]["completion_tokens"] != max_tokens:
+            raise RuntimeError(f"chat {i}: {answer['usage']} != {max_tokens} tokens")
+
+    return chat_load(url, body, requests, concurrency, check)
 
 
 def start(name: str, ckpt: Path, args, logdir: Path) -> tuple[Server, str]:

@@ -98,11 +98,10 @@ def _engine_pid(server, stage: int) -> int:
     that process itself when the worker runs inside the EngineCore."""
     import psutil
 
-    found = re.findall(rf"\((EngineCore|Worker)\S* pid=(\d+)\).*stage {stage}: OmniWorker",
-                       server.log())
+    found = re.findall(rf"\((\S+) pid=(\d+)\).*stage {stage}: OmniWorker", server.log())
     assert found, f"stage {stage} engine pid not found in the log"
-    kind, pid = found[-1]
-    return int(pid) if kind == "EngineCore" else psutil.Process(int(pid)).ppid()
+    name, pid = found[-1]
+    return int(pid) if name.startswith("EngineCore") else psutil.Process(int(pid)).ppid()
 
 
 def _assert_no_stack_trace_hint(message: str) -> None:

@@ -37,11 +37,11 @@ engine failed (the others still run); with ``"probe"`` it also holds ``"probe"``
 from __future__ import annotations
 
 import gc
-import json
 import os
 import sys
 import time
-import traceback
+
+from _engines import run_engines
 
 QWEN3_OMNI_YAML = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..",
                                "stage_configs", "qwen3_omni_moe.yaml")
@@ -175,22 +175,7 @@ def run(model: str, payload_dir: str, spec: dict) -> dict:
     return result
 
 
-def main(argv: list[str]) -> int:
-    spec = json.loads(argv[1] if len(argv) > 1 else sys.stdin.read())
-    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
-        _observe_steps()  # the worker runs in this process
-    results = {}
-    for engine in spec["engines"]:
-        try:
-            results[engine["name"]] = run(spec["model"], spec["payload_dir"], engine)
-        except Exception:  # report it, run the other engines
-            traceback.print_exc()
-            results[engine["name"]] = {"error": traceback.format_exc()[-6000:]}
-        print(f"engine {engine['name']!r} done", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    print(json.dumps({"engines": results}), flush=True)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    sys.exit(run_engines(
+        sys.argv, lambda spec, engine: run(spec["model"], spec["payload_dir"], engine),
+        in_process=_observe_steps))

@@ -42,11 +42,11 @@ or ``{"error": traceback}`` when that engine failed (the others still run).
 from __future__ import annotations
 
 import gc
-import json
 import os
 import sys
 import time
-import traceback
+
+from _engines import run_engines
 
 #: The pipeline whose thinker stage the engines run (settings only: the worker
 #: reads its stage id and payload directory).
@@ -212,22 +212,6 @@ def run_engine(model: str, spec: dict) -> dict:
     return result
 
 
-def main(argv: list[str]) -> int:
-    spec = json.loads(argv[1] if len(argv) > 1 else sys.stdin.read())
-    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
-        OBSERVER.install()  # the worker runs in this process
-    results = {}
-    for engine in spec["engines"]:
-        try:
-            results[engine["name"]] = run_engine(spec["model"], engine)
-        except Exception:  # report it, run the other engines
-            traceback.print_exc()
-            results[engine["name"]] = {"error": traceback.format_exc()[-4000:]}
-        print(f"engine {engine['name']!r} done", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    print(json.dumps({"engines": results}), flush=True)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    sys.exit(run_engines(sys.argv, lambda spec, engine: run_engine(spec["model"], engine),
+                         in_process=OBSERVER.install))
