@@ -3,8 +3,7 @@
 Part 1, whole command: runs each command K times (default 5), interleaving
 
 * plugin on:  ``VLLM_PLUGINS`` unset (vLLM loads every entry point, so the
-  plugin's general plugin ``omni`` -> ``register()`` and platform plugin
-  ``omni`` -> ``reference.platform.activate`` run), and
+  plugin's general plugin ``omni`` -> ``register()`` runs), and
 * plugin off: ``VLLM_PLUGINS=none`` (vLLM's own filter: no plugin is loaded),
 
 alternating which variant goes first in each round, and prints median / min
@@ -15,14 +14,12 @@ platform even for ``--help`` (the ``serve`` parser builds ``EngineArgs``
 defaults, which need ``current_platform``), and on a machine without a GPU,
 with no platform selected, it fails with ``RuntimeError: Failed to infer
 device type``. ``VLLM_TARGET_DEVICE=cpu`` selects vLLM's built-in CPU platform
-for both variants (the plugin's own platform only activates in omni mode, i.e.
-with ``--stage-configs-path``, or with ``VLLM_OMNI_PLUGIN_BACKEND=reference``).
+for both variants.
 
 Part 2, the same commands in-process: vLLM's CLI ``main()`` run by
 ``python -c`` exactly as the console script runs it, with a timer around
 vLLM's ``load_general_plugins()`` (where the plugin's entry point is imported
-and ``register()`` runs; the platform plugin's ``activate()`` runs elsewhere,
-at platform resolution, and is only in the wall/in-process totals) and the
+and ``register()`` runs) and the
 ``sys.modules`` count. This is far less noisy than whole-process wall time on a
 loaded machine. It also checks that the plugin registered (on) / was not
 imported (off).

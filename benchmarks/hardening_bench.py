@@ -1,6 +1,6 @@
 """Admission control under a burst, and restart of a killed stage engine.
 
-One ``vllm serve`` pipeline on the tiny checkpoint (reference backend), with
+One ``vllm serve`` pipeline on the tiny checkpoint, with
 ``--talker-frames`` codec frames per request (default 64) so a request spends
 most of its time in the talker, whose admission bound is ``--bound``
 (``runtime.max_inflight``, default 4), and ``--omni-admission-timeout``

@@ -1,4 +1,4 @@
-"""Replicated stages on the reference backend: scaling and failover.
+"""Replicated stages: scaling and failover.
 
 1. **Scaling.** The talker (stage 1) is the pipeline's bottleneck: with
    ``--talker-frames`` codec frames per request (default 64) it costs far more

@@ -12,11 +12,10 @@ in its own process group and measures, from launch:
   (sent right after /health; the response must carry WAV audio);
 
 and, from the server log (each line stamped on arrival, see ``_common.Server``),
-a per-stage breakdown: model load (the reference worker's ``stage N: loaded ... in X s``;
-for the thinker on vLLM's worker, vLLM's ``Initializing model took`` + ``Loading weights
-took``), vLLM's EngineCore ``init engine (...) took X s``, the plugin's
-``stage N (name) engine ready in X s``, and when each stage became ready on the
-launch timeline.
+a per-stage breakdown: model load (vLLM's ``Initializing model took`` + ``Loading weights
+took`` of the worker that logged ``stage N: OmniWorker``), vLLM's EngineCore
+``init engine (...) took X s``, the plugin's ``stage N (name) engine ready in X s``,
+and when each stage became ready on the launch timeline.
 
 Side by side (interleaved with the pipeline runs, order alternating per run)
 it times the thinker alone, served by plain ``vllm serve`` with the plugin off
@@ -76,9 +75,6 @@ from _common import (  # noqa: E402
 DEFAULT_YAML = REPO / "stage_configs" / "qwen3_omni_moe.yaml"
 
 RE_ENGINE_READY = re.compile(r"stage (\d+) \(([^)]*)\) engine ready in ([\d.]+) s")
-RE_LOADED = re.compile(
-    r"\((?:EngineCore\S*|\w+) pid=(\d+)\).*stage (\S+): loaded (\S+) in ([\d.]+) s"
-)
 RE_OMNI_WORKER = re.compile(r"\((?:EngineCore\S*|\w+) pid=(\d+)\).*stage (\d+): OmniWorker \(")
 RE_VLLM_LOAD = re.compile(
     r"\((?:EngineCore\S*|\w+) pid=(\d+)\).*(?:Initializing model|Loading weights) took ([\d.]+) s")
@@ -152,14 +148,6 @@ def parse_log(lines: list[tuple[float, str]], single: bool = False) -> dict:
             if single:
                 pid_stage[m.group(1)] = "0"
                 stages.setdefault("0", {})["arch"] = "vLLM's thinker"
-            continue
-        m = RE_LOADED.search(line)
-        if m:
-            pid, sid, arch, secs = m.groups()
-            sid = "0" if sid == "None" else sid
-            pid_stage[pid] = sid
-            st = stages.setdefault(sid, {})
-            st.update(load=float(secs), arch=arch, t_loaded=t)
             continue
         m = RE_INIT_ENGINE.search(line)
         if m:
