@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from vllm_omni_plugin import extra_args as xargs
+from vllm_omni_plugin.compat.model_runner import batch_req_ids
 from vllm_omni_plugin.logger import init_logger
 from vllm_omni_plugin.payload_store import PayloadStore
 
@@ -82,20 +83,22 @@ class StageStep:
     def __init__(self, io: StageIO, model_runner, scheduler_output):
         self._io, self._runner, self._out = io, model_runner, scheduler_output
         self.finished = frozenset(scheduler_output.finished_req_ids)
+        self._rows: list[ScheduledRequest] | None = None
 
     def requests(self) -> list[ScheduledRequest]:
-        """The step's requests in the forward's row order (valid inside the forward)."""
-        from vllm_omni_plugin.compat.model_runner import batch_req_ids
-
-        counts, computed = self._out.num_scheduled_tokens, self._io.computed
-        rows, start = [], 0
-        for req_id in batch_req_ids(self._runner):
-            tracked = self._io.tracked(req_id)
-            n = counts[req_id]
-            rows.append(ScheduledRequest(req_id, start, n, computed[req_id],
-                                         tracked.num_prompt_tokens if tracked else 0))
-            start += n
-        return rows
+        """The step's requests in the forward's row order (valid inside the forward; the
+        order is final once the forward runs, so it is read once per step)."""
+        if self._rows is None:
+            counts, computed = self._out.num_scheduled_tokens, self._io.computed
+            rows, start = [], 0
+            for req_id in batch_req_ids(self._runner):
+                tracked = self._io.tracked(req_id)
+                n = counts[req_id]
+                rows.append(ScheduledRequest(req_id, start, n, computed[req_id],
+                                             tracked.num_prompt_tokens if tracked else 0))
+                start += n
+            self._rows = rows
+        return self._rows
 
     def inputs(self, req_id: str) -> dict[str, torch.Tensor]:
         """The request's input payload (``{}`` when it has none)."""

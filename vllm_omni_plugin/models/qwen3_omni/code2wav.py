@@ -53,7 +53,6 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.interfaces import SupportsMRoPE
 
 from vllm_omni_plugin.logger import init_logger
@@ -61,6 +60,7 @@ from vllm_omni_plugin.models.qwen3_omni.talker_inputs import (
     HF_CODE2WAV_CHUNK_SIZE,
     HF_CODE2WAV_LEFT_CONTEXT,
 )
+from vllm_omni_plugin.models.weights import load_stacked
 
 logger = init_logger(__name__)
 
@@ -594,36 +594,7 @@ class Qwen3OmniCode2WavStage(nn.Module, SupportsMRoPE):
             ValueError: a ``code2wav.`` weight has no parameter here, or a parameter has no
                 weight in the checkpoint.
         """
-        stacked = {".q_proj.": (".qkv_proj.", "q"), ".k_proj.": (".qkv_proj.", "k"),
-                   ".v_proj.": (".qkv_proj.", "v"), ".gate_proj.": (".gate_up_proj.", 0),
-                   ".up_proj.": (".gate_up_proj.", 1)}
-        params = dict(self.named_parameters())
-        loaded: dict[str, set] = {}  # parameter -> shards loaded (None: whole)
-        for name, weight in weights:
-            if not name.startswith(WEIGHT_PREFIX):
-                continue
-            target, shard = name, None
-            if ".pre_transformer." in name:
-                for part, (fused, shard_id) in stacked.items():
-                    if part in name:
-                        target, shard = name.replace(part, fused), shard_id
-                        break
-            param = params.get(target)
-            if param is None:
-                raise ValueError(f"checkpoint weight {name!r} has no parameter in "
-                                 f"{type(self).__name__}")
-            if shard is None:
-                getattr(param, "weight_loader", default_weight_loader)(param, weight)
-            else:
-                param.weight_loader(param, weight, shard)
-            loaded.setdefault(target, set()).add(shard)
-        shards = {".qkv_proj.": {"q", "k", "v"}, ".gate_up_proj.": {0, 1}}
-        missing = sorted(
-            name for name in params
-            if not loaded.get(name)
-            or any(f in name and loaded[name] != want for f, want in shards.items()))
-        if missing:
-            raise ValueError(f"the checkpoint lacks {WEIGHT_PREFIX!r} weights of "
-                             f"{len(missing)} parameters of {type(self).__name__}, e.g. "
-                             f"{missing[:3]}")
-        return set(loaded)
+        # the checkpoint's names are this module's: its submodule is ``code2wav``
+        own = ((n, w) for n, w in weights if n.startswith(WEIGHT_PREFIX))
+        return load_stacked(self, own, [n for n, _ in self.named_parameters()],
+                            owner=type(self).__name__)

@@ -44,52 +44,20 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.interfaces import SupportsMRoPE
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeMLP, Qwen3MoeModel
 
 from vllm_omni_plugin.logger import init_logger
 from vllm_omni_plugin.models.qwen3_omni import talker_inputs as ti
+from vllm_omni_plugin.models.weights import load_stacked
 
 logger = init_logger(__name__)
 
 #: vLLM's sampler treats a temperature below this as greedy (``vllm.v1.sample``).
 _GREEDY_TEMPERATURE = 1e-5
-#: HF checkpoint names -> this module's fused parameters (``(fused, shard id)``).
-_STACKED = (
-    (".qkv_proj.", ".q_proj.", "q"),
-    (".qkv_proj.", ".k_proj.", "k"),
-    (".qkv_proj.", ".v_proj.", "v"),
-    (".gate_up_proj.", ".gate_proj.", 0),
-    (".gate_up_proj.", ".up_proj.", 1),
-)
-
-
 def plain_mrope_positions(num_tokens: int) -> torch.Tensor:
     """``[3, num_tokens]`` int64 M-RoPE positions of a text-only sequence (t == h == w)."""
     return torch.arange(num_tokens, dtype=torch.long).expand(3, -1).clone()
-
-
-def load_stacked(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-    """Load HF-named weights into ``module``, fusing q/k/v and gate/up projections.
-
-    Raises:
-        KeyError: a weight names no parameter of ``module``.
-    """
-    params = dict(module.named_parameters())
-    loaded = set()
-    for name, tensor in weights:
-        for fused, part, shard in _STACKED:
-            if part in name:
-                target = name.replace(part, fused)
-                params[target].weight_loader(params[target], tensor, shard)
-                break
-        else:
-            target = name
-            param = params[target]
-            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-        loaded.add(target)
-    return loaded
 
 
 class _ResizeMLP(nn.Module):
@@ -435,7 +403,8 @@ class Qwen3OmniTalkerStage(nn.Module, SupportsMRoPE):
         """Load the checkpoint's ``talker.*`` weights (others are skipped).
 
         Raises:
-            ValueError: a parameter of the talker has no weight in the checkpoint.
+            ValueError: a ``talker.`` weight has no parameter here, or a parameter of the
+                talker outside its decoder has no weight in the checkpoint.
         """
         decoder, own = [], []
         for name, tensor in weights:
@@ -450,10 +419,7 @@ class Qwen3OmniTalkerStage(nn.Module, SupportsMRoPE):
         # parameters are checked here.
         loaded = {f"model.{n}" for n in self.model.load_weights(
             (n[len("model."):], t) for n, t in decoder)}
-        own_loaded = load_stacked(self, own)
-        missing = sorted(n for n in dict(self.named_parameters())
-                         if not n.startswith("model.") and n not in own_loaded)
-        if missing:
-            raise ValueError(f"the checkpoint lacks {len(missing)} talker weights, "
-                             f"e.g. {missing[:3]}")
+        own_loaded = load_stacked(
+            self, own, [n for n, _ in self.named_parameters() if not n.startswith("model.")],
+            owner="the talker")
         return loaded | own_loaded
