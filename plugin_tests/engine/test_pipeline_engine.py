@@ -50,14 +50,12 @@ def _run(ckpt, yaml_path, out_dir, *scenarios, log: list | None = None) -> dict:
 WAVEFORM_ATOL = 1e-5
 
 
-def _hf_reference(ckpt, prompts):
-    """HF ``generate`` (greedy) per prompt: (thinker tokens, codes [T, 16], waveform)."""
+def _hf_speak(model, eos, **inputs):
+    """HF ``generate`` (greedy, speaker Ethan: HF's default, which a served request without a
+    voice also uses): ``(sequences, codes [T, 16], waveform, code-0 logits per frame)``."""
     import torch
-    from transformers import GenerationConfig, Qwen3OmniMoeForConditionalGeneration
 
-    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
-        ckpt, dtype=torch.float32).eval()
-    recorded = {}
+    recorded, logits = {}, []
     original = model.code2wav.chunked_decode
 
     def record(codes, *args, **kwargs):
@@ -65,17 +63,38 @@ def _hf_reference(ckpt, prompts):
         return original(codes, *args, **kwargs)
 
     model.code2wav.chunked_decode = record
-    eos = GenerationConfig.from_pretrained(ckpt).eos_token_id
-    out = []
-    for prompt in prompts:
+    hook = model.talker.codec_head.register_forward_hook(
+        lambda module, args, output: logits.append(output[0, -1].clone()))
+    try:
         with torch.no_grad():
             sequences, wav = model.generate(
-                # speaker: HF's default, which the served request (no voice given) also uses
-                input_ids=torch.tensor([prompt]), speaker="Ethan", return_audio=True,
-                thinker_max_new_tokens=12, thinker_do_sample=False, thinker_eos_token_id=eos,
+                **inputs, speaker="Ethan", return_audio=True, thinker_max_new_tokens=12,
+                thinker_do_sample=False, thinker_eos_token_id=eos,
                 talker_max_new_tokens=TALKER_MAX_TOKENS, talker_do_sample=False)
-        out.append((sequences[0, len(prompt):].tolist(), recorded["codes"][0].T.numpy(),
-                    wav.reshape(-1).numpy()))
+    finally:
+        hook.remove()
+        del model.code2wav.chunked_decode  # back to the class's method
+    return sequences, recorded["codes"][0].T.numpy(), wav.reshape(-1).numpy(), logits
+
+
+def _hf_model(ckpt):
+    import torch
+    from transformers import GenerationConfig, Qwen3OmniMoeForConditionalGeneration
+
+    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
+        ckpt, dtype=torch.float32).eval()
+    return model, GenerationConfig.from_pretrained(ckpt).eos_token_id
+
+
+def _hf_reference(ckpt, prompts):
+    """HF ``generate`` (greedy) per prompt: (thinker tokens, codes [T, 16], waveform)."""
+    import torch
+
+    model, eos = _hf_model(ckpt)
+    out = []
+    for prompt in prompts:
+        sequences, codes, wav, _ = _hf_speak(model, eos, input_ids=torch.tensor([prompt]))
+        out.append((sequences[0, len(prompt):].tolist(), codes, wav))
     return out
 
 
@@ -125,6 +144,106 @@ def test_talker_chunked_prefill_and_preemption_keep_parity(tiny_qwen3_omni, tmp_
     served = np.load(tmp_path / "served.npz")
     _assert_served_equal_hf(report, served, _hf_reference(tiny_qwen3_omni,
                                                           report["prompt_ids"]))
+
+
+#: 96 x 64 pixels: a 6 x 4 patch grid, 6 tokens after the 2 x 2 merge (not square, so the
+#: M-RoPE height and width rows differ)
+IMAGE_SIZE = (96, 64)
+AUDIO_SECONDS = 1.5
+
+
+def _hf_media_reference(ckpt, media_dir):
+    """HF on the same files through HF's own processor: ``{kind: (prompt ids, thinker
+    tokens, codes [T, 16] or None, waveform or None, frames before the first near-tie)}``.
+    HF's talker cannot take an audio-input prompt (its ``get_rope_index`` reads an
+    ``audio_config`` the talker config lacks, transformers 5.19), so audio gets the
+    thinker's tokens only."""
+    import soundfile as sf
+    import torch
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from plugin_tests.engine.scripts.omni_pipeline import MEDIA_TEXT
+
+    processor = AutoProcessor.from_pretrained(ckpt)
+    model, eos = _hf_model(ckpt)
+    out = {}
+    for kind in ("image", "audio"):
+        text = processor.apply_chat_template(
+            [{"role": "user", "content": [{"type": kind, kind: "-"},
+                                          {"type": "text", "text": MEDIA_TEXT}]}],
+            add_generation_prompt=True, tokenize=False)
+        if kind == "image":
+            media = {"images": [Image.open(media_dir / "image.png").convert("RGB")]}
+        else:
+            media = {"audio": [sf.read(media_dir / "audio.wav", dtype="float32")[0]]}
+        inputs = processor(text=[text], return_tensors="pt", **media)
+        prompt = inputs["input_ids"][0].tolist()
+        if kind == "image":
+            sequences, codes, wav, logits = _hf_speak(model, eos, **inputs)
+            out[kind] = (prompt, sequences[0, len(prompt):].tolist(), codes, wav,
+                         _first_near_tie(logits, codes, model))
+        else:
+            with torch.no_grad():
+                sequences = model.thinker.generate(**inputs, max_new_tokens=12,
+                                                   do_sample=False, eos_token_id=eos)
+            out[kind] = (prompt, sequences[0, len(prompt):].tolist(), None, None, 0)
+    return out
+
+
+#: A code-0 choice whose two best logits (HF's) are closer than this may flip under float32
+#: rounding differences between vLLM's kernels and HF's.
+NEAR_TIE = 1e-3
+
+
+def _first_near_tie(logits, codes, model) -> int:
+    """The first frame whose code 0 HF chose by less than :data:`NEAR_TIE` (else the
+    frame count)."""
+    from vllm_omni_plugin.models.qwen3_omni.talker_inputs import talker_logits_mask
+
+    mask = talker_logits_mask(model.config)
+    for frame in range(codes.shape[0]):
+        top = logits[frame].masked_fill(mask, float("-inf")).topk(2).values
+        if float(top[0] - top[1]) < NEAR_TIE:
+            return frame
+    return codes.shape[0]
+
+
+def test_image_and_audio_input_match_hf(tiny_qwen3_omni, tmp_path):
+    """An image and an audio clip through vLLM's Qwen3-Omni processor: prompt ids and
+    thinker tokens equal HF's (HF's own processor on the same files). For the image, the
+    talker's codes (on HF's 3-D M-RoPE positions; with plain positions they differed from
+    frame 6 on) equal HF's up to the first frame whose code 0 HF picked by a near-tie
+    (random weights: observed at frame 11 of 24, margin 1.6e-4), and so does the waveform
+    of those frames. The audio request's speech has every frame."""
+    from plugin_tests import media
+
+    folder = tmp_path / "media"
+    folder.mkdir()
+    (folder / "image.png").write_bytes(media.png_bytes(*IMAGE_SIZE))
+    (folder / "audio.wav").write_bytes(media.wav_bytes(AUDIO_SECONDS))
+    report = _run(tiny_qwen3_omni, _yaml(tmp_path, TALKER_MAX_TOKENS), tmp_path, "media")
+    served = np.load(tmp_path / "media.npz")
+    reference = _hf_media_reference(tiny_qwen3_omni, folder)
+    for kind, (prompt, tokens, hf_codes, hf_wav, exact) in reference.items():
+        got = report["media"][kind]
+        assert got["prompt_ids"] == prompt, kind
+        assert got["thinker_tokens"] == tokens, kind
+        codes, wav = served[f"{kind}_codes"], served[f"{kind}_waveform"]
+        assert codes.shape == (TALKER_FRAMES, 16) and len(np.unique(codes)) > 10, kind
+        # as many samples as HF's image answer, which has as many frames
+        assert wav.shape == reference["image"][3].shape and float(np.abs(wav).max()) > 0, kind
+        if hf_codes is None:
+            continue
+        assert exact >= 8, f"HF's own code 0 is a near-tie at frame {exact}: pick another image"
+        diff = np.argwhere(codes[:exact] != hf_codes[:exact])
+        assert diff.size == 0, f"first differing (frame, group) {diff[:5]}"
+        # code2wav is causal with a fixed lag: its waveform is `lag` samples shorter than
+        # 1920 per frame, and the first k frames decide its first 1920 k - lag samples
+        lag = TALKER_FRAMES * 1920 - hf_wav.shape[0]
+        prefix = exact * 1920 - lag
+        err = float(np.abs(wav[:prefix] - hf_wav[:prefix]).max())
+        assert err <= WAVEFORM_ATOL, err
 
 
 def test_abort_and_disconnect_reach_every_stage(tiny_qwen3_omni, tmp_path):

@@ -297,7 +297,8 @@ def hf_model(tiny_qwen3_omni):
 @pytest.mark.parametrize("name", PUBLISHING)
 def test_published_hidden_states_equal_hf(runs, hf_model, name):
     """The talker's input: one row per fed position (prompt + generated[:-1]) equal to
-    HF's ``hidden_states[0]`` and ``hidden_states[accept_hidden_layer]``, whether the
+    HF's ``hidden_states[0]`` and ``hidden_states[accept_hidden_layer]`` (and the plain
+    positions fed), whether the
     rows came from one batch of 8, chunked prefills or recomputes after preemption
     (which must not publish rows twice)."""
     import torch
@@ -324,3 +325,5 @@ def test_published_hidden_states_equal_hf(runs, hf_model, name):
         torch.testing.assert_close(payload["hidden"], hf.hidden_states[layer][0],
                                    atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(payload["tts_embed"], tts.detach())
+        # text-only prompts: the M-RoPE positions fed are plain (t == h == w == p)
+        assert torch.equal(payload["positions"], torch.arange(fed.shape[1]).expand(3, -1).T)

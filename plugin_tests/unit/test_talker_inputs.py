@@ -631,6 +631,63 @@ def test_prompt_layout_and_inferred_prompt_len(talker_parity_model):
         assert torch.equal(getattr(inferred, name), getattr(prompt, name)), name
 
 
+def _media_prompt(cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A thinker prompt with images and a video in two user turns, around a system turn and
+    an earlier assistant turn: ``(ids [1, P], image_grid_thw [2, 3], video_grid_thw [1, 3])``."""
+    t = cfg.thinker_config
+    s, e, nl = cfg.im_start_token_id, cfg.im_end_token_id, 29
+    vs, ve = t.vision_start_token_id, t.vision_end_token_id
+
+    def media(token, n):
+        return [vs] + [token] * n + [ve]
+
+    images = torch.tensor([[1, 4, 4], [1, 2, 6]])  # 4 and 3 tokens after the 2x2 merge
+    videos = torch.tensor([[2, 4, 4]])  # 8 tokens
+    ids = ([s, cfg.system_token_id, nl, 30, 31, e, nl]
+           + [s, cfg.user_token_id, nl] + media(t.image_token_id, 4) + [40, 41]
+           + media(t.video_token_id, 8) + [42, e, nl]
+           + [s, cfg.assistant_token_id, nl, 50, 51, 52, e, nl]
+           + [s, cfg.user_token_id, nl, 43] + media(t.image_token_id, 3) + [e, nl]
+           + [s, cfg.assistant_token_id, nl])
+    return torch.tensor([ids]), images, videos
+
+
+def test_talker_mrope_positions_equal_hf_talker_rope_index(talker_parity_model):
+    """Talker positions derived from the thinker's M-RoPE positions equal HF's
+    ``talker.get_rope_index`` over ``talker_input_ids`` (images, a video, dropped system and
+    assistant turns), and decode positions continue at ``p + delta``."""
+    model, cfg = talker_parity_model, talker_parity_model.config
+    ids, images, videos = _media_prompt(cfg)
+    seconds = torch.tensor([1.0])
+    mask = torch.ones_like(ids)
+    thinker_pos, _ = model.thinker.get_rope_index(ids, images, videos, mask, False, None,
+                                                  seconds)
+    assert not torch.equal(thinker_pos[0, 0], torch.arange(ids.shape[1]).float())  # 3-D
+    sequence = torch.cat((ids[0], torch.tensor([60, 61])))
+    hidden = cfg.thinker_config.text_config.hidden_size
+    rows = torch.randn(sequence.shape[0] - 1, hidden)
+    prompt = ti.build_talker_prompt(
+        model.talker, cfg, sequence, rows, rows, "ethan",
+        tts_token_embeds=torch.randn(3, hidden), prompt_len=ids.shape[1])
+    length = prompt.num_prompt_tokens
+    ours, delta = ti.talker_mrope_positions(thinker_pos[:, 0].T.long(), prompt.user_index,
+                                            length)
+    hf, hf_delta = model.talker.get_rope_index(
+        prompt.talker_input_ids[None], images, videos, torch.ones(1, length), False, None,
+        seconds)
+    assert torch.equal(ours, hf[:, 0].long())
+    assert delta == int(hf_delta) and delta != 0
+    assert torch.equal(ours[:, -1], torch.full((3,), length - 1 + delta))
+
+
+def test_talker_mrope_positions_of_a_text_prompt_are_plain():
+    positions = torch.arange(12).expand(3, -1).T
+    user = torch.tensor([0, 1, 2, 3, 7, 8, 9])  # a dropped turn in between
+    ours, delta = ti.talker_mrope_positions(positions, user, len(user) + 9)
+    assert delta == 0
+    assert torch.equal(ours, torch.arange(len(user) + 9).expand(3, -1))
+
+
 def test_build_talker_prompt_errors(talker_parity_model):
     model, cfg = talker_parity_model, talker_parity_model.config
     ids = _prompt_ids(cfg)

@@ -10,6 +10,9 @@ An ASGI middleware, installed through vLLM's own ``--middleware`` mechanism
 
 For a chat completion request it
 
+* checks its media content parts (:mod:`.media_input`: part types, data-URL media
+  types, inline images and audio that do not decode, item counts, audio length),
+  answering HTTP 400 naming the field;
 * validates ``modalities`` (``["text"]`` or ``["text", "audio"]``) and the
   optional ``audio`` object (``{"voice": str, "format": "wav"}``); anything
   else is answered with HTTP 400 naming the field, before vLLM sees it;
@@ -27,6 +30,7 @@ through untouched (vLLM reports the failure in the stream).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import math
@@ -41,6 +45,7 @@ from vllm_omni_plugin.engine.omni_request import (
     StageResult,
     omni_request_scope,
 )
+from vllm_omni_plugin.entrypoints.media_input import MediaLimits, RequestError, check_media
 
 MIDDLEWARE_QUALNAME = "vllm_omni_plugin.entrypoints.audio_output.OmniAudioMiddleware"
 CHAT_PATH = "/v1/chat/completions"
@@ -51,12 +56,6 @@ AUDIO_FORMATS = ("wav",)
 MAX_VOICE_CHARS = 64
 _ERROR_TYPES = {400: "BadRequestError", 413: "RequestTooLargeError", 429: "RateLimitError",
                 503: "ServiceUnavailableError"}
-
-
-class RequestError(ValueError):
-    def __init__(self, field: str, message: str):
-        super().__init__(f"'{field}': {message}")
-        self.field = field
 
 
 def check_vllm_xargs(body: dict) -> None:
@@ -174,6 +173,15 @@ class OmniAudioMiddleware:
 
     def __init__(self, app):
         self.app = app
+        self._limits: MediaLimits | None = None
+
+    def media_limits(self, scope) -> MediaLimits:
+        """The served model's media limits, read once from vLLM's app state."""
+        if self._limits is None:
+            config = getattr(getattr(scope.get("app"), "state", None), "vllm_config", None)
+            self._limits = MediaLimits() if config is None else \
+                MediaLimits.from_vllm_config(config)
+        return self._limits
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST" or not _is_json(scope):
@@ -197,6 +205,8 @@ class OmniAudioMiddleware:
                 check_vllm_xargs(body)
                 if path == CHAT_PATH:
                     modalities, voice = parse_audio_request(body)
+                    # decoding inline media takes a while: off the event loop
+                    await asyncio.to_thread(check_media, body, self.media_limits(scope))
             except RequestError as exc:
                 return await _send_json(send, 400, _error_body(f"invalid request: {exc}", 400,
                                                                exc.field))

@@ -4,7 +4,10 @@ in one process and report what each scenario observed as JSON on the last stdout
 Usage: python omni_pipeline.py CKPT YAML OUT_DIR SCENARIO [SCENARIO ...]
 Scenarios: parity (each of :data:`PROMPTS` alone, then :data:`CONCURRENT` requests
 cycling through them at once; codes and waveforms saved to OUT_DIR/served.npz as
-``{solo,concurrent}_{codes,waveform}_{i}``), cancel (client disconnect while the talker
+``{solo,concurrent}_{codes,waveform}_{i}``), media (one request per file in
+OUT_DIR/media: ``image.png``, ``audio.wav``; the user turn is the medium then
+:data:`MEDIA_TEXT`; codes and waveforms saved to OUT_DIR/media.npz as
+``{image,audio}_{codes,waveform}``), cancel (client disconnect while the talker
 runs), abort (explicit abort()).
 """
 
@@ -21,6 +24,7 @@ import numpy as np
 
 PROMPTS = ["Say hello", "Tell me a story about a cat", "What is two plus two?", "hi"]
 CONCURRENT = 8
+MEDIA_TEXT = "What is this?"
 
 
 async def _wait_for_stage(orchestrator, request_id, stage_id, timeout=120.0):
@@ -61,13 +65,14 @@ async def main(ckpt, yaml_path, out_dir, scenarios):
 
     results = {}
 
-    async def run(request_id, prompt_ids=prompts[0]):
+    async def run(request_id, prompt_ids=prompts[0], prompt=None):
         """The final output; the pipeline's result lands in ``results[request_id]``."""
         final = None
         request = OmniRequest(modalities=("text", "audio"))
+        prompt = prompt or TokensPrompt(prompt_token_ids=prompt_ids)
         try:
             with omni_request_scope(request):
-                async for out in client.generate(TokensPrompt(prompt_token_ids=prompt_ids),
+                async for out in client.generate(prompt,
                                                  SamplingParams(temperature=0, max_tokens=12),
                                                  request_id):
                     final = out
@@ -96,6 +101,18 @@ async def main(ckpt, yaml_path, out_dir, scenarios):
             for i, final in enumerate(finals):
                 keep("concurrent", i, final)
             np.savez(os.path.join(out_dir, "served.npz"), **served)
+        if "media" in scenarios:
+            report["media"] = {}
+            served = {}
+            for kind, data in _media(tokenizer, os.path.join(out_dir, "media")).items():
+                final = await run(kind, prompt=data)
+                result = results.pop(kind, None)
+                assert result is not None and result.error is None, (kind, result)
+                served[f"{kind}_codes"] = result.stage_outputs[1].payload["codes"].numpy()
+                served[f"{kind}_waveform"] = result.payload["waveform"].numpy()
+                report["media"][kind] = {"prompt_ids": list(final.prompt_token_ids),
+                                         "thinker_tokens": list(final.outputs[0].token_ids)}
+            np.savez(os.path.join(out_dir, "media.npz"), **served)
         for scenario in ("cancel", "abort"):
             if scenario not in scenarios:
                 continue
@@ -124,6 +141,28 @@ async def main(ckpt, yaml_path, out_dir, scenarios):
     finally:
         client.shutdown()
     print(json.dumps(report))
+
+
+def _media(tokenizer, folder) -> dict:
+    """kind -> vLLM prompt (chat-template text plus the decoded medium) per file present."""
+    import soundfile as sf
+    from PIL import Image
+
+    out = {}
+    for kind, name in (("image", "image.png"), ("audio", "audio.wav")):
+        path = os.path.join(folder, name)
+        if not os.path.exists(path):
+            continue
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": [{"type": kind}, {"type": "text", "text": MEDIA_TEXT}]}],
+            add_generation_prompt=True, tokenize=False)
+        if kind == "image":
+            data = Image.open(path).convert("RGB")
+        else:
+            samples, rate = sf.read(path, dtype="float32")
+            data = (samples, rate)
+        out[kind] = {"prompt": text, "multi_modal_data": {kind: data}}
+    return out
 
 
 if __name__ == "__main__":

@@ -36,16 +36,17 @@ def thinker2talker(upstream: list[UpstreamOutput], stage, extras: dict[str, Any]
     """Thinker hidden states -> talker request.
 
     Payload out: ``sequence_ids`` ``[T_seq]`` int64 (prompt + generated),
-    ``thinker_embed``/``thinker_hidden`` ``[T_seq - 1, H]``, ``tts_embed``
-    ``[3, H]``, ``speaker_id``/``prompt_len`` ``[1]`` int64. The prompt is
-    ``len(user positions) + 9`` placeholder ids (``codec_pad_id``).
+    ``thinker_embed``/``thinker_hidden`` ``[T_seq - 1, H]``,
+    ``thinker_positions`` ``[P, 3]`` int64 (the prompt's M-RoPE positions),
+    ``tts_embed`` ``[3, H]``, ``speaker_id``/``prompt_len`` ``[1]`` int64. The
+    prompt is ``len(user positions) + 9`` placeholder ids (``codec_pad_id``).
 
     Raises:
         ValueError: missing thinker payload, no assistant turn, unknown voice.
     """
     (thinker,) = upstream
     config = extras["hf_config"]
-    for name in ("embed", "hidden", "tts_embed"):
+    for name in ("embed", "hidden", "positions", "tts_embed"):
         if name not in thinker.payload:
             raise ValueError(f"thinker payload lacks {name!r}; was the thinker asked to publish?")
     prompt = thinker.prompt_token_ids
@@ -62,6 +63,7 @@ def thinker2talker(upstream: list[UpstreamOutput], stage, extras: dict[str, Any]
             "sequence_ids": torch.tensor(sequence, dtype=torch.long),
             "thinker_embed": thinker.payload["embed"],
             "thinker_hidden": thinker.payload["hidden"],
+            "thinker_positions": thinker.payload["positions"][:len(prompt)],
             "tts_embed": thinker.payload["tts_embed"],
             "speaker_id": torch.tensor([speaker], dtype=torch.long),
             "prompt_len": torch.tensor([len(prompt)], dtype=torch.long),

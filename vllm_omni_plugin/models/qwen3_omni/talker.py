@@ -15,6 +15,10 @@ ids) runs as in HF ``Qwen3OmniMoeForConditionalGeneration.generate`` (written ou
   back (position ``L + s``), the code predictor turns it and the talker hidden state at
   ``L + s - 1`` into the frame's 15 residual codes, and the row's embedding is the sum of
   the 16 codebook embeddings plus trailing text row ``s`` (or ``tts_pad``);
+* positions are plain (``0 .. L-1``, then ``L + s``) unless the thinker prompt held an image
+  or a video: then they are HF's 3-D M-RoPE positions of the talker prompt, derived from the
+  thinker's (:func:`.talker_inputs.talker_mrope_positions`), and decode position ``p`` is
+  ``p + delta``;
 * the frame is published as ``codes`` ``[1, 16]`` int64 when it is computed, so a frame
   exists only for code-0 tokens that were fed: never for ``codec_eos`` (the stop token),
   and, as in HF, not for the last code 0 of a request cut by ``max_tokens``.
@@ -212,6 +216,16 @@ class _Request:
     #: talker hidden state at position ``hidden_pos`` (the last one fed)
     hidden: torch.Tensor | None = None
     hidden_pos: int = -1
+    #: image/video prompts: ``[3, L]`` M-RoPE positions and the decode delta (None: plain)
+    mrope: tuple[torch.Tensor, int] | None = None
+
+    def positions(self, first: int, end: int) -> torch.Tensor:
+        """``[3, end - first]`` positions of fed positions ``first .. end - 1``."""
+        table, delta = self.mrope
+        length = table.shape[1]
+        head = table[:, first:min(end, length)]
+        tail = torch.arange(max(first, length), end) + delta
+        return torch.cat((head, tail.expand(3, -1)), dim=1)
 
 
 class Qwen3OmniTalkerStage(nn.Module, SupportsMRoPE):
@@ -267,7 +281,8 @@ class Qwen3OmniTalkerStage(nn.Module, SupportsMRoPE):
         return self.model.embed_input_ids(input_ids)
 
     def get_mrope_input_positions(self, input_tokens, mm_features):
-        # Text-only talker prompts: HF's 3-row positions are all 0..L-1 (rope delta 0).
+        # The prompt is placeholder ids without media: plain positions (rope delta 0). A
+        # prompt built from an image or video request gets HF's positions in forward().
         return plain_mrope_positions(len(input_tokens)), 0
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None,
@@ -275,6 +290,7 @@ class Qwen3OmniTalkerStage(nn.Module, SupportsMRoPE):
         self._outputs = {}
         if self.stage_step is not None:
             inputs_embeds = self._step_embeds(self.stage_step, input_ids)
+            positions = self._step_positions(self.stage_step, positions)
         hidden = self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
         if self.stage_step is not None:
             for r in self.stage_step.requests():
@@ -337,6 +353,19 @@ class Qwen3OmniTalkerStage(nn.Module, SupportsMRoPE):
             self._predict_frames(pending, input_ids, rows)
         return rows
 
+    def _step_positions(self, step, positions: torch.Tensor) -> torch.Tensor:
+        """``positions`` with the rows of image/video requests replaced by HF's."""
+        out = positions
+        for r in step.requests():
+            state = self._requests.get(r.req_id)
+            if state is None or state.mrope is None or step.failed(r.req_id):
+                continue
+            if out is positions:
+                out = positions.clone()
+            out[:, r.start:r.start + r.num_tokens] = state.positions(
+                r.num_computed, r.num_computed + r.num_tokens).to(out.device)
+        return out
+
     def _state(self, step, r) -> _Request:
         state = self._requests.get(r.req_id)
         if state is not None:
@@ -369,6 +398,11 @@ class Qwen3OmniTalkerStage(nn.Module, SupportsMRoPE):
         generator = torch.Generator(embed.device).manual_seed(seed) \
             if seed is not None and not greedy else None
         state = _Request(prompt, greedy, generator)
+        if "thinker_positions" in payload:
+            table, delta = ti.talker_mrope_positions(
+                payload["thinker_positions"], prompt.user_index, prompt.num_prompt_tokens)
+            if delta != 0 or not torch.equal(table, plain_mrope_positions(table.shape[1])):
+                state.mrope = (table, delta)
         self._requests[r.req_id] = state
         return state
 

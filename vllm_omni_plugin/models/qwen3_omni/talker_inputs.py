@@ -60,9 +60,10 @@ feeds one embedding at position ``L + s``. Text-only: HF builds 4-row position i
 ``[text; t; h; w]`` with all rows equal to ``0..L-1`` (attention mask cumsum - 1) and then
 ``past_len + rope_delta`` with ``rope_delta = 0``; interleaved M-RoPE with t == h == w == p is
 exactly 1-D RoPE at ``p``, so plain 1-D positions give identical results (verified by the test,
-which calls ``talker.model`` without position ids). With audio/image/video in the prompt the
-positions come from ``talker.get_rope_index(talker_input_ids, ...)`` and are NOT plain; not covered
-here.
+which calls ``talker.model`` without position ids). With image or video in the prompt the
+positions come from ``talker.get_rope_index(talker_input_ids, ...)`` and are NOT plain:
+:func:`talker_mrope_positions` derives them from the thinker's own M-RoPE positions (audio
+positions are consecutive, so an audio-only prompt stays plain).
 
 Per frame ``f`` (one talker position gives one 16-code frame):
 
@@ -116,6 +117,7 @@ __all__ = [
     "build_talker_prompt",
     "sample_from_logits",
     "talker_logits_mask",
+    "talker_mrope_positions",
     "tts_token_embeds_from",
 ]
 
@@ -163,12 +165,14 @@ class TalkerPrompt:
     tts_pad_embed: ``[1, H_talker]``; added at decode steps ``s >= K``.
     talker_input_ids: ``[L]`` what HF passes as ``talker_input_ids`` (user token ids, then
         ``tts_pad_token_id``); only used for the multimodal 3D rope index.
+    user_index: ``[L - 9]`` int64, the thinker prompt position of each user-part row.
     """
 
     prompt_embeds: torch.Tensor
     trailing_text_hidden: torch.Tensor
     tts_pad_embed: torch.Tensor
     talker_input_ids: torch.Tensor
+    user_index: torch.Tensor
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -359,7 +363,47 @@ def build_talker_prompt(
         trailing_text_hidden=trailing[0],
         tts_pad_embed=tts_pad[0],
         talker_input_ids=talker_input_ids,
+        user_index=user_idx[0],
     )
+
+
+def talker_mrope_positions(thinker_positions: torch.Tensor, user_index: torch.Tensor,
+                           length: int) -> tuple[torch.Tensor, int]:
+    """The talker prompt's M-RoPE positions, as HF's ``talker.get_rope_index`` computes them.
+
+    HF runs ``get_rope_index`` over ``talker_input_ids`` (the user turns' ids, then 9
+    ``tts_pad``). That index is built left to right from "largest position so far + 1", so
+    dropping whole text turns (system, earlier assistant turns) shifts every later position by
+    a constant: each run of consecutive user positions keeps the thinker's positions, minus
+    the offset that makes its first token (``<|im_start|>``, text) follow the previous run's
+    last token (``\\n``, text). This reuses the thinker's own positions (vLLM's M-RoPE index
+    of the thinker prompt) instead of repeating the media grids to the talker; it assumes the
+    talker config's ``position_id_per_seconds`` and ``spatial_merge_size`` equal the thinker's,
+    as in the released checkpoints.
+
+    Args:
+        thinker_positions: ``[P', 3]`` int (``P' >=`` the thinker prompt length) the thinker's
+            ``(t, h, w)`` position of each fed thinker position.
+        user_index: ``[n_user]`` :attr:`TalkerPrompt.user_index`.
+        length: the talker prompt length ``L = n_user + 9``.
+
+    Returns:
+        ``([3, L]`` int64 positions, ``delta``): a position ``p >= L`` (decode) is ``p + delta``
+        in all three rows.
+    """
+    src = thinker_positions.to("cpu", torch.long)[user_index.to("cpu")]  # [n_user, 3]
+    out = torch.empty_like(src)
+    index = user_index.tolist()
+    next_start, run_start = 0, 0
+    for k in range(1, len(index) + 1):
+        if k == len(index) or index[k] != index[k - 1] + 1:  # run [run_start, k) ends
+            offset = int(src[run_start, 0]) - next_start
+            out[run_start:k] = src[run_start:k] - offset
+            next_start = int(out[k - 1].max()) + 1
+            run_start = k
+    tail = torch.arange(next_start, next_start + length - len(index))
+    positions = torch.cat((out.T, tail.expand(3, -1)), dim=1)
+    return positions, next_start - len(index)
 
 
 def sample_from_logits(

@@ -8,6 +8,9 @@ forward also keeps, per fed position (prompt, then every generated token but the
   or the audio/vision encoder features at multimodal positions),
 * ``hidden`` ``[n, hidden]`` - the residual stream after decoder layer
   ``talker_config.accept_hidden_layer - 1`` (HF ``hidden_states[accept_hidden_layer]``),
+* ``positions`` ``[n, 3]`` int64 - the ``(t, h, w)`` M-RoPE position vLLM fed (HF
+  ``get_rope_index``): the talker's positions for image and video prompts derive from them
+  (:func:`~vllm_omni_plugin.models.qwen3_omni.talker_inputs.talker_mrope_positions`),
 
 and once per request ``tts_embed`` ``[3, hidden]``: the thinker's input embeddings of
 ``tts_bos_token_id``, ``tts_eos_token_id`` and ``tts_pad_token_id`` (HF builds the talker's
@@ -64,6 +67,8 @@ class Qwen3OmniThinkerStage(Qwen3OmniMoeThinkerForConditionalGeneration):
         self._rows = {
             "embed": aux[0],
             "hidden": hidden_states if self._hidden_is_output else aux[1],
+            # M-RoPE positions are [3, n]; a copy, as the runner refills its buffer each step
+            "positions": positions.t().clone(),
         }
         return hidden_states
 

@@ -1,0 +1,76 @@
+"""``entrypoints/media_input.check_media``: the API's media checks, on vLLM's own loaders."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+
+from plugin_tests import media
+from vllm_omni_plugin.entrypoints.media_input import MediaLimits, RequestError, check_media
+
+LIMITS = MediaLimits(max_items={"image": 2, "audio": 2, "video": 1}, max_audio_seconds=10.0)
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _body(*parts, **extra) -> dict:
+    return {"messages": [{"role": "system", "content": "be brief"},
+                         {"role": "user", "content": [*parts, {"type": "text", "text": "?"}]}],
+            **extra}
+
+
+IMAGE = {"type": "image_url", "image_url": {"url": media.data_url("image/png",
+                                                                  media.png_bytes(32, 32))}}
+AUDIO = {"type": "input_audio", "input_audio": {"data": _b64(media.wav_bytes(1.0)),
+                                                "format": "wav"}}
+VIDEO = {"type": "video_url", "video_url": {"url": "https://example.com/clip.mp4"}}
+
+
+def test_good_parts_pass():
+    check_media(_body(IMAGE, AUDIO, VIDEO, IMAGE), LIMITS)
+    # remote URLs and text-only requests are vLLM's to fetch and parse
+    check_media(_body({"type": "image_url", "image_url": {"url": "https://x/y.png"}}), LIMITS)
+    check_media({"messages": [{"role": "user", "content": "hi"}]}, LIMITS)
+
+
+@pytest.mark.parametrize("part, field, fragment", [
+    ({"type": "input_file", "file": {}}, "messages[1].content[0].type",
+     "unsupported content part type 'input_file'"),
+    ({"type": "image_url", "image_url": {"url": "data:audio/wav;base64,UklGRg=="}},
+     "messages[1].content[0].image_url.url", "unsupported media type 'audio/wav'"),
+    ({"type": "image_url", "image_url": {"url": "data:image/png,raw"}},
+     "messages[1].content[0].image_url.url", "data:<media type>;base64"),
+    ({"type": "image_url", "image_url": {"url": media.data_url("image/png", b"x" * 64)}},
+     "messages[1].content[0].image_url.url", "cannot decode the image"),
+    ({"type": "image_url", "image_url": {}}, "messages[1].content[0].image_url.url",
+     "must be a URL"),
+    ({"type": "input_audio", "input_audio": {"data": "@@@", "format": "wav"}},
+     "messages[1].content[0].input_audio.data", "not valid base64"),
+    ({"type": "input_audio", "input_audio": {"data": _b64(b"x" * 400), "format": "wav"}},
+     "messages[1].content[0].input_audio.data", "cannot decode the audio"),
+    ({"type": "input_audio", "input_audio": {"data": _b64(media.wav_bytes(1)), "format": 3}},
+     "messages[1].content[0].input_audio.format", "unsupported audio format '3'"),
+    ({"type": "input_audio", "input_audio": {"data": _b64(media.wav_bytes(11, rate=1000))}},
+     "messages[1].content[0].input_audio.data", "11.0 s long; this model takes at most 10 s"),
+    ({"type": "audio_url", "audio_url": {"url": media.data_url("audio/wav",
+                                                               media.wav_bytes(11, 1000))}},
+     "messages[1].content[0].audio_url.url", "at most 10 s"),
+])
+def test_bad_part_names_its_field(part, field, fragment):
+    with pytest.raises(RequestError) as info:
+        check_media(_body(part), LIMITS)
+    assert info.value.field == field and fragment in str(info.value), str(info.value)
+
+
+def test_item_limits_count_a_videos_sound_as_audio():
+    with pytest.raises(RequestError, match="image item 3") as info:
+        check_media(_body(IMAGE, IMAGE, IMAGE), LIMITS)
+    assert info.value.field == "messages[1].content[2]"
+    check_media(_body(VIDEO, AUDIO, AUDIO), LIMITS)
+    with pytest.raises(RequestError, match="audio item 3") as info:
+        check_media(_body(VIDEO, AUDIO, AUDIO,
+                          mm_processor_kwargs={"use_audio_in_video": True}), LIMITS)
+    assert info.value.field == "messages[1].content[2]"
