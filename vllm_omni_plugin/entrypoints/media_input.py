@@ -5,8 +5,7 @@ vLLM's chat parser and its Qwen3-Omni processor take ``image_url``, ``input_audi
 What they refuse they refuse without saying which part was at fault, and some
 failures surface as HTTP 500 (an audio clip neither soundfile nor PyAV decodes).
 :func:`check_media` runs first, in the API middleware, and answers each of these
-with a :class:`RequestError` naming the
-field (``messages[i].content[j]...``):
+with a :class:`RequestError` naming the field (``messages[i].content[j]...``):
 
 * a content part type the model does not take (``input_file``, ...);
 * a ``data:`` URL whose media type does not fit the part (``application/pdf`` in an
@@ -40,6 +39,7 @@ class RequestError(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(f"'{field}': {message}")
         self.field = field
+
 
 #: Text-like part types vLLM's chat parser takes; passed through unchecked.
 TEXT_PARTS = ("text", "input_text", "output_text", "refusal", "thinking")
@@ -151,7 +151,7 @@ def _check_part(value, where: str, kind: str, mime: str, limits: MediaLimits) ->
         raise RequestError(f"{where}.url", "a data URL must be 'data:<media type>;base64,...'")
     if not media_type.startswith(mime):
         raise RequestError(f"{where}.url", (
-            f"unsupported media type {media_type[:_SHOWN]!r} for a {kind} part "
+            f"unsupported media type {media_type[:_SHOWN]!r} for a part of type {kind!r} "
             f"(expected {mime}*)"))
     if kind in ("image_url", "input_image"):
         _check_image(data, media_type, f"{where}.url")
