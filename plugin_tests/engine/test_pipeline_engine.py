@@ -146,6 +146,19 @@ def test_talker_chunked_prefill_and_preemption_keep_parity(tiny_qwen3_omni, tmp_
                                                           report["prompt_ids"]))
 
 
+def _thinker_media_positions_match_hf() -> bool:
+    """Whether vLLM's Qwen3-Omni thinker places media tokens where HF's ``get_rope_index``
+    does. vLLM 0.30 and 0.31 place each media item one token late: their
+    ``get_mrope_input_positions`` adds a position for the start token at the item's
+    ``mm_position.offset``, which already points at the first placeholder (fixed in 0.32).
+    The talker follows the thinker's positions, so it can only equal HF where they match."""
+    from packaging.version import Version
+
+    from vllm_omni_plugin.compat.version import vllm_version
+
+    return Version(vllm_version()).release >= (0, 32)
+
+
 #: 96 x 64 pixels: a 6 x 4 patch grid, 6 tokens after the 2 x 2 merge (not square, so the
 #: M-RoPE height and width rows differ)
 IMAGE_SIZE = (96, 64)
@@ -215,7 +228,10 @@ def test_image_and_audio_input_match_hf(tiny_qwen3_omni, tmp_path):
     talker's codes (on HF's 3-D M-RoPE positions; with plain positions they differed from
     frame 6 on) equal HF's up to the first frame whose code 0 HF picked by a near-tie
     (random weights: observed at frame 11 of 24, margin 1.6e-4), and so does the waveform
-    of those frames. The audio request's speech has every frame."""
+    of those frames. The audio request's speech has every frame. On vLLM 0.30/0.31 the
+    thinker's own media positions are off by one token (see
+    :func:`_thinker_media_positions_match_hf`); there the image's codes are only checked
+    for shape."""
     from plugin_tests import media
 
     folder = tmp_path / "media"
@@ -233,7 +249,7 @@ def test_image_and_audio_input_match_hf(tiny_qwen3_omni, tmp_path):
         assert codes.shape == (TALKER_FRAMES, 16) and len(np.unique(codes)) > 10, kind
         # as many samples as HF's image answer, which has as many frames
         assert wav.shape == reference["image"][3].shape and float(np.abs(wav).max()) > 0, kind
-        if hf_codes is None:
+        if hf_codes is None or not _thinker_media_positions_match_hf():
             continue
         assert exact >= 8, f"HF's own code 0 is a near-tie at frame {exact}: pick another image"
         diff = np.argwhere(codes[:exact] != hf_codes[:exact])
