@@ -67,5 +67,10 @@ def mp4_bytes(frames: int, width: int, height: int, fps: int = 2, audio: bool = 
     return buf.getvalue()
 
 
+def b64(data: bytes) -> str:
+    """``data`` as base64 text (an ``input_audio.data`` value)."""
+    return base64.b64encode(data).decode("ascii")
+
+
 def data_url(mime: str, data: bytes) -> str:
-    return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
+    return f"data:{mime};base64,{b64(data)}"

@@ -210,7 +210,7 @@ def _media_parts() -> dict[str, tuple[dict, dict]]:
     """kind -> (content part, extra request fields), as a client sends them."""
     from plugin_tests import media
 
-    wav = base64.b64encode(media.wav_bytes(1.5)).decode()
+    wav = media.b64(media.wav_bytes(1.5))
     return {
         "image": ({"type": "image_url", "image_url": {
             "url": media.data_url("image/png", media.png_bytes(96, 64))}}, {}),
@@ -256,19 +256,16 @@ def test_media_input_chat_speaks(server, kind):
 def _bad_media_cases():
     from plugin_tests import media
 
-    def b64(data: bytes) -> str:
-        return base64.b64encode(data).decode()
-
     image = _media_parts()["image"][0]
     return [
         ({"type": "input_file", "file": {"file_data": "JVBERi0="}},
          "messages[0].content[0].type", "unsupported content part type 'input_file'"),
         ({"type": "image_url", "image_url": {"url": "data:application/pdf;base64,JVBERi0="}},
          "messages[0].content[0].image_url.url", "unsupported media type 'application/pdf'"),
-        ({"type": "input_audio", "input_audio": {"data": b64(media.wav_bytes(1)),
+        ({"type": "input_audio", "input_audio": {"data": media.b64(media.wav_bytes(1)),
                                                  "format": "midi"}},
          "messages[0].content[0].input_audio.format", "unsupported audio format 'midi'"),
-        ({"type": "input_audio", "input_audio": {"data": b64(b"not a wav " * 40),
+        ({"type": "input_audio", "input_audio": {"data": media.b64(b"not a wav " * 40),
                                                  "format": "wav"}},
          "messages[0].content[0].input_audio.data", "cannot decode the audio"),
         ({"type": "image_url", "image_url": {"url": media.data_url("image/png",
@@ -277,7 +274,7 @@ def _bad_media_cases():
         ([image] * (MEDIA_LIMITS["image"] + 1),
          f"messages[0].content[{MEDIA_LIMITS['image']}]", "at most 2 image item(s)"),
         # 301 s at 1 kHz (600 kB): longer than the feature extractor's chunk_length (300 s)
-        ({"type": "input_audio", "input_audio": {"data": b64(media.wav_bytes(301, rate=1000)),
+        ({"type": "input_audio", "input_audio": {"data": media.b64(media.wav_bytes(301, rate=1000)),
                                                  "format": "wav"}},
          "messages[0].content[0].input_audio.data", "at most 300 s per clip"),
     ]

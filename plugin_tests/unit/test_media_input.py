@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import base64
-
 import pytest
 
 from plugin_tests import media
 from vllm_omni_plugin.entrypoints.media_input import MediaLimits, RequestError, check_media
 
 LIMITS = MediaLimits(max_items={"image": 2, "audio": 2, "video": 1}, max_audio_seconds=10.0)
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
 
 
 def _body(*parts, **extra) -> dict:
@@ -24,7 +18,7 @@ def _body(*parts, **extra) -> dict:
 
 IMAGE = {"type": "image_url", "image_url": {"url": media.data_url("image/png",
                                                                   media.png_bytes(32, 32))}}
-AUDIO = {"type": "input_audio", "input_audio": {"data": _b64(media.wav_bytes(1.0)),
+AUDIO = {"type": "input_audio", "input_audio": {"data": media.b64(media.wav_bytes(1.0)),
                                                 "format": "wav"}}
 VIDEO = {"type": "video_url", "video_url": {"url": "https://example.com/clip.mp4"}}
 
@@ -49,11 +43,11 @@ def test_good_parts_pass():
      "must be a URL"),
     ({"type": "input_audio", "input_audio": {"data": "@@@", "format": "wav"}},
      "messages[1].content[0].input_audio.data", "not valid base64"),
-    ({"type": "input_audio", "input_audio": {"data": _b64(b"x" * 400), "format": "wav"}},
+    ({"type": "input_audio", "input_audio": {"data": media.b64(b"x" * 400), "format": "wav"}},
      "messages[1].content[0].input_audio.data", "cannot decode the audio"),
-    ({"type": "input_audio", "input_audio": {"data": _b64(media.wav_bytes(1)), "format": 3}},
+    ({"type": "input_audio", "input_audio": {"data": media.b64(media.wav_bytes(1)), "format": 3}},
      "messages[1].content[0].input_audio.format", "unsupported audio format '3'"),
-    ({"type": "input_audio", "input_audio": {"data": _b64(media.wav_bytes(11, rate=1000))}},
+    ({"type": "input_audio", "input_audio": {"data": media.b64(media.wav_bytes(11, rate=1000))}},
      "messages[1].content[0].input_audio.data", "11.0 s long; this model takes at most 10 s"),
     ({"type": "audio_url", "audio_url": {"url": media.data_url("audio/wav",
                                                                media.wav_bytes(11, 1000))}},
