@@ -19,6 +19,12 @@
 # `vllm` requirement satisfied: a metadata-only `vllm` distribution versioned
 # `<release>+cpu` is written next to it (the `+cpu` local label is how vLLM's
 # platform detection recognises its CPU build; remove it with `pip uninstall vllm`).
+#
+# Prefill/decode disaggregation: the plugin's `pd` extra (Mooncake's transfer engine,
+# `mooncake-transfer-engine-non-cuda`; `pd-cuda` on CUDA hosts) is installed with the
+# test extra. Its library links libibverbs.so.1 even for TCP transfers: where that is
+# missing, Debian's `libibverbs1` is installed with apt-get (as root, or with
+# passwordless sudo); otherwise the script stops and says so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VLLM_OMNI_PLUGIN_VENV:-.venv}"
@@ -32,6 +38,22 @@ case "$VLLM_OMNI_PLUGIN_BUILD" in
   cuda|cpu) ;;
   *) echo "[setup] VLLM_OMNI_PLUGIN_BUILD must be cuda or cpu, got '$VLLM_OMNI_PLUGIN_BUILD'" >&2; exit 2 ;;
 esac
+ensure_libibverbs() {
+  if ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 '; then return 0; fi
+  local sudo=()
+  if [ "$(id -u)" != 0 ]; then
+    if sudo -n true 2>/dev/null; then sudo=(sudo -n); else
+      echo "[setup] Mooncake (prefill/decode) needs libibverbs.so.1: run 'apt-get install libibverbs1' as root" >&2
+      exit 3
+    fi
+  fi
+  echo "[setup] installing libibverbs1 (apt-get) for Mooncake's transfer engine"
+  export DEBIAN_FRONTEND=noninteractive
+  "${sudo[@]}" apt-get install -y -q --no-install-recommends libibverbs1 >/dev/null \
+    || { "${sudo[@]}" apt-get update -q >/dev/null \
+         && "${sudo[@]}" apt-get install -y -q --no-install-recommends libibverbs1 >/dev/null; }
+}
+ensure_libibverbs
 key="$(cat setup.cfg scripts/setup_env.sh | sha1sum | cut -c1-12)"
 stamp="$VENV/.omni-plugin-env-$VLLM_VERSION-$VLLM_OMNI_PLUGIN_BUILD-$key"
 install_self() {
@@ -90,8 +112,11 @@ with open(os.path.join(info, "RECORD"), "w") as f:
     f.writelines(f"{base}/{name},,\n" for name in [*files, "RECORD"])
 EOF
 fi
-"$PIP" install -q --no-build-isolation -e ".[test]"
+if [ "$VLLM_OMNI_PLUGIN_BUILD" = cuda ]; then extras="test,pd-cuda"; else extras="test,pd"; fi
+"$PIP" install -q --no-build-isolation -e ".[$extras]"
 install_self
+"$PY" -c 'import mooncake.engine' \
+  || { echo "[setup] Mooncake's transfer engine does not import (see above)" >&2; exit 3; }
 rm -f "$VENV"/.omni-plugin-env-*
 touch "$stamp"
 echo "[setup] done: $("$PY" -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)')"

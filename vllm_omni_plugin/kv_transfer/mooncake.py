@@ -1,0 +1,183 @@
+"""``OmniMooncakeConnector``: vLLM's ``MooncakeConnector`` with what omni stages and vLLM's
+CPU build need, nothing else.
+
+vLLM's connector does the work: the prefill engine (``kv_role="kv_producer"``) registers its
+KV cache blocks with Mooncake's ``TransferEngine`` and, when a request it serves finishes
+``FINISHED_LENGTH_CAPPED``, writes the request's blocks into the blocks the decode engine
+(``kv_role="kv_consumer"``) allocated for the request with the same ``transfer_id``. Pairing
+goes through each request's ``kv_transfer_params`` as in vLLM (``do_remote_decode`` on the
+prefill side; ``do_remote_prefill``, ``remote_engine_id``, ``remote_bootstrap_addr`` and
+``transfer_id`` on the decode side).
+
+This subclass adds:
+
+* **vLLM's CPU platform**: the connector worker starts where
+  ``torch.accelerator.current_device_index()`` raises (``compat/mooncake.py``).
+* **Descriptor batches**: one write to a peer carries at most
+  ``kv_connector_extra_config["omni_plugin_max_descs_per_peer"]`` descriptors (default
+  :data:`~vllm_omni_plugin.kv_transfer.DEFAULT_MAX_DESCS_PER_PEER`), and writes to one peer
+  from vLLM's sender threads run one at a time. Mooncake fails above about 2048 outstanding
+  descriptors per peer and then leaves that peer's session broken.
+* **The bootstrap port** from ``kv_connector_extra_config["omni_plugin_bootstrap_port"]``
+  (the plugin allocates one per prefill replica) instead of the process-wide
+  ``VLLM_MOONCAKE_BOOTSTRAP_PORT``, checked free before vLLM's server binds it.
+* **Clear start-up errors**: a missing Mooncake (the ``pd`` extra, or ``libibverbs1``) and a
+  transfer engine that fails to initialise name the fix.
+
+Both classes keep vLLM's constructor signatures; the connector's ``__init__`` repeats vLLM's
+role dispatch so that the worker role builds :class:`OmniMooncakeConnectorWorker` (a shim test
+fails when vLLM changes that dispatch).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+from vllm.distributed.kv_transfer.kv_connector.v1 import base as connector_base
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
+    mooncake_connector as vllm_mooncake,
+)
+
+from vllm_omni_plugin.compat import mooncake as compat_mooncake
+from vllm_omni_plugin.kv_transfer import (
+    CONNECTOR_NAME,
+    DEFAULT_MAX_DESCS_PER_PEER,
+    EXTRA_BOOTSTRAP_PORT,
+    EXTRA_MAX_DESCS_PER_PEER,
+)
+from vllm_omni_plugin.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+logger = init_logger(__name__)
+
+KVConnectorRole = connector_base.KVConnectorRole
+
+
+def _mooncake_import_error() -> str:
+    try:
+        import mooncake.engine  # noqa: F401
+    except ImportError as exc:
+        return str(exc)
+    return "vLLM could not import it"
+
+
+def _positive_int(extra: dict, key: str, default: int | None) -> int | None:
+    value = extra.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"kv_connector_extra_config.{key} must be a positive integer, "
+                         f"got {value!r}")
+    return value
+
+
+def _preflight(vllm_config: VllmConfig) -> None:
+    """What must hold before the connector worker starts (so that a failure leaves no
+    half-built worker behind).
+
+    Raises:
+        RuntimeError: Mooncake's transfer engine is not importable, or the bootstrap port is
+            in use.
+        ValueError: a bad ``omni_plugin_*`` value in ``kv_connector_extra_config``.
+    """
+    kv_config = vllm_config.kv_transfer_config
+    extra = kv_config.kv_connector_extra_config or {}
+    _positive_int(extra, EXTRA_MAX_DESCS_PER_PEER, DEFAULT_MAX_DESCS_PER_PEER)
+    if vllm_mooncake.TransferEngine is None:
+        raise RuntimeError(
+            f"{CONNECTOR_NAME} needs Mooncake's transfer engine ({_mooncake_import_error()}). "
+            "Install the plugin's `pd` extra (pip install 'vllm-omni-plugin[pd]'; it installs "
+            "mooncake-transfer-engine-non-cuda, use mooncake-transfer-engine on CUDA hosts); "
+            "its library links libibverbs.so.1 even for TCP (Debian/Ubuntu: apt-get install "
+            "libibverbs1)")
+    if kv_config.kv_role != "kv_consumer" and vllm_mooncake.should_launch_bootstrap_server(
+            vllm_config):
+        port = _positive_int(extra, EXTRA_BOOTSTRAP_PORT, None)
+        if port is not None:
+            compat_mooncake.use_bootstrap_port(port)
+        else:
+            compat_mooncake.ensure_port_free(
+                vllm_mooncake.get_mooncake_bootstrap_addr(vllm_config)[1])
+
+
+class OmniMooncakeConnectorWorker(vllm_mooncake.MooncakeConnectorWorker):
+    """vLLM's Mooncake connector worker, startable on vLLM's CPU platform, with bounded
+    descriptor batches per peer. Same constructor as vLLM's; build it after
+    :func:`_preflight` (as :class:`OmniMooncakeConnector` does).
+
+    Raises:
+        RuntimeError: Mooncake's transfer engine fails to initialise.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, engine_id: str,
+                 kv_cache_config: KVCacheConfig):
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        self._omni_max_descs = _positive_int(extra, EXTRA_MAX_DESCS_PER_PEER,
+                                             DEFAULT_MAX_DESCS_PER_PEER)
+        self._omni_peer_locks: dict[str, threading.Lock] = {}
+        self._omni_peer_locks_guard = threading.Lock()
+        try:
+            with compat_mooncake.cpu_device_index():
+                super().__init__(vllm_config, engine_id, kv_cache_config)
+        except RuntimeError as exc:
+            if "initialization failed" not in str(exc):
+                raise
+            protocol = extra.get("mooncake_protocol", "rdma")
+            raise RuntimeError(
+                f"{exc} (kv_connector_extra_config.mooncake_protocol={protocol!r}; on hosts "
+                "without RDMA devices set it to \"tcp\"; Mooncake's own log lines above say "
+                "why)") from exc
+
+    def _omni_peer_lock(self, remote_session: str) -> threading.Lock:
+        with self._omni_peer_locks_guard:
+            lock = self._omni_peer_locks.get(remote_session)
+            if lock is None:
+                lock = self._omni_peer_locks[remote_session] = threading.Lock()
+            return lock
+
+    def _send_blocks(self, remote_session: str, src_ptrs: list[int], dst_ptrs: list[int],
+                     lengths: list[int]) -> int:
+        """vLLM's write, in batches of at most ``omni_plugin_max_descs_per_peer``
+        descriptors, one writer per peer at a time. Returns 0, or the first batch's
+        non-zero Mooncake status (the later batches are not sent)."""
+        step = self._omni_max_descs
+        with self._omni_peer_lock(remote_session):
+            for start in range(0, len(src_ptrs), step):
+                end = start + step
+                status = super()._send_blocks(remote_session, src_ptrs[start:end],
+                                              dst_ptrs[start:end], lengths[start:end])
+                if status != 0:
+                    return status
+        return 0
+
+
+class OmniMooncakeConnector(vllm_mooncake.MooncakeConnector):
+    """vLLM's ``MooncakeConnector`` whose worker role is :class:`OmniMooncakeConnectorWorker`.
+
+    Select it with ``KVTransferConfig(kv_connector="OmniMooncakeConnector", ...)``; the
+    plugin registers the name with vLLM's ``KVConnectorFactory``. The scheduler role is
+    vLLM's own ``MooncakeConnectorScheduler``.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig):
+        # vLLM's MooncakeConnector.__init__, with the plugin's worker class (its
+        # constructor looks the worker class up by module-global name).
+        connector_base.KVConnectorBase_V1.__init__(self, vllm_config, role, kv_cache_config)
+        assert vllm_config.kv_transfer_config is not None
+        assert vllm_config.kv_transfer_config.engine_id is not None
+        self.engine_id = vllm_config.kv_transfer_config.engine_id
+        if role == KVConnectorRole.SCHEDULER:
+            assert kv_cache_config is not None, "kv_cache_config is required for SCHEDULER role"
+            self.connector_scheduler = vllm_mooncake.MooncakeConnectorScheduler(
+                vllm_config, self.engine_id, kv_cache_config)
+            self.connector_worker = None
+        elif role == KVConnectorRole.WORKER:
+            self.connector_scheduler = None
+            _preflight(vllm_config)
+            self.connector_worker = OmniMooncakeConnectorWorker(
+                vllm_config, self.engine_id, kv_cache_config)
