@@ -9,6 +9,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN3_OMNI_YAML = os.path.join(REPO, "stage_configs", "qwen3_omni_moe.yaml")
+QWEN3_OMNI_PD_YAML = os.path.join(REPO, "stage_configs", "qwen3_omni_moe_pd.yaml")
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -18,6 +19,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(model: str, args: list[str], log_path: str, env: dict | None = None):
+    """``vllm serve MODEL ARGS`` up and ready for the block (``.model`` set), stopped
+    after it."""
+    proc = ServeProcess([model, *args], log_path, env=env)
+    try:
+        proc.wait_ready()
+        proc.model = model
+        yield proc
+    finally:
+        proc.stop()
 
 
 class ServeProcess:

@@ -23,13 +23,15 @@ from vllm_omni_plugin.payload_store import is_payload_key
 
 #: Every key of the plugin in ``extra_args`` (and so in a client's ``vllm_xargs``).
 RESERVED_PREFIX = "omni_plugin_"
-#: ``{"in": key, "out": key, "err": key}`` payload-store keys of one stage request
-#: (orchestrator -> worker); each optional.
+#: ``{"in": key, "out": key, "err": key, "prefilled": true}`` payload-store keys of one
+#: stage request (orchestrator -> worker), each optional; ``prefilled``: the prompt's KV
+#: cache comes from a prefill stage, which published the prompt's rows.
 PAYLOAD = "omni_plugin_payload"
 #: Voice (talker speaker name) in the ``extras`` a stage input processor receives.
 SPEAKER = "omni_plugin_speaker"
 
 _SLOTS = ("in", "out", "err")
+_PREFILLED = "prefilled"
 
 
 def _is_reserved(key: Any) -> bool:
@@ -57,11 +59,14 @@ class PayloadKeys:
         output: key the worker publishes output tensors under, or None.
         error: key the worker records a failure under when there is no output
             key (a text-only request), or None.
+        prefilled: the prompt's KV cache was computed by a prefill stage (the request
+            starts past the prompt, whose rows the prefill stage published).
     """
 
     input: str | None = None
     output: str | None = None
     error: str | None = None
+    prefilled: bool = False
 
     @property
     def failure_key(self) -> str | None:
@@ -73,18 +78,21 @@ def payload_keys(extra: dict[str, Any] | None) -> PayloadKeys:
     """Read and validate ``extra[PAYLOAD]``.
 
     Raises:
-        ValueError: the value is not ``{"in"|"out"|"err": "<key>"}`` with keys
-            matching ``[A-Za-z0-9._-]{1,200}``; the message names the field.
+        ValueError: the value is not ``{"in"|"out"|"err": "<key>", "prefilled": bool}``
+            with keys matching ``[A-Za-z0-9._-]{1,200}``; the message names the field.
     """
     value = (extra or {}).get(PAYLOAD)
     if value is None:
         return PayloadKeys()
     if not isinstance(value, dict):
         raise ValueError(f"extra_args[{PAYLOAD!r}] must be a mapping, got {type(value).__name__}")
-    unknown = sorted(map(str, set(value) - set(_SLOTS)))
+    unknown = sorted(map(str, set(value) - {*_SLOTS, _PREFILLED}))
     if unknown:
         raise ValueError(f"extra_args[{PAYLOAD!r}] has unknown slot(s) {unknown}")
     for slot, key in value.items():
-        if not is_payload_key(key):
+        if slot != _PREFILLED and not is_payload_key(key):
             raise ValueError(f"extra_args[{PAYLOAD!r}][{slot!r}] is not a payload key")
-    return PayloadKeys(value.get("in"), value.get("out"), value.get("err"))
+    prefilled = value.get(_PREFILLED, False)
+    if not isinstance(prefilled, bool):
+        raise ValueError(f"extra_args[{PAYLOAD!r}][{_PREFILLED!r}] must be true or false")
+    return PayloadKeys(value.get("in"), value.get("out"), value.get("err"), prefilled)

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from plugin_tests.conftest import QWEN3_OMNI_YAML
-from plugin_tests.serve_utils import ServeProcess
+from plugin_tests.serve_utils import serving
 
 pytestmark = pytest.mark.e2e
 
@@ -68,18 +68,13 @@ def server(tiny_qwen3_omni, tmp_path_factory):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [_write_test_plugin(root),
                                                       env.get("PYTHONPATH")]))
-    proc = ServeProcess([tiny_qwen3_omni, "--stage-configs-path", str(yaml_path),
-                         "--max-model-len", "2048", "--dtype", "float32",
-                         "--omni-replica-wait-timeout", "3",
-                         "--limit-mm-per-prompt", json.dumps(MEDIA_LIMITS),
-                         *_trust_request_mm_kwargs()],
-                        str(root / "serve.log"), env=env)
-    try:
-        proc.wait_ready()
-        proc.model = tiny_qwen3_omni
+    with serving(tiny_qwen3_omni, ["--stage-configs-path", str(yaml_path),
+                                   "--max-model-len", "2048", "--dtype", "float32",
+                                   "--omni-replica-wait-timeout", "3",
+                                   "--limit-mm-per-prompt", json.dumps(MEDIA_LIMITS),
+                                   *_trust_request_mm_kwargs()],
+                 str(root / "serve.log"), env=env) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def _decode_wav(message):

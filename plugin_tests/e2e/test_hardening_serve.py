@@ -24,7 +24,7 @@ import requests
 import yaml
 
 from plugin_tests.conftest import QWEN3_OMNI_YAML
-from plugin_tests.serve_utils import ServeProcess
+from plugin_tests.serve_utils import serving
 
 pytestmark = pytest.mark.e2e
 
@@ -54,18 +54,13 @@ def server(tiny_qwen3_omni, tmp_path_factory):
         (d / "leftover.out").mkdir(parents=True)
     env = dict(os.environ)
     env["VLLM_OMNI_PLUGIN_PAYLOAD_DIR"] = str(payload_base)
-    proc = ServeProcess([tiny_qwen3_omni, "--stage-configs-path", str(yaml_path),
-                         "--max-model-len", "2048", "--dtype", "float32",
-                         "--omni-admission-timeout", str(ADMISSION_TIMEOUT_S)],
-                        str(root / "serve.log"), env=env)
-    try:
-        proc.wait_ready()
-        proc.model = tiny_qwen3_omni
+    with serving(tiny_qwen3_omni, ["--stage-configs-path", str(yaml_path),
+                                   "--max-model-len", "2048", "--dtype", "float32",
+                                   "--omni-admission-timeout", str(ADMISSION_TIMEOUT_S)],
+                 str(root / "serve.log"), env=env) as proc:
         proc.payload_base = payload_base
         proc.stale_dirs = (stale, live)
         yield proc
-    finally:
-        proc.stop()
 
 
 def _completion(server, **extra) -> requests.Response:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import yaml
 
-from plugin_tests.conftest import PYTHON, QWEN3_OMNI_YAML
+from plugin_tests.conftest import PYTHON, QWEN3_OMNI_PD_YAML, QWEN3_OMNI_YAML
 
 pytestmark = pytest.mark.engine
 
@@ -23,13 +23,14 @@ TALKER_FRAMES = 24
 TALKER_MAX_TOKENS = TALKER_FRAMES + 1
 
 
-def _yaml(root, talker_max_tokens, talker_engine_args=None) -> str:
-    with open(QWEN3_OMNI_YAML) as f:
+def _yaml(root, talker_max_tokens, talker_engine_args=None, source=QWEN3_OMNI_YAML) -> str:
+    with open(source) as f:
         pipeline = yaml.safe_load(f)
     talker = pipeline["stages"][1]
     talker["default_sampling_params"]["max_tokens"] = talker_max_tokens
     talker["engine_args"].update(talker_engine_args or {})
-    path = root / f"pipeline-{talker_max_tokens}-{len(talker_engine_args or ())}.yaml"
+    path = root / (f"pipeline-{talker_max_tokens}-{len(talker_engine_args or ())}-"
+                   f"{os.path.basename(source)}")
     path.write_text(yaml.safe_dump(pipeline))
     return str(path)
 
@@ -103,7 +104,7 @@ def _assert_served_equal_hf(report, served, reference):
     codebooks equal HF's, waveform within WAVEFORM_ATOL; concurrent equal to solo."""
     assert report["sample_rate"] == 24000
     n = len(reference)
-    for kind, count in (("solo", n), ("concurrent", len(report["thinker_tokens"]) - n)):
+    for kind, count in (("solo", n), ("concurrent", len(report["thinker_tokens"]) - 2 * n)):
         for i in range(count):
             tokens, hf_codes, hf_wav = reference[i % n]
             assert report["thinker_tokens"][f"{kind}_{i}"] == tokens, (kind, i)
@@ -114,6 +115,8 @@ def _assert_served_equal_hf(report, served, reference):
             assert wav.shape == hf_wav.shape, (kind, i)
             err = float(np.abs(wav - hf_wav).max())
             assert err <= WAVEFORM_ATOL, (kind, i, err)
+            if kind == "solo":  # the same request without audio output: the same text
+                assert report["thinker_tokens"][f"text_{i}"] == tokens, i
             if kind == "concurrent":
                 np.testing.assert_array_equal(codes, served[f"solo_codes_{i % n}"])
                 np.testing.assert_allclose(wav, served[f"solo_waveform_{i % n}"],
@@ -128,6 +131,21 @@ def test_codes_and_waveform_match_hf_alone_and_batched(tiny_qwen3_omni, tmp_path
     assert len({len(np.unique(codes)) for _, codes, _ in reference}) > 1  # distinct prompts
     assert all(len(np.unique(codes)) > 10 for _, codes, _ in reference)  # non-trivial codes
     _assert_served_equal_hf(report, served, reference)
+
+
+def test_prefill_decode_disaggregation_keeps_parity(tiny_qwen3_omni, tmp_path):
+    """The PD pipeline (stage_configs/qwen3_omni_moe_pd.yaml: the thinker's prefill on its
+    own engine, KV cache pulled by the entry engine through OmniMooncakeConnector over
+    TCP): text-only and text+audio requests, alone and 8 at once, give HF's thinker tokens,
+    talker codes and waveform, as without PD; every request went through the prefill
+    stage."""
+    pytest.importorskip("mooncake.engine", reason="the plugin's `pd` extra is not installed")
+    report = _run(tiny_qwen3_omni, _yaml(tmp_path, TALKER_MAX_TOKENS, source=QWEN3_OMNI_PD_YAML),
+                  tmp_path, "parity")
+    served = np.load(tmp_path / "served.npz")
+    _assert_served_equal_hf(report, served,
+                            _hf_reference(tiny_qwen3_omni, report["prompt_ids"]))
+    assert report["prefill_requests"] == len(report["thinker_tokens"])  # one per request
 
 
 def test_talker_chunked_prefill_and_preemption_keep_parity(tiny_qwen3_omni, tmp_path):

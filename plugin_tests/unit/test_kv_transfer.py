@@ -189,3 +189,72 @@ def test_cpu_device_index_only_while_building():
     if patched:  # the index is unavailable outside the shim
         with pytest.raises(RuntimeError):
             torch.accelerator.current_device_index()
+
+
+def _pd(role="prefill", **fields):
+    from vllm_omni_plugin.config.schema import PDConfig
+
+    return PDConfig(role=role, decode_stage=0 if role == "prefill" else None, **fields)
+
+
+def test_kv_transfer_config_per_role_is_what_vllm_accepts():
+    from vllm.config import KVTransferConfig
+
+    from vllm_omni_plugin.kv_transfer import kv_transfer_config, new_engine_id
+
+    prefill = KVTransferConfig(**kv_transfer_config(
+        _pd(protocol="tcp", max_descs_per_peer=64), new_engine_id("thinker_prefill"), 9001))
+    assert prefill.kv_connector == CONNECTOR_NAME and prefill.kv_role == "kv_producer"
+    assert prefill.engine_id.startswith("thinker_prefill-")
+    assert prefill.kv_connector_extra_config == {
+        "mooncake_protocol": "tcp", EXTRA_MAX_DESCS_PER_PEER: 64, EXTRA_BOOTSTRAP_PORT: 9001}
+    decode = KVTransferConfig(**kv_transfer_config(_pd("decode", device_name="mlx5_0"), "d"))
+    assert decode.kv_role == "kv_consumer" and EXTRA_BOOTSTRAP_PORT not in (
+        decode.kv_connector_extra_config)
+    assert decode.kv_connector_extra_config["device_name"] == "mlx5_0"
+    assert new_engine_id("x") != new_engine_id("x")  # a new one for every engine start
+
+
+def test_prefill_engine_params_pair_a_decode_request():
+    from vllm_omni_plugin.kv_transfer import (
+        decode_request_params,
+        kv_transfer_config,
+        prefill_engine_params,
+        prefill_request_params,
+    )
+
+    def config(pd, port=None):
+        return SimpleNamespace(kv_transfer_config=SimpleNamespace(
+            **kv_transfer_config(pd, "e-1", port)))
+
+    engine = prefill_engine_params(config(_pd(), 9001), "10.0.0.7")
+    assert engine == {"remote_engine_id": "e-1",
+                      "remote_bootstrap_addr": "http://10.0.0.7:9001"}
+    assert prefill_engine_params(config(_pd("decode")), "h") is None
+    assert prefill_engine_params(SimpleNamespace(kv_transfer_config=None), "h") is None
+    assert prefill_request_params("t") == {"do_remote_decode": True, "do_remote_prefill": False,
+                                           "transfer_id": "t"}
+    assert decode_request_params("t", engine) == {
+        "do_remote_prefill": True, "do_remote_decode": False, "transfer_id": "t", **engine}
+
+
+def test_prefill_stage_takes_the_decode_engines_kv_layout():
+    from vllm_omni_plugin.config.cli import prefill_base_args
+
+    decode = SimpleNamespace(engine_args={"hf_overrides": {"architectures": ["A"]},
+                                          "worker_cls": "w", "max_num_seqs": 8})
+    resolved = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=32, cache_dtype="auto"),
+        model_config=SimpleNamespace(max_model_len=2048, quantization=None),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1))
+    args = prefill_base_args({"model": "m", "dtype": "float32"}, decode, resolved)
+    assert args == {"model": "m", "dtype": "float32", "hf_overrides": {"architectures": ["A"]},
+                    "worker_cls": "w", "max_num_seqs": 8, "block_size": 32,
+                    "kv_cache_dtype": "auto", "max_model_len": 2048,
+                    "tensor_parallel_size": 1, "pipeline_parallel_size": 1}
+    # a headless process: the command line's EngineArgs; unset fields keep vLLM's defaults
+    cli = SimpleNamespace(block_size=None, kv_cache_dtype="auto", max_model_len=None,
+                          quantization=None, tensor_parallel_size=1, pipeline_parallel_size=1)
+    args = prefill_base_args({"model": "m"}, decode, cli)
+    assert "block_size" not in args and "max_model_len" not in args
+    assert args["tensor_parallel_size"] == 1

@@ -260,3 +260,177 @@ def test_full_stage_refuses_with_429_before_the_entry_stage_runs(tmp_path):
     orchestrator, refused, outputs = asyncio.run(scenario())
     assert outputs == [] and refused.result.status == 429 and refused.result.retry_after >= 1
     assert len(orchestrator.entry_generate.seen_extra_args) == 1  # only the admitted one
+
+
+# -- prefill/decode disaggregation ---------------------------------------------------
+PREFILL_ENGINE = {"remote_engine_id": "thinker_prefill-abc",
+                  "remote_bootstrap_addr": "http://127.0.0.1:9"}
+
+
+def _pd_pipeline():
+    stage = {"kind": "ar", "input_processor": "p"}
+    return parse_pipeline_config({"stages": [
+        {"stage_id": 0, "name": "thinker", "kind": "ar", "final_output": True,
+         "final_output_type": "text", "pd": {"role": "decode"},
+         "engine_args": {"enable_prefix_caching": False}},
+        {**stage, "stage_id": 1, "name": "talker", "inputs": [0]},
+        {**stage, "stage_id": 2, "name": "code2wav", "inputs": [1], "kind": "generation",
+         "final_output": True, "final_output_type": "audio"},
+        {"stage_id": 3, "name": "thinker_prefill", "kind": "ar",
+         "pd": {"role": "prefill", "decode_stage": 0}},
+    ]}, check_processors=False)
+
+
+class PrefillPool(Pool):
+    """The prefill stage: publishes the prompt's rows (``hidden`` 2.0, ``once``) when the
+    task publishes; ``finish`` scripts vLLM's finish reason."""
+
+    def __init__(self, outcome: str = "ok", finish: str = "length") -> None:
+        super().__init__(3, outcome)
+        self.finish = finish
+
+    async def run(self, task):
+        await super().run(task)  # records, fails or blocks as scripted
+        payload = ({"hidden": torch.full((len(PROMPT), 2), 2.0), "once": torch.zeros(3)}
+                   if task.publish else {})
+        return StageRun(list(task.prompt_token_ids), [99], payload, self.finish,
+                        dict(PREFILL_ENGINE))
+
+
+class DecodeEntry(Entry):
+    """A decode engine: with ``prefilled`` it publishes only the generated positions."""
+
+    async def __call__(self, prompt, params, request_id):
+        keys = xargs.payload_keys(params.extra_args)
+        if not keys.prefilled:
+            async for out in super().__call__(prompt, params, request_id):
+                yield out
+            return
+        self.seen_extra_args.append(dict(params.extra_args))
+        self.store.append(keys.output, {"hidden": torch.full((1, 2), 3.0)})
+        completion = SimpleNamespace(token_ids=list(ENTRY_TOKENS))
+        yield SimpleNamespace(finished=True, prompt_token_ids=PROMPT, outputs=[completion])
+
+
+def _pd_orchestrator(tmp_path, prefill_outcome="ok", finish="length"):
+    pipeline = _pd_pipeline()
+    store = PayloadStore(str(tmp_path / "run"))
+    pools = {1: Pool(1), 2: Pool(2), 3: PrefillPool(prefill_outcome, finish)}
+    upstream_payloads: list = []
+
+    def processor(upstream, stage, extras):
+        upstream_payloads.append({u.stage_id: dict(u.payload) for u in upstream})
+        return StageInput(prompt_token_ids=[1, 2], payload={"x": torch.zeros(1)})
+
+    orchestrator = Orchestrator(
+        DecodeEntry(store), SimpleNamespace(), pipeline, store, pools,
+        AdmissionGate({1: 4, 2: 4}, 1.0), {1: processor, 2: processor})
+    return orchestrator, upstream_payloads
+
+
+def test_pd_prefills_on_the_prefill_stage_then_pulls_on_the_entry(tmp_path):
+    orchestrator, upstream = _pd_orchestrator(tmp_path)
+    request = _audio()
+    asyncio.run(_run(orchestrator, request,
+                     extra_args={"kv_transfer_params": {"transfer_id": "client-chosen"}}))
+    assert request.result.error is None
+    (task,) = orchestrator.pools[3].tasks
+    assert task.request_id == "req-1-s3" and task.prompt_token_ids == PROMPT and task.publish
+    sent = task.sampling["extra_args"]["kv_transfer_params"]
+    assert task.sampling["max_tokens"] == 1 and task.sampling["ignore_eos"] is True
+    assert sent["do_remote_decode"] is True and sent["transfer_id"] != "client-chosen"
+    (seen,) = orchestrator.entry_generate.seen_extra_args
+    assert seen["kv_transfer_params"] == {"do_remote_prefill": True, "do_remote_decode": False,
+                                          "transfer_id": sent["transfer_id"], **PREFILL_ENGINE}
+    assert seen[xargs.PAYLOAD]["prefilled"] is True
+    # the talker sees the prompt's rows from the prefill stage, then the generated ones
+    hidden = upstream[0][0]["hidden"]
+    assert hidden[:, 0].tolist() == [2.0] * len(PROMPT) + [3.0]
+    assert upstream[0][0]["once"].shape == (3,)
+    assert orchestrator.store.keys() == [] and orchestrator._inflight == {}
+
+
+def test_pd_text_only_request_prefills_without_publishing(tmp_path):
+    orchestrator, _ = _pd_orchestrator(tmp_path)
+    outputs = asyncio.run(_run(orchestrator, OmniRequest(),
+                               extra_args={"kv_transfer_params": {"do_remote_prefill": True}}))
+    assert outputs[-1].finished
+    (task,) = orchestrator.pools[3].tasks
+    assert task.publish is False
+    (seen,) = orchestrator.entry_generate.seen_extra_args
+    assert seen["kv_transfer_params"]["transfer_id"] == (
+        task.sampling["extra_args"]["kv_transfer_params"]["transfer_id"])
+    assert set(seen[xargs.PAYLOAD]) == {"err"}
+    assert not orchestrator.pools[1].tasks
+    assert orchestrator.store.keys() == [] and orchestrator._inflight == {}
+
+
+def test_pd_transfer_ids_are_fresh_per_request(tmp_path):
+    orchestrator, _ = _pd_orchestrator(tmp_path)
+    for i in range(3):
+        asyncio.run(_run(orchestrator, OmniRequest(), request_id=f"r{i}"))
+    ids = {t.sampling["extra_args"]["kv_transfer_params"]["transfer_id"]
+           for t in orchestrator.pools[3].tasks}
+    assert len(ids) == 3
+
+
+def test_client_kv_transfer_params_never_reach_the_entry_without_pd(tmp_path):
+    orchestrator, _ = _orchestrator(tmp_path)
+    asyncio.run(_run(orchestrator, OmniRequest(),
+                     extra_args={"kv_transfer_params": {"do_remote_prefill": True}}))
+    assert "kv_transfer_params" not in orchestrator.entry_generate.seen_extra_args[0]
+
+
+@pytest.mark.parametrize("outcome,finish,error", [
+    ("fail", "length", "stage 3 (thinker_prefill): worker failed: boom"),
+    ("ok", "stop", "stage 3 (thinker_prefill): the prefill engine did not keep the KV cache "
+                   "(finish reason 'stop'"),
+])
+def test_pd_prefill_failure_fails_the_request_naming_the_prefill_stage(
+        tmp_path, outcome, finish, error):
+    orchestrator, _ = _pd_orchestrator(tmp_path, prefill_outcome=outcome, finish=finish)
+    request = _audio()
+    asyncio.run(_run(orchestrator, request))
+    assert request.result.status == 500 and request.result.error.startswith(error)
+    text = OmniRequest()
+    with pytest.raises(StageError, match=r"^stage 3 \(thinker_prefill\)"):
+        asyncio.run(_run(orchestrator, text, request_id="req-2"))
+    assert text.result.error.startswith(error)
+    assert orchestrator.entry_generate.seen_extra_args == []  # the entry never ran
+    assert orchestrator.store.keys() == [] and orchestrator._inflight == {}
+
+
+def test_pd_abort_during_prefill_ends_the_request(tmp_path):
+    async def scenario():
+        orchestrator, _ = _pd_orchestrator(tmp_path, prefill_outcome="block")
+        running = asyncio.create_task(_run(orchestrator, OmniRequest()))
+        while not orchestrator.pools[3].tasks:
+            await asyncio.sleep(0)
+        await orchestrator.abort("req-1")
+        return orchestrator, await running
+
+    orchestrator, outputs = asyncio.run(scenario())
+    assert outputs == [] and orchestrator.pools[3].aborted == ["req-1-s3"]
+    assert orchestrator.entry_generate.seen_extra_args == []
+    assert orchestrator.store.keys() == [] and orchestrator._inflight == {}
+    assert orchestrator._aborted == set()
+
+
+@pytest.mark.parametrize("prompt", [
+    "a text prompt",
+    {"type": "multimodal", "prompt_token_ids": PROMPT, "mm_kwargs": {"image": [1]}},
+    {"prompt_token_ids": PROMPT, "multi_modal_data": {"image": object()}},
+])
+def test_pd_prompts_other_than_token_ids_are_prefilled_by_the_entry(tmp_path, prompt):
+    from vllm import SamplingParams
+
+    orchestrator, _ = _pd_orchestrator(tmp_path)
+
+    async def scenario():
+        with omni_request_scope(OmniRequest()):
+            return [o async for o in orchestrator.generate(
+                prompt, SamplingParams(max_tokens=4), "req-1")]
+
+    assert asyncio.run(scenario())[-1].finished
+    assert orchestrator.pools[3].tasks == []
+    assert "kv_transfer_params" not in orchestrator.entry_generate.seen_extra_args[0]

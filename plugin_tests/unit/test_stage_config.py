@@ -90,6 +90,70 @@ def test_qwen3_omni_config_loads():
         cfg.stage(9)
 
 
+def test_qwen3_omni_pd_config_loads():
+    cfg = load_pipeline_config(REPO / "stage_configs" / "qwen3_omni_moe_pd.yaml")
+    assert cfg.entry_stage.name == "thinker" and cfg.entry_stage.pd.role == "decode"
+    prefill = cfg.prefill_stage_for(0)
+    assert prefill.name == "thinker_prefill" and prefill.pd.protocol == "tcp"
+    assert cfg.prefill_stage_for(1) is None
+    assert [s.name for s in cfg.topological_order()] == ["thinker", "talker", "code2wav"]
+    # the same stages as without PD, apart from the pd blocks and the prefill stage
+    plain = load_pipeline_config(REPO / "stage_configs" / "qwen3_omni_moe.yaml")
+    assert [s.model_dump(exclude={"pd"}) for s in cfg.stages if not s.is_prefill] == [
+        s.model_dump(exclude={"pd"}) for s in plain.stages]
+
+
+def _pd(prefill=None, decode=None, extra=()):
+    """BASE with a decode role on the thinker and a prefill stage 3."""
+    d = mutate(s0={"pd": {"role": "decode", **(decode or {})},
+                   "engine_args": {"enable_prefix_caching": False}})
+    d["stages"].append({"stage_id": 3, "name": "thinker_prefill", "kind": "ar",
+                        "pd": {"role": "prefill", "decode_stage": 0}, **(prefill or {})})
+    d["stages"].extend(extra)
+    return d
+
+
+_PREFILL = "stage 3 ('thinker_prefill')"
+
+
+@pytest.mark.parametrize("data, stage, field, fragment", [
+    (_pd(prefill={"pd": {"role": "prefill"}}), _PREFILL, "pd.decode_stage", "required"),
+    (_pd(prefill={"pd": {"role": "prefill", "decode_stage": 1}}), _PREFILL, "pd.decode_stage",
+     "stage 1 is not a stage with pd.role 'decode'"),
+    (_pd(prefill={"engine_args": {"block_size": 64}}), _PREFILL, "engine_args.block_size",
+     "takes block_size from its decode stage 0"),
+    (_pd(prefill={"engine_args": {"kv_transfer_config": {}}}), _PREFILL,
+     "engine_args.kv_transfer_config", "set by the plugin"),
+    (_pd(prefill={"engine_args": {"enable_prefix_caching": True}}), _PREFILL,
+     "engine_args.enable_prefix_caching", "must be false"),
+    (_pd(prefill={"final_output": True, "final_output_type": "text"}), _PREFILL,
+     "final_output", "no inputs, processor"),
+    (_pd(prefill={"kind": "generation"}), _PREFILL, "kind", "differs from decode stage 0"),
+    (_pd(prefill={"pd": {"role": "prefill", "decode_stage": 0, "protocol": "udp"}}), _PREFILL,
+     "pd.protocol", "'rdma' or 'tcp'"),
+    (_pd(prefill={"pd": {"role": "prefill", "decode_stage": 0, "max_descs_per_peer": 0}}),
+     _PREFILL, "pd.max_descs_per_peer", "greater than or equal to 1"),
+    (_pd(decode={"decode_stage": 3}), "stage 0 ('thinker')", "pd.decode_stage",
+     "only a prefill stage"),
+    (mutate(s0={"pd": {"role": "decode"}, "engine_args": {"enable_prefix_caching": False}}),
+     "stage 0 ('thinker')", "pd.role", "exactly one prefill stage"),
+    (mutate(s0={"pd": {"role": "decode"}}), "stage 0 ('thinker')",
+     "engine_args.enable_prefix_caching", "must be false on a decode stage"),
+    (_pd(extra=[{"stage_id": 4, "name": "second", "kind": "ar",
+                 "pd": {"role": "prefill", "decode_stage": 0}}]),
+     "stage 0 ('thinker')", "pd.role", "found [3, 4]"),
+    (_pd(extra=[{"stage_id": 4, "name": "reader", "kind": "ar", "inputs": [3],
+                 "input_processor": "thinker2talker"}]),
+     "stage 4 ('reader')", "inputs", "stage 3 is a prefill stage"),
+    (mutate(s1={"pd": {"role": "decode"}, "engine_args": {"enable_prefix_caching": False}}),
+     "stage 1 ('talker')", "pd.role", "only the entry stage"),
+])
+def test_pd_validation_errors_name_file_stage_field(tmp_path, data, stage, field, fragment):
+    err = load_error(tmp_path, data)
+    assert f": {stage}: field '{field}': " in str(err)
+    assert fragment in str(err)
+
+
 def test_topological_order_of_a_diamond(tmp_path):
     d = mutate(s2={"inputs": [1, 3]})
     d["stages"].append({"stage_id": 3, "name": "side", "kind": "ar", "inputs": [0],

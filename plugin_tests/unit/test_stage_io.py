@@ -112,6 +112,14 @@ def test_bad_keys_fail_the_request_and_force_its_stop_token(store, caplog):
     assert "stage 3: request bad failed" in caplog.text
 
 
+def test_a_non_boolean_prefilled_flag_fails_the_request(store):
+    io = StageIO(0, store)
+    keys = _out(store, "k")
+    keys[PAYLOAD]["prefilled"] = "yes"
+    io.begin_step(_step(new=[_new("a", keys, computed=3)], scheduled={"a": 1}))
+    assert io.tracked("a").failed
+
+
 def test_a_model_without_stage_outputs_fails_publishing_requests(store):
     io = StageIO(1, store)
     keys = _out(store, "k")
@@ -125,6 +133,27 @@ def test_prefix_cache_hit_fails_a_publishing_request(store):
     io = StageIO(0, store)
     io.begin_step(_step(new=[_new("a", _out(store, "k"), computed=32)], scheduled={"a": 4}))
     assert "enable_prefix_caching: false" in store.error("k")
+
+
+def test_a_prefilled_request_publishes_only_its_generated_positions(store):
+    """A decode-stage request whose prompt KV came from the prefill stage starts at the
+    last prompt position; the prefill stage published the prompt's rows (and the
+    once-per-request tensors), so this engine publishes from the first generated token."""
+    io, model = StageIO(0, store), _Model()
+    keys = _out(store, "k")
+    keys[PAYLOAD]["prefilled"] = True
+    step = _step(new=[_new("a", keys, computed=3, prompt_len=4)], scheduled={"a": 1})
+    assert io.begin_step(step)
+    model.forward(1)
+    io.publish(model, ["a"], step)
+    assert store.error("k") is None and store.get("k") == {}
+    for computed in (4, 5):  # decode steps feed the generated tokens
+        step = _step(cached=[("a", computed)], scheduled={"a": 1})
+        io.begin_step(step)
+        model.forward(1)
+        io.publish(model, ["a"], step)
+    assert store.get("k")["embed"].flatten().tolist() == [0, 0]
+    assert "tts_embed" not in store.get("k")
 
 
 def test_batch_req_ids_reads_either_runner_layout():

@@ -202,11 +202,14 @@ def headless_plan(args: argparse.Namespace) -> HeadlessPlan:
         raise ValueError(f"--stage-id {stage.stage_id} is the entry stage, which the head "
                          "serves itself; scale it with vLLM's --data-parallel-size")
     engine_args = AsyncEngineArgs.from_cli_args(args)
+    base = base_args_from(engine_args)
+    if stage.is_prefill:
+        base = prefill_base_args(base, pipeline.stage(stage.pd.decode_stage), engine_args)
     return HeadlessPlan(
         stage=stage,
         settings=OmniSettings(stage_configs_path=os.path.abspath(path),
                               stage_id=stage.stage_id, entry=False),
-        base_args=base_args_from(engine_args),
+        base_args=base,
         master_host=args.omni_master_address,
         master_port=args.omni_master_port,
         replica_host=route_probe_address(args.omni_master_address, args.omni_master_port,
@@ -224,6 +227,33 @@ def base_args_from(source) -> dict:
         if value is not None:
             base[name] = value if name != "dtype" else str(value).removeprefix("torch.")
     return base
+
+
+#: ``EngineArgs`` fields of the KV cache layout -> where a resolved ``VllmConfig`` keeps
+#: them; a prefill stage takes them from its decode engine.
+KV_LAYOUT_FIELDS = {
+    "block_size": ("cache_config", "block_size"),
+    "kv_cache_dtype": ("cache_config", "cache_dtype"),
+    "max_model_len": ("model_config", "max_model_len"),
+    "quantization": ("model_config", "quantization"),
+    "tensor_parallel_size": ("parallel_config", "tensor_parallel_size"),
+    "pipeline_parallel_size": ("parallel_config", "pipeline_parallel_size"),
+}
+
+
+def prefill_base_args(base: dict, decode_stage, source) -> dict:
+    """The base ``EngineArgs`` fields of a prefill stage's engines: ``base`` (the served
+    model's), then the decode stage's YAML ``engine_args``, then the decode engine's KV
+    cache layout read from ``source``: its resolved ``VllmConfig`` (the head), or the
+    ``EngineArgs`` of the command line (a headless process; unset fields keep vLLM's
+    defaults, as on the head)."""
+    args = {**base, **decode_stage.engine_args}
+    for name, (section, attr) in KV_LAYOUT_FIELDS.items():
+        value = getattr(getattr(source, section), attr) if hasattr(source, section) \
+            else getattr(source, name, None)
+        if value is not None:
+            args[name] = value
+    return args
 
 
 def apply_omni_args(args: argparse.Namespace, engine_args) -> None:
@@ -250,6 +280,8 @@ def apply_omni_args(args: argparse.Namespace, engine_args) -> None:
                          f"serves the entry stage ({entry.stage_id}); start other stages' "
                          "replicas with --headless --stage-id N")
     apply_stage_engine_args(engine_args, entry.engine_args)
+    if entry.pd is not None:
+        _set_decode_kv_transfer_config(engine_args, entry, path)
     settings = OmniSettings(
         stage_configs_path=os.path.abspath(path), stage_id=entry.stage_id, entry=True,
         payload_dir=default_run_dir(),
@@ -266,6 +298,21 @@ def apply_omni_args(args: argparse.Namespace, engine_args) -> None:
 
     if MIDDLEWARE_QUALNAME not in middleware and hasattr(args, "middleware"):
         args.middleware = [*middleware, MIDDLEWARE_QUALNAME]
+
+
+def _set_decode_kv_transfer_config(engine_args, entry, path: str) -> None:
+    from vllm.config import KVTransferConfig
+
+    from vllm_omni_plugin.config.schema import StageConfigError
+    from vllm_omni_plugin.kv_transfer import kv_transfer_config, new_engine_id
+
+    if engine_args.kv_transfer_config is not None:
+        raise StageConfigError(
+            "--kv-transfer-config: the plugin sets the decode stage's KV transfer config "
+            "from its 'pd' block; remove the flag", path=path, stage_id=entry.stage_id,
+            stage_name=entry.name, field="pd")
+    engine_args.kv_transfer_config = KVTransferConfig(
+        **kv_transfer_config(entry.pd, new_engine_id(entry.name)))
 
 
 def apply_stage_engine_args(engine_args, overrides: dict) -> None:

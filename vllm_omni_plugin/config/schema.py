@@ -121,6 +121,33 @@ class RuntimeConfig(BaseModel):
         return v
 
 
+#: ``EngineArgs`` fields a prefill stage takes from its decode stage: they fix the KV cache
+#: layout both engines must share (the prefill stage's YAML may not set them).
+PD_SHARED_FIELDS = ("model", "tokenizer", "hf_overrides", "dtype", "kv_cache_dtype",
+                    "quantization", "block_size", "max_model_len", "tensor_parallel_size",
+                    "pipeline_parallel_size", "worker_cls")
+
+
+class PDConfig(BaseModel):
+    """Prefill/decode disaggregation of a stage (the plugin's ``OmniMooncakeConnector``).
+
+    ``role``: ``decode`` (the stage that generates; only the entry stage) or ``prefill``
+    (computes the prompt's KV cache for ``decode_stage``, which pulls it). ``protocol``:
+    Mooncake's transport, ``rdma`` (hosts with RDMA NICs; ``device_name`` lists them, e.g.
+    ``mlx5_0``) or ``tcp``. ``max_descs_per_peer``: transfer descriptors per write to one
+    peer (Mooncake fails above about 2048). The plugin builds each engine's
+    ``kv_transfer_config`` from this block, with a new engine id for every engine start
+    and a free bootstrap port per prefill engine.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["prefill", "decode"]
+    decode_stage: int | None = None
+    protocol: Literal["rdma", "tcp"] = "rdma"
+    device_name: str = ""
+    max_descs_per_peer: int = Field(default=1024, ge=1)
+
+
 class StageConfig(BaseModel):
     """One stage: an engine plus how its input is built from upstream outputs."""
 
@@ -135,6 +162,12 @@ class StageConfig(BaseModel):
     final_output_type: Literal["text", "audio", "image", "latent"] | None = None
     default_sampling_params: dict[str, Any] = Field(default_factory=dict)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    pd: PDConfig | None = None
+
+    @property
+    def is_prefill(self) -> bool:
+        """A prefill stage: outside the data flow, run for its decode stage's requests."""
+        return self.pd is not None and self.pd.role == "prefill"
 
     @field_validator("engine_args")
     @classmethod
@@ -168,7 +201,39 @@ class StageConfig(BaseModel):
             raise self._error("final_output_type", "required when 'final_output' is true")
         if not self.final_output and self.final_output_type is not None:
             raise self._error("final_output_type", "set but 'final_output' is false")
+        if self.pd is not None:
+            self._check_pd()
         return self
+
+    def _check_pd(self) -> None:
+        pd = self.pd
+        if "kv_transfer_config" in self.engine_args:
+            raise self._error("engine_args.kv_transfer_config",
+                              "set by the plugin from 'pd'; remove it")
+        if self.engine_args.get("enable_prefix_caching", True) is not False \
+                and pd.role == "decode":
+            raise self._error("engine_args.enable_prefix_caching",
+                              "must be false on a decode stage (vLLM's Mooncake connector "
+                              "does not combine remote prefill with prefix caching)")
+        if pd.role == "decode" and pd.decode_stage is not None:
+            raise self._error("pd.decode_stage", "only a prefill stage names a decode stage")
+        if pd.role == "prefill":
+            if pd.decode_stage is None:
+                raise self._error("pd.decode_stage", "required for role 'prefill'")
+            shared = [k for k in PD_SHARED_FIELDS if k in self.engine_args]
+            if shared:
+                raise self._error(f"engine_args.{shared[0]}",
+                                  f"a prefill stage takes {', '.join(shared)} from its decode "
+                                  f"stage {pd.decode_stage}; set it there")
+            if self.engine_args.get("enable_prefix_caching") is True:
+                raise self._error("engine_args.enable_prefix_caching",
+                                  "must be false on a prefill stage")
+            for name in ("inputs", "input_processor", "final_output",
+                         "default_sampling_params"):
+                if getattr(self, name):
+                    raise self._error(name, "a prefill stage takes its decode stage's "
+                                      "requests; it has no inputs, processor, sampling "
+                                      "defaults or final output")
 
 
 class PipelineConfig(BaseModel):
@@ -196,7 +261,8 @@ class PipelineConfig(BaseModel):
         if cycle := _find_cycle(self.stages):
             raise by_id[cycle[0]]._error(
                 "inputs", "inputs form a cycle: " + " -> ".join(map(str, cycle)))
-        entries = [s for s in self.stages if not s.inputs]
+        _check_pd_pairs(self.stages, by_id)
+        entries = [s for s in self.stages if not s.inputs and not s.is_prefill]
         if len(entries) != 1:
             listed = ", ".join(f"{s.stage_id} ({s.name!r})" for s in entries)
             raise entries[-1]._error(
@@ -218,8 +284,14 @@ class PipelineConfig(BaseModel):
 
     @property
     def entry_stage(self) -> StageConfig:
-        """The only stage with empty ``inputs`` (receives client requests)."""
-        return next(s for s in self.stages if not s.inputs)
+        """The only stage with empty ``inputs`` that is not a prefill stage (receives
+        client requests)."""
+        return next(s for s in self.stages if not s.inputs and not s.is_prefill)
+
+    def prefill_stage_for(self, stage_id: int) -> StageConfig | None:
+        """The prefill stage of decode stage ``stage_id``, or None."""
+        return next((s for s in self.stages
+                     if s.is_prefill and s.pd.decode_stage == stage_id), None)
 
     @property
     def final_stages(self) -> list[StageConfig]:
@@ -232,8 +304,9 @@ class PipelineConfig(BaseModel):
         return sorted((s for s in self.stages if stage_id in s.inputs), key=lambda s: s.stage_id)
 
     def topological_order(self) -> list[StageConfig]:
-        """All stages, every stage after its inputs; ties broken by smaller id."""
-        pending = {s.stage_id: len(s.inputs) for s in self.stages}
+        """The stages of the data flow (all but prefill stages), every stage after its
+        inputs; ties broken by smaller id."""
+        pending = {s.stage_id: len(s.inputs) for s in self.stages if not s.is_prefill}
         ready = [i for i, n in pending.items() if n == 0]
         heapq.heapify(ready)
         order: list[StageConfig] = []
@@ -261,6 +334,34 @@ class PipelineConfig(BaseModel):
                                f"available: {', '.join(names) or '(none)'}")
                 err.path = path
                 raise err
+
+
+def _check_pd_pairs(stages: list[StageConfig], by_id: dict[int, StageConfig]) -> None:
+    """Each prefill stage names a decode stage of the same kind; each decode stage is the
+    entry stage with exactly one prefill stage; no stage reads a prefill stage."""
+    for s in stages:
+        if s.is_prefill:
+            decode = by_id.get(s.pd.decode_stage)
+            if decode is None or decode.pd is None or decode.pd.role != "decode":
+                raise s._error("pd.decode_stage", f"stage {s.pd.decode_stage} is not a stage "
+                               "with pd.role 'decode'")
+            if decode.kind != s.kind:
+                raise s._error("kind", f"{s.kind!r} differs from decode stage "
+                               f"{decode.stage_id}'s {decode.kind!r}")
+    for s in stages:
+        if s.pd is not None and not s.is_prefill:
+            if s.inputs:
+                raise s._error("pd.role", "only the entry stage can be a decode stage")
+            prefills = [p.stage_id for p in stages
+                        if p.is_prefill and p.pd.decode_stage == s.stage_id]
+            if len(prefills) != 1:
+                raise s._error("pd.role", f"a decode stage needs exactly one prefill stage "
+                               f"(pd: {{role: prefill, decode_stage: {s.stage_id}}}); found "
+                               f"{prefills or 'none'} (scale it with runtime.num_replicas)")
+        for src in s.inputs:
+            if src in by_id and by_id[src].is_prefill:
+                raise s._error("inputs", f"stage {src} is a prefill stage, which feeds no "
+                               f"stage; list its decode stage {by_id[src].pd.decode_stage}")
 
 
 def _find_cycle(stages: list[StageConfig]) -> list[int] | None:

@@ -81,7 +81,7 @@ def build_head(entry_client, vllm_config, settings: OmniSettings) -> Head:
         RuntimeError: a stage engine failed to start (names the stage).
         zmq.ZMQError: the master or coordinator address cannot be bound.
     """
-    from vllm_omni_plugin.config.cli import base_args_from
+    from vllm_omni_plugin.config.cli import base_args_from, prefill_base_args
     from vllm_omni_plugin.config.loader import load_pipeline_config
     from vllm_omni_plugin.coordinator import build_load_balancer_factory
     from vllm_omni_plugin.engine.stages import start_stage_engine
@@ -102,17 +102,23 @@ def build_head(entry_client, vllm_config, settings: OmniSettings) -> Head:
     store = PayloadStore(settings.payload_dir)
     cluster = HeadCluster(conf.host, conf.port, conf.heartbeat_timeout)
     balancer = build_load_balancer_factory(conf.lb_policy)
+    prefill = pipeline.prefill_stage_for(pipeline.entry_stage.stage_id)
+    replicated = downstream + ([prefill] if prefill is not None else [])
     pools = {s.stage_id: StagePool(s.stage_id, balancer(), conf.replica_wait_timeout)
-             for s in downstream}
+             for s in replicated}
     base = base_args_from(vllm_config.model_config)
-    plan = [(s, replica_id) for s in downstream
+    bases = {s.stage_id: base for s in downstream}
+    if prefill is not None:  # the entry engine's model and KV cache layout
+        bases[prefill.stage_id] = prefill_base_args(base, pipeline.entry_stage, vllm_config)
+    plan = [(s, replica_id) for s in replicated
             for replica_id in cluster.register_local(s.stage_id, s.runtime.num_replicas)]
     # Engines start concurrently: each start is mostly an EngineCore process
     # spawning, importing and handshaking.
     replicas, errors = [], []
     with ThreadPoolExecutor(max_workers=max(1, len(plan)),
                             thread_name_prefix="omni-stage-start") as executor:
-        futures = [(s, rid, executor.submit(start_stage_engine, s, base, settings))
+        futures = [(s, rid, executor.submit(start_stage_engine, s, bases[s.stage_id],
+                                            settings))
                    for s, rid in plan]
         for stage, replica_id, future in futures:
             try:
@@ -131,7 +137,7 @@ def build_head(entry_client, vllm_config, settings: OmniSettings) -> Head:
         stage = pipeline.stage(replica.stage_id)
         pools[replica.stage_id].add(replica)
         supervisors.append(LocalReplicaSupervisor(
-            replica, lambda s=stage: start_stage_engine(s, base, settings).engine,
+            replica, lambda s=stage: start_stage_engine(s, bases[s.stage_id], settings).engine,
             pools[replica.stage_id].notify, stage.runtime.max_restarts))
     admission = AdmissionGate(
         {s.stage_id: admission_bound(s, replicas, vllm_config) for s in downstream},

@@ -12,6 +12,15 @@ request on the stage's engine — puts the final stage's result into the
 ``OmniRequest`` and then releases the final output. Abort propagates to every
 stage; a failure fails the request with an error naming the stage, and
 nothing else.
+
+When the entry stage is a decode stage (``pd.role: decode``), every request first
+runs on a replica of its prefill stage: the prompt's token ids, one output token,
+``ignore_eos``, vLLM's ``kv_transfer_params`` asking the prefill engine to keep the KV
+cache under a fresh ``transfer_id``. The entry engine then gets the client's prompt and
+sampling parameters plus the parameters that make it pull that KV cache (the prefill
+replica says where from). The prefill stage publishes the prompt's rows, the entry
+stage the generated ones; the downstream stages see them joined, as without PD.
+Client ``kv_transfer_params`` never reach an engine.
 """
 
 from __future__ import annotations
@@ -25,6 +34,11 @@ from vllm_omni_plugin.engine.omni_request import (
     OmniRequest,
     StageResult,
     current_omni_request,
+)
+from vllm_omni_plugin.kv_transfer import (
+    KV_TRANSFER_PARAMS,
+    decode_request_params,
+    prefill_request_params,
 )
 from vllm_omni_plugin.logger import init_logger
 from vllm_omni_plugin.payload_store import PayloadError, PayloadStore, safe_key
@@ -58,7 +72,8 @@ class Orchestrator:
         hf_config: the served checkpoint's HF config (for stage input processors).
         pipeline: the ``PipelineConfig``.
         store: the payload store stages exchange tensors through.
-        pools: stage id -> ``StagePool`` of every downstream stage.
+        pools: stage id -> ``StagePool`` of every downstream stage and of the entry
+            stage's prefill stage, if any.
         admission: the gate bounding pipeline requests per downstream stage.
         processors: stage id -> the stage input processor of every downstream stage.
 
@@ -82,6 +97,10 @@ class Orchestrator:
             for what, table in (("stage pool", pools), ("input processor", processors)):
                 if stage.stage_id not in table:
                     raise ValueError(f"stage {stage.stage_id} ({stage.name}): no {what}")
+        self.prefill = pipeline.prefill_stage_for(self.entry.stage_id)
+        if self.prefill is not None and self.prefill.stage_id not in pools:
+            raise ValueError(f"stage {self.prefill.stage_id} ({self.prefill.name}): "
+                             "no stage pool")
         self._inflight: dict[str, set[tuple[int, str]]] = {}
         self._stage_of: dict[str, int] = {}  # pipeline request -> the stage it is at
         self._aborted: set[str] = set()
@@ -97,6 +116,7 @@ class Orchestrator:
         """
         request = current_omni_request() or OmniRequest()
         extra = xargs.without_reserved(sampling_params.extra_args)
+        extra.pop(KV_TRANSFER_PARAMS, None)  # the orchestrator pairs prefill and decode
         params = sampling_params.clone()
         if request.text_only:
             async for out in self._generate_text(request, prompt, params, extra, request_id,
@@ -112,13 +132,18 @@ class Orchestrator:
             return
         base = safe_key(f"{request_id}.{uuid.uuid4().hex[:6]}")
         entry_out_key = f"{base}.s{self.entry.stage_id}.out"
-        params.extra_args = {**extra, xargs.PAYLOAD: {"out": entry_out_key}}
         keys = [entry_out_key]
         self.store.create(entry_out_key)
         self._inflight[request_id] = set()
-        self._stage_of[request_id] = self.entry.stage_id
         final = None
         try:
+            prefilled = await self._remote_prefill(request_id, prompt, params, publish=True)
+            if prefilled is _ABORTED:
+                return
+            params.extra_args = {**extra, **_decode_extra(prefilled),
+                                 xargs.PAYLOAD: {"out": entry_out_key,
+                                                 **({"prefilled": True} if prefilled else {})}}
+            self._stage_of[request_id] = self.entry.stage_id
             async for out in self.entry_generate(prompt, params, request_id, *args, **kwargs):
                 if out.finished:
                     final = out
@@ -126,8 +151,10 @@ class Orchestrator:
                     yield out
             if final is None:
                 return
-            outputs = {self.entry.stage_id: _stage_output(
-                self.entry.stage_id, final, await self._payload(self.entry, entry_out_key))}
+            payload = await self._payload(self.entry, entry_out_key)
+            if prefilled:
+                payload = _join_rows(prefilled.payload, payload)
+            outputs = {self.entry.stage_id: _stage_output(self.entry.stage_id, final, payload)}
             result = await self._run_downstream(request, request_id, outputs, extra,
                                                 admission)
             if result is None:  # aborted between stages
@@ -149,13 +176,24 @@ class Orchestrator:
 
     async def _generate_text(self, request: OmniRequest, prompt, params, extra, request_id,
                              *args, **kwargs):
-        """Plain vLLM generation on the entry stage, with an error slot: a
-        failure of the worker for this request fails it with a
+        """Plain vLLM generation on the entry stage (after its prefill stage, if any),
+        with an error slot: a failure of the worker for this request fails it with a
         :class:`StageError` naming the stage instead of the engine."""
         err_key = f"{safe_key(request_id)}.{uuid.uuid4().hex[:6]}.err"
-        params.extra_args = {**extra, xargs.PAYLOAD: {"err": err_key}}
         self.store.create(err_key)
         try:
+            if self.prefill is not None:
+                self._inflight[request_id] = set()
+                try:
+                    prefilled = await self._remote_prefill(request_id, prompt, params,
+                                                           publish=False)
+                except StageError as exc:
+                    _record_failure(request, request_id, exc)
+                    raise
+                if prefilled is _ABORTED:
+                    return
+                extra = {**extra, **_decode_extra(prefilled)}
+            params.extra_args = {**extra, xargs.PAYLOAD: {"err": err_key}}
             async for out in self.entry_generate(prompt, params, request_id, *args, **kwargs):
                 if out.finished:
                     error = self.store.error(err_key)
@@ -166,6 +204,47 @@ class Orchestrator:
                 yield out
         finally:
             self.store.delete(err_key)
+            self._inflight.pop(request_id, None)
+            self._stage_of.pop(request_id, None)
+            self._aborted.discard(request_id)
+
+    async def _remote_prefill(self, request_id, prompt, params, publish: bool):
+        """Run the request's prompt on the entry stage's prefill stage.
+
+        Returns the :class:`_Prefilled` result; None when the entry stage has no
+        prefill stage, or prefills this request itself (a prompt given other than as
+        token ids, such as one with multimodal data, or ``n > 1``); :data:`_ABORTED`
+        when the request was aborted meanwhile.
+
+        Raises:
+            StageError: the prefill stage failed, or did not keep the KV cache.
+        """
+        if self.prefill is None:
+            return None
+        token_ids = prompt_token_ids_of(prompt)
+        if token_ids is None or getattr(params, "n", 1) != 1:
+            logger.info("request %s: prefilled by stage %d itself (%s)", request_id,
+                        self.entry.stage_id, "n > 1" if token_ids else
+                        "the prompt is not plain token ids")
+            return None
+        from vllm_omni_plugin.replicas.task import StageTask
+
+        stage = self.prefill
+        transfer_id = uuid.uuid4().hex
+        task = StageTask(
+            request_id=f"{request_id}-s{stage.stage_id}", prompt_token_ids=token_ids,
+            sampling={"max_tokens": 1, "min_tokens": 0, "ignore_eos": True,
+                      "temperature": 0.0, "extra_args": {
+                          KV_TRANSFER_PARAMS: prefill_request_params(transfer_id)}},
+            publish=publish)
+        run = await self._run_task(request_id, stage, task)
+        if run is None or request_id in self._aborted:
+            return _ABORTED
+        if run.finish_reason != "length" or not run.prefill_engine:
+            raise StageError(stage.stage_id, stage.name, "the prefill engine did not keep "
+                             f"the KV cache (finish reason {run.finish_reason!r}, engine "
+                             f"{run.prefill_engine})")
+        return _Prefilled(decode_request_params(transfer_id, run.prefill_engine), run.payload)
 
     async def _run_downstream(self, request: OmniRequest, request_id, outputs, extra,
                               admission) -> StageResult | None:
@@ -210,14 +289,22 @@ class Orchestrator:
 
     async def _run_stage(self, request_id, stage, stage_input):
         """Run ``stage`` for the request on one of its replicas; None when aborted."""
-        from vllm_omni_plugin.replicas.pool import NoReplicaAvailable, ReplicaFailed
-        from vllm_omni_plugin.replicas.task import StageTask, TaskAborted, TaskError
+        from vllm_omni_plugin.replicas.task import StageTask
 
-        sub_id = f"{request_id}-s{stage.stage_id}"
         task = StageTask(
-            request_id=sub_id, prompt_token_ids=list(stage_input.prompt_token_ids),
+            request_id=f"{request_id}-s{stage.stage_id}",
+            prompt_token_ids=list(stage_input.prompt_token_ids),
             sampling={**stage.default_sampling_params, **stage_input.sampling_overrides},
             payload=stage_input.payload)
+        return await self._run_task(request_id, stage, task)
+
+    async def _run_task(self, request_id, stage, task):
+        """Run ``task`` (a ``StageTask``) on one of ``stage``'s replicas; None when
+        aborted."""
+        from vllm_omni_plugin.replicas.pool import NoReplicaAvailable, ReplicaFailed
+        from vllm_omni_plugin.replicas.task import TaskAborted, TaskError
+
+        sub_id = task.request_id
         pool = self.pools[stage.stage_id]
         self._inflight.setdefault(request_id, set()).add((stage.stage_id, sub_id))
         self._stage_of[request_id] = stage.stage_id
@@ -266,6 +353,53 @@ class Orchestrator:
         stage_id = self._stage_of.get(request_id, self.entry.stage_id)
         logger.info("request %s %s while at stage %d (%s)", request_id, how, stage_id,
                     self.pipeline.stage(stage_id).name)
+
+
+class _Prefilled:
+    """A prompt prefilled on the prefill stage: the decode engine's ``kv_transfer_params``
+    and the prompt's published rows (``{}`` when not published)."""
+
+    def __init__(self, decode_params: dict, payload: dict) -> None:
+        self.decode_params = decode_params
+        self.payload = payload
+
+
+#: :meth:`Orchestrator._remote_prefill`'s result for a request aborted meanwhile.
+_ABORTED = object()
+
+
+def _decode_extra(prefilled: _Prefilled | None) -> dict:
+    return {KV_TRANSFER_PARAMS: prefilled.decode_params} if prefilled else {}
+
+
+def _join_rows(prefill: dict, decode: dict) -> dict:
+    """The entry stage's payload with PD: the prefill stage's rows (the prompt's positions,
+    and its once-per-request tensors) followed by the decode stage's (the generated
+    positions); a tensor both published is concatenated along dim 0."""
+    import torch
+
+    joined = dict(prefill)
+    for name, tensor in decode.items():
+        joined[name] = torch.cat([joined[name], tensor]) if name in joined else tensor
+    return joined
+
+
+def prompt_token_ids_of(prompt) -> list[int] | None:
+    """The token ids of a prompt as vLLM's API server passes it to ``generate`` (a
+    mapping with ``prompt_token_ids``, or an ``EngineCoreRequest``), or None when the
+    prompt also carries multimodal data or embeddings, or has no token ids."""
+    if isinstance(prompt, dict):
+        ids = prompt.get("prompt_token_ids")
+        other = prompt.get("type", "token") != "token" or any(
+            prompt.get(k) for k in ("multi_modal_data", "mm_kwargs", "mm_placeholders",
+                                    "prompt_embeds"))
+    else:
+        ids = getattr(prompt, "prompt_token_ids", None)
+        other = bool(getattr(prompt, "mm_features", None)) or getattr(
+            prompt, "prompt_embeds", None) is not None
+    if other or not isinstance(ids, list) or not ids:
+        return None
+    return list(ids)
 
 
 def _record_failure(request: OmniRequest, request_id: str, exc: StageError) -> None:

@@ -9,6 +9,8 @@ the connector module is imported only when vLLM builds a connector.
 
 from __future__ import annotations
 
+import uuid
+
 #: The name the connector is registered under (``KVTransferConfig.kv_connector``).
 CONNECTOR_NAME = "OmniMooncakeConnector"
 CONNECTOR_MODULE = "vllm_omni_plugin.kv_transfer.mooncake"
@@ -35,3 +37,58 @@ def register_connectors() -> bool:
     except ValueError:  # already registered in this process
         return False
     return True
+
+
+#: The ``SamplingParams.extra_args`` key vLLM's KV connectors read per request.
+KV_TRANSFER_PARAMS = "kv_transfer_params"
+
+
+def new_engine_id(stage_name: str) -> str:
+    """A fresh engine id for one start of an engine of ``stage_name``: the decode side
+    caches a prefill engine's addresses by engine id, so a restarted engine needs a new
+    one."""
+    return f"{stage_name}-{uuid.uuid4().hex[:12]}"
+
+
+def kv_transfer_config(pd, engine_id: str, bootstrap_port: int | None = None) -> dict:
+    """``KVTransferConfig`` fields of one engine of a stage with ``pd`` (a ``PDConfig``):
+    the plugin's connector, ``kv_producer`` for a prefill stage, ``kv_consumer`` for a
+    decode stage, Mooncake's protocol and device, and the bootstrap port of a prefill
+    engine."""
+    extra = {"mooncake_protocol": pd.protocol, EXTRA_MAX_DESCS_PER_PEER: pd.max_descs_per_peer}
+    if pd.device_name:
+        extra["device_name"] = pd.device_name
+    if bootstrap_port is not None:
+        extra[EXTRA_BOOTSTRAP_PORT] = bootstrap_port
+    return {"kv_connector": CONNECTOR_NAME,
+            "kv_role": "kv_producer" if pd.role == "prefill" else "kv_consumer",
+            "engine_id": engine_id, "kv_connector_extra_config": extra}
+
+
+def prefill_request_params(transfer_id: str) -> dict:
+    """``kv_transfer_params`` of a request to a prefill engine: keep its KV cache for the
+    decode engine that asks for ``transfer_id``."""
+    return {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
+
+
+def prefill_engine_params(vllm_config, host: str) -> dict | None:
+    """Where a decode engine pulls from this prefill engine (``remote_engine_id``,
+    ``remote_bootstrap_addr``), or None when ``vllm_config`` is not a prefill engine of
+    the plugin's connector. ``host``: the address decode engines reach this one at."""
+    config = getattr(vllm_config, "kv_transfer_config", None)
+    if config is None or config.kv_connector != CONNECTOR_NAME or \
+            config.kv_role != "kv_producer":
+        return None
+    port = (config.kv_connector_extra_config or {}).get(EXTRA_BOOTSTRAP_PORT)
+    if port is None:
+        return None
+    return {"remote_engine_id": config.engine_id,
+            "remote_bootstrap_addr": f"http://{host}:{port}"}
+
+
+def decode_request_params(transfer_id: str, prefill_engine: dict) -> dict:
+    """``kv_transfer_params`` of a request to a decode engine: pull the prompt's KV cache
+    that the prefill engine described by ``prefill_engine`` (see
+    :func:`prefill_engine_params`) keeps under ``transfer_id``."""
+    return {"do_remote_prefill": True, "do_remote_decode": False,
+            "transfer_id": transfer_id, **prefill_engine}

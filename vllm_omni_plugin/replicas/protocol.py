@@ -50,12 +50,14 @@ class TaskSubmit(msgspec.Struct, tag="task_submit", tag_field="type"):
         prompt_token_ids: Stage prompt.
         sampling: ``vllm.SamplingParams`` keyword arguments (JSON-like values).
         payload: Input tensors as a safetensors blob (``b""``: none).
+        publish: Whether the engine publishes output tensors.
     """
 
     request_id: _Id
     prompt_token_ids: _Tokens
     sampling: dict[str, Any]
     payload: bytes = b""
+    publish: bool = True
     protocol_version: int = PROTOCOL_VERSION
 
 
@@ -73,10 +75,14 @@ class TaskProgress(msgspec.Struct, tag="task_progress", tag_field="type"):
 
 
 class TaskDone(msgspec.Struct, tag="task_done", tag_field="type"):
+    """``finish_reason`` and ``prefill_engine``: see ``replicas.task.StageRun``."""
+
     request_id: _Id
     prompt_token_ids: _Tokens
     output_token_ids: _Tokens
     payload: bytes = b""
+    finish_reason: str | None = None
+    prefill_engine: dict[str, str] | None = None
     protocol_version: int = PROTOCOL_VERSION
 
 

@@ -247,11 +247,13 @@ class RemoteReplica(Replica):
             blob = await asyncio.to_thread(pack_tensors, task.payload)
             submit = TaskSubmit(request_id=task.request_id,
                                 prompt_token_ids=list(task.prompt_token_ids),
-                                sampling=dict(task.sampling), payload=blob)
+                                sampling=dict(task.sampling), payload=blob,
+                                publish=task.publish)
             await self._socket.send_multipart(self._channel.frames(ToReplica(msg=submit)))
             done: TaskDone = await pending.future
             payload = await asyncio.to_thread(unpack_tensors, done.payload)
-            return StageRun(list(done.prompt_token_ids), list(done.output_token_ids), payload)
+            return StageRun(list(done.prompt_token_ids), list(done.output_token_ids), payload,
+                            done.finish_reason, done.prefill_engine)
         finally:
             self._pending.pop(task.request_id, None)
             self.running.discard(task.request_id)

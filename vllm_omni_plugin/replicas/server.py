@@ -121,12 +121,15 @@ class ReplicaServer:
                 payload = await asyncio.to_thread(unpack_tensors, submit.payload)
             except ValueError as exc:
                 raise TaskError(str(exc), status=400) from exc
-            task = StageTask(rid, list(submit.prompt_token_ids), dict(submit.sampling), payload)
+            task = StageTask(rid, list(submit.prompt_token_ids), dict(submit.sampling), payload,
+                             publish=submit.publish)
             run = await run_on_engine(self.engine, self.store, task, progress,
-                                      aborted=lambda: rid in self.aborted)
+                                      aborted=lambda: rid in self.aborted,
+                                      host=self.address.split("://", 1)[-1].rsplit(":", 1)[0])
             blob = await asyncio.to_thread(pack_tensors, run.payload)
             await self._reply(identity, TaskDone(rid, run.prompt_token_ids,
-                                                 run.output_token_ids, blob))
+                                                 run.output_token_ids, blob,
+                                                 run.finish_reason, run.prefill_engine))
         except TaskAborted:
             pass  # the head stopped waiting when it sent the abort
         except TaskError as exc:

@@ -31,6 +31,8 @@ class StageTask:
         payload: Input tensors (name -> tensor, any dtype/shape).
         parent_request_id: For a CFG companion, its parent's ``request_id``:
             the companion is routed to the parent's replica.
+        publish: Whether the engine publishes output tensors (False: the run's
+            payload is empty, and only a failure is recorded).
     """
 
     request_id: str
@@ -38,15 +40,24 @@ class StageTask:
     sampling: dict[str, Any]
     payload: dict[str, torch.Tensor] = field(default_factory=dict)
     parent_request_id: str | None = None
+    publish: bool = True
 
 
 @dataclass
 class StageRun:
-    """What a stage produced for a task."""
+    """What a stage produced for a task.
+
+    Attributes:
+        finish_reason: vLLM's finish reason of the request (``"length"``, ``"stop"``...).
+        prefill_engine: on a prefill stage, where the decode engine pulls the prompt's KV
+            cache from (``remote_engine_id``, ``remote_bootstrap_addr``); else None.
+    """
 
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     payload: dict[str, torch.Tensor]
+    finish_reason: str | None = None
+    prefill_engine: dict[str, str] | None = None
 
 
 class TaskError(RuntimeError):
@@ -82,13 +93,15 @@ def engine_is_dead(exc: BaseException) -> bool:
 
 async def run_on_engine(engine, store: PayloadStore, task: StageTask,
                         on_progress: Callable[[int], None] | None = None,
-                        aborted: Callable[[], bool] | None = None) -> StageRun:
+                        aborted: Callable[[], bool] | None = None,
+                        host: str = "127.0.0.1") -> StageRun:
     """Run ``task`` on ``engine`` (an ``AsyncLLM`` of the stage).
 
     ``on_progress(num_tokens)`` is called once, when the engine first reports
     output tokens for the task. ``aborted()`` is polled on every output: an
     abort that reached the replica before its engine knew the request stops
-    it there.
+    it there. ``host``: the address other engines reach this one at (a prefill
+    engine's bootstrap server, see :attr:`StageRun.prefill_engine`).
 
     Raises:
         TaskError: bad sampling parameters, engine error or missing output.
@@ -101,11 +114,15 @@ async def run_on_engine(engine, store: PayloadStore, task: StageTask,
         params = SamplingParams(**task.sampling)
     except Exception as exc:
         raise TaskError(f"sampling params {task.sampling}: {exc}") from exc
+    from vllm_omni_plugin.kv_transfer import prefill_engine_params
+
     base = safe_key(task.request_id)
     in_key, out_key = f"{base}.in", f"{base}.out"
     # a stage whose request is all in its prompt (code2wav) gets no input key
-    keys = {"in": in_key, "out": out_key} if task.payload else {"out": out_key}
-    params.extra_args = {xargs.PAYLOAD: keys}
+    keys = {"out": out_key} if task.publish else {"err": out_key}
+    if task.payload:
+        keys["in"] = in_key
+    params.extra_args = {**xargs.without_reserved(params.extra_args), xargs.PAYLOAD: keys}
     produced = False
     final = None
     try:
@@ -134,12 +151,20 @@ async def run_on_engine(engine, store: PayloadStore, task: StageTask,
             raise TaskError(f"{type(exc).__name__}: {exc}") from exc
         if final is None or not final.finished:
             raise TaskError("produced no final output")
-        try:
-            payload = await asyncio.to_thread(store.get, out_key)
-        except PayloadError as exc:
-            raise TaskError(str(exc)) from exc
+        if task.publish:
+            try:
+                payload = await asyncio.to_thread(store.get, out_key)
+            except PayloadError as exc:
+                raise TaskError(str(exc)) from exc
+        else:
+            if (error := store.error(out_key)) is not None:
+                raise TaskError(error)
+            payload = {}
         return StageRun(prompt_token_ids=list(final.prompt_token_ids or []),
-                        output_token_ids=list(final.outputs[0].token_ids), payload=payload)
+                        output_token_ids=list(final.outputs[0].token_ids), payload=payload,
+                        finish_reason=final.outputs[0].finish_reason,
+                        prefill_engine=prefill_engine_params(
+                            getattr(engine, "vllm_config", None), host))
     finally:
         await asyncio.to_thread(_delete, store, (in_key, out_key))
 

@@ -202,6 +202,10 @@ class StageIO:
         self._requests[new.req_id] = tracked
         if problem is not None:
             self.fail(new.req_id, tracked, problem)
+        elif keys.prefilled:
+            # The prompt's KV came from a prefill stage, which published the prompt's
+            # rows: this engine publishes the generated positions only.
+            tracked.published = tracked.num_prompt_tokens
         elif (keys.output or keys.input) and new.num_computed_tokens:
             # Payload rows map one-to-one to fed positions; a prefix-cache hit skips some.
             self.fail(new.req_id, tracked, RuntimeError(

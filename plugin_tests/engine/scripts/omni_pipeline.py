@@ -2,7 +2,8 @@
 in one process and report what each scenario observed as JSON on the last stdout line.
 
 Usage: python omni_pipeline.py CKPT YAML OUT_DIR SCENARIO [SCENARIO ...]
-Scenarios: parity (each of :data:`PROMPTS` alone, then :data:`CONCURRENT` requests
+Scenarios: parity (each of :data:`PROMPTS` alone, with audio and text-only, then
+:data:`CONCURRENT` requests
 cycling through them at once; codes and waveforms saved to OUT_DIR/served.npz as
 ``{solo,concurrent}_{codes,waveform}_{i}``), media (one request per file in
 OUT_DIR/media: ``image.png``, ``audio.wav``; the user turn is the medium then
@@ -65,10 +66,10 @@ async def main(ckpt, yaml_path, out_dir, scenarios):
 
     results = {}
 
-    async def run(request_id, prompt_ids=prompts[0], prompt=None):
+    async def run(request_id, prompt_ids=prompts[0], prompt=None, modalities=("text", "audio")):
         """The final output; the pipeline's result lands in ``results[request_id]``."""
         final = None
-        request = OmniRequest(modalities=("text", "audio"))
+        request = OmniRequest(modalities=modalities)
         prompt = prompt or TokensPrompt(prompt_token_ids=prompt_ids)
         try:
             with omni_request_scope(request):
@@ -96,11 +97,18 @@ async def main(ckpt, yaml_path, out_dir, scenarios):
 
             for i, prompt in enumerate(prompts):
                 keep("solo", i, await run(f"solo{i}", prompt))
+                text = await run(f"text{i}", prompt, modalities=("text",))
+                report["thinker_tokens"][f"text_{i}"] = list(text.outputs[0].token_ids)
             finals = await asyncio.gather(*(run(f"concurrent{i}", prompts[i % len(prompts)])
                                             for i in range(CONCURRENT)))
             for i, final in enumerate(finals):
                 keep("concurrent", i, final)
             np.savez(os.path.join(out_dir, "served.npz"), **served)
+            prefill = client.orchestrator.prefill
+            report["prefill_requests"] = sum(
+                r.requests_total
+                for r in client.orchestrator.pools[prefill.stage_id].replicas.values()
+            ) if prefill is not None else None
         if "media" in scenarios:
             report["media"] = {}
             served = {}

@@ -71,6 +71,9 @@ def run_pd(spec: dict) -> dict:
         CONNECTOR_NAME,
         EXTRA_BOOTSTRAP_PORT,
         EXTRA_MAX_DESCS_PER_PEER,
+        KV_TRANSFER_PARAMS,
+        decode_request_params,
+        prefill_request_params,
     )
 
     port = _free_port()
@@ -78,6 +81,8 @@ def run_pd(spec: dict) -> dict:
     if spec.get("max_descs_per_peer"):
         extra[EXTRA_MAX_DESCS_PER_PEER] = spec["max_descs_per_peer"]
     ids = {role: f"pd-test-{role}-{uuid.uuid4().hex[:8]}" for role in ("prefill", "decode")}
+    prefill_engine = {"remote_engine_id": ids["prefill"],
+                      "remote_bootstrap_addr": f"http://127.0.0.1:{port}"}
     prefill = _llm(spec["model"], spec, KVTransferConfig(
         kv_connector=CONNECTOR_NAME, kv_role="kv_producer", engine_id=ids["prefill"],
         kv_connector_extra_config=extra))
@@ -98,17 +103,13 @@ def run_pd(spec: dict) -> dict:
             transfer_ids = [uuid.uuid4().hex for _ in batch["prompts"]]
             prefill_params = [SamplingParams(
                 temperature=0.0, max_tokens=1, ignore_eos=True,
-                extra_args={"kv_transfer_params": {
-                    "do_remote_decode": True, "do_remote_prefill": False, "transfer_id": t}})
+                extra_args={KV_TRANSFER_PARAMS: prefill_request_params(t)})
                 for t in transfer_ids]
             pre = prefill.generate(_prompts(batch.get("prefill_prompts") or batch["prompts"]),
                                    prefill_params, use_tqdm=False)
             decode_params = [SamplingParams(
                 temperature=0.0, max_tokens=batch["max_tokens"], ignore_eos=True,
-                extra_args={"kv_transfer_params": {
-                    "do_remote_prefill": True, "do_remote_decode": False,
-                    "remote_engine_id": ids["prefill"],
-                    "remote_bootstrap_addr": f"http://127.0.0.1:{port}", "transfer_id": t}})
+                extra_args={KV_TRANSFER_PARAMS: decode_request_params(t, prefill_engine)})
                 for t in transfer_ids]
             outs = decode.generate(_prompts(batch["prompts"]), decode_params, use_tqdm=False)
             batches.append({

@@ -1,0 +1,68 @@
+"""End to end with prefill/decode disaggregation: a real `vllm serve` of
+``stage_configs/qwen3_omni_moe_pd.yaml`` (the thinker's prefill engine, the entry engine
+pulling each prompt's KV cache from it through OmniMooncakeConnector over TCP, talker,
+code2wav) answering chats through the official ``openai`` SDK.
+
+Token-for-token parity of PD with the non-PD pipeline and with HF is in
+``engine/test_pipeline_engine.py``; here: the served flow, streamed and not, with audio,
+and that every request went through the prefill stage.
+"""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from plugin_tests.conftest import QWEN3_OMNI_PD_YAML
+from plugin_tests.serve_utils import serving
+
+pytestmark = pytest.mark.e2e
+
+PREFILL_STAGE = "3"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen3_omni, tmp_path_factory):
+    pytest.importorskip("mooncake.engine", reason="the plugin's `pd` extra is not installed")
+    root = tmp_path_factory.mktemp("pd")
+    with open(QWEN3_OMNI_PD_YAML) as f:
+        pipeline = yaml.safe_load(f)
+    pipeline["stages"][1]["default_sampling_params"]["max_tokens"] = 16
+    yaml_path = root / "pipeline.yaml"
+    yaml_path.write_text(yaml.safe_dump(pipeline))
+    with serving(tiny_qwen3_omni, ["--stage-configs-path", str(yaml_path),
+                                   "--max-model-len", "2048", "--dtype", "float32"],
+                 str(root / "serve.log")) as proc:
+        yield proc
+
+
+def _prefilled(server) -> float:
+    return sum(v for (name, labels), v in server.metrics().items()
+               if name == "vllm_omni:replica_requests_total"
+               and ("stage", PREFILL_STAGE) in labels)
+
+
+def test_pd_chat_streamed_and_not_with_audio(server):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="-")
+    messages = [{"role": "user", "content": "Tell me a story about a cat"}]
+    before = _prefilled(server)
+    # a client's kv_transfer_params are dropped: the head pairs the engines itself
+    plain = client.chat.completions.create(
+        model=server.model, messages=messages, max_tokens=12, temperature=0,
+        extra_body={"kv_transfer_params": {"do_remote_prefill": True, "transfer_id": "x"}})
+    stream = client.chat.completions.create(
+        model=server.model, messages=messages, max_tokens=12, temperature=0, stream=True)
+    streamed = "".join(chunk.choices[0].delta.content or ""
+                       for chunk in stream if chunk.choices)
+    spoken = client.chat.completions.create(
+        model=server.model, messages=messages, max_tokens=12, temperature=0,
+        modalities=["text", "audio"], audio={"voice": "ethan", "format": "wav"})
+    text = plain.choices[0].message.content
+    assert text and streamed == text and spoken.choices[0].message.content == text
+    assert spoken.choices[0].message.audio.data
+    assert plain.choices[0].finish_reason == "length"
+    assert _prefilled(server) - before == 3  # every request ran on the prefill stage
+    log = server.log()
+    assert "OmniMooncakeConnector" in log and "stage 3 (thinker_prefill) engine ready" in log
