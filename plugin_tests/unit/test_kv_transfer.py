@@ -252,9 +252,3 @@ def test_prefill_stage_takes_the_decode_engines_kv_layout():
                     "worker_cls": "w", "max_num_seqs": 8, "block_size": 32,
                     "kv_cache_dtype": "auto", "max_model_len": 2048,
                     "tensor_parallel_size": 1, "pipeline_parallel_size": 1}
-    # a headless process: the command line's EngineArgs; unset fields keep vLLM's defaults
-    cli = SimpleNamespace(block_size=None, kv_cache_dtype="auto", max_model_len=None,
-                          quantization=None, tensor_parallel_size=1, pipeline_parallel_size=1)
-    args = prefill_base_args({"model": "m"}, decode, cli)
-    assert "block_size" not in args and "max_model_len" not in args
-    assert args["tensor_parallel_size"] == 1

@@ -201,15 +201,16 @@ def headless_plan(args: argparse.Namespace) -> HeadlessPlan:
     if stage.stage_id == pipeline.entry_stage.stage_id:
         raise ValueError(f"--stage-id {stage.stage_id} is the entry stage, which the head "
                          "serves itself; scale it with vLLM's --data-parallel-size")
-    engine_args = AsyncEngineArgs.from_cli_args(args)
-    base = base_args_from(engine_args)
     if stage.is_prefill:
-        base = prefill_base_args(base, pipeline.stage(stage.pd.decode_stage), engine_args)
+        raise ValueError(f"--stage-id {stage.stage_id} is a prefill stage: headless prefill "
+                         "replicas are not supported yet; the head runs the YAML's "
+                         "runtime.num_replicas of them")
+    engine_args = AsyncEngineArgs.from_cli_args(args)
     return HeadlessPlan(
         stage=stage,
         settings=OmniSettings(stage_configs_path=os.path.abspath(path),
                               stage_id=stage.stage_id, entry=False),
-        base_args=base,
+        base_args=base_args_from(engine_args),
         master_host=args.omni_master_address,
         master_port=args.omni_master_port,
         replica_host=route_probe_address(args.omni_master_address, args.omni_master_port,
@@ -241,16 +242,13 @@ KV_LAYOUT_FIELDS = {
 }
 
 
-def prefill_base_args(base: dict, decode_stage, source) -> dict:
+def prefill_base_args(base: dict, decode_stage, vllm_config) -> dict:
     """The base ``EngineArgs`` fields of a prefill stage's engines: ``base`` (the served
     model's), then the decode stage's YAML ``engine_args``, then the decode engine's KV
-    cache layout read from ``source``: its resolved ``VllmConfig`` (the head), or the
-    ``EngineArgs`` of the command line (a headless process; unset fields keep vLLM's
-    defaults, as on the head)."""
+    cache layout from its resolved ``vllm_config``."""
     args = {**base, **decode_stage.engine_args}
     for name, (section, attr) in KV_LAYOUT_FIELDS.items():
-        value = getattr(getattr(source, section), attr) if hasattr(source, section) \
-            else getattr(source, name, None)
+        value = getattr(getattr(vllm_config, section), attr)
         if value is not None:
             args[name] = value
     return args
