@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent / "scripts" / "pd_generate.py"
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+SCRIPT = SCRIPTS / "pd_generate.py"
 ENGINE_TIMEOUT_S = 600
 BLOCK = 32
 NEW = 24
@@ -49,31 +50,36 @@ BATCHES = (
 )
 
 
-@pytest.fixture(scope="module")
-def pd_run(tiny_qwen3_omni, tmp_path_factory):
+def _run_script(script: Path, name: str, spec: dict, logdir: Path) -> dict:
+    """Run an engine script on ``spec`` (one engine entry, ``name``); its result."""
     pytest.importorskip("mooncake.engine", reason="the plugin's `pd` extra is not installed "
                         "(scripts/setup_env.sh installs it)")
-    logdir = tmp_path_factory.mktemp("pd")
-    spec = json.dumps({"model": tiny_qwen3_omni, "block_size": BLOCK,
-                       "max_descs_per_peer": MAX_DESCS_PER_PEER,
-                       "engines": [{"name": "pd"}], "batches": BATCHES})
     env = {**os.environ,
            # each engine core in its own process: the prefill engine must keep stepping
            # (to hand finished requests to its sender) while the decode engine runs
            "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with open(logdir / "pd.out", "w") as out, open(logdir / "pd.err", "w") as err:
-        proc = subprocess.run([sys.executable, str(SCRIPT), spec], stdout=out, stderr=err,
+    spec = json.dumps({**spec, "engines": [{"name": name}]})
+    with open(logdir / f"{name}.out", "w") as out, open(logdir / f"{name}.err", "w") as err:
+        proc = subprocess.run([sys.executable, str(script), spec], stdout=out, stderr=err,
                               text=True, env=env, timeout=ENGINE_TIMEOUT_S)
-    stdout = (logdir / "pd.out").read_text()
+    stdout = (logdir / f"{name}.out").read_text()
     lines = stdout.strip().splitlines()
     if proc.returncode != 0 or not lines or not lines[-1].startswith("{"):
-        pytest.fail(f"PD script exited {proc.returncode}:\n{stdout[-3000:]}\n"
-                    f"{(logdir / 'pd.err').read_text()[-6000:]}")
-    result = json.loads(lines[-1])["engines"]["pd"]
+        pytest.fail(f"{script.name} exited {proc.returncode}:\n{stdout[-3000:]}\n"
+                    f"{(logdir / f'{name}.err').read_text()[-6000:]}")
+    result = json.loads(lines[-1])["engines"][name]
     if "error" in result:
-        pytest.fail(f"PD engines failed:\n{result['error']}")
-    return result["batches"]
+        pytest.fail(f"{script.name} failed:\n{result['error']}")
+    return result
+
+
+@pytest.fixture(scope="module")
+def pd_run(tiny_qwen3_omni, tmp_path_factory):
+    return _run_script(SCRIPT, "pd", {"model": tiny_qwen3_omni, "block_size": BLOCK,
+                                      "max_descs_per_peer": MAX_DESCS_PER_PEER,
+                                      "batches": BATCHES},
+                       tmp_path_factory.mktemp("pd"))["batches"]
 
 
 def _split(batches):
@@ -105,3 +111,46 @@ def test_pd_uses_the_transferred_kv(pd_run):
     assert control["finish"] == ["length"]
     assert len(control["token_ids"][0]) == NEW
     assert control["token_ids"][0] != want
+
+
+# -- failures: real processes, the connector's transfer timeout -------------------------
+#: The transfer timeout both engines get (``omni_plugin_transfer_timeout_s``); vLLM's own
+#: limits are 3 bootstrap attempts of 30 s (5 s on 0.30) and 540 s per pull.
+TRANSFER_TIMEOUT_S = 4.0
+#: Slack over the timeout for the engine step that reports the failure (2 busy cores).
+SLACK_S = 6.0
+FAILURES = ("unreachable_bootstrap", "transfer_never_completes", "prefill_killed")
+
+
+@pytest.fixture(scope="module")
+def pd_failures(tiny_qwen3_omni, tmp_path_factory):
+    return _run_script(SCRIPTS / "pd_failures.py", "failures", {
+        "model": tiny_qwen3_omni, "block_size": BLOCK, "timeout_s": TRANSFER_TIMEOUT_S,
+        "max_tokens": 12, "prompt": ALONE[3]}, tmp_path_factory.mktemp("pd-failures"))
+
+
+@pytest.mark.engine
+def test_pd_failures_end_the_request_within_the_transfer_timeout(pd_failures):
+    """A bootstrap address that never answers, a prefill engine stopped (SIGSTOP) before the
+    pull and one killed (SIGKILL) before the pull: each decode request ends with vLLM's
+    finish reason ``error`` and no token within the transfer timeout (vLLM alone waits 90 s
+    or 540 s); the decode engine then serves on with nothing left: no unfinished request, no
+    KV block in use, the same tokens as before."""
+    reference = pd_failures["reference"]["token_ids"]
+    assert len(reference) == 12 and pd_failures["warm"]["token_ids"] == reference
+    for case in FAILURES:
+        got = pd_failures[case]
+        assert got["finish"] == "error" and got["token_ids"] == [], (case, got)
+        assert got["elapsed_s"] < TRANSFER_TIMEOUT_S + SLACK_S, (case, got)
+    assert pd_failures["after"]["token_ids"] == reference
+    assert pd_failures["decode_unfinished"] == 0
+    assert pd_failures["decode_kv_usage"] == 0.0
+
+
+@pytest.mark.engine
+def test_pd_prefill_engine_resumed_after_a_failed_pull_serves_correctly(pd_failures):
+    """The stopped prefill engine, continued after the decode side gave up, serves the next
+    PD request with the right tokens (its stale transfer is neither written late nor
+    left in the way)."""
+    assert pd_failures["after_resume"]["token_ids"] == pd_failures["reference"]["token_ids"]
+    assert pd_failures["after_resume"]["finish"] == "length"

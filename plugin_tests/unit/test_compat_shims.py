@@ -270,6 +270,25 @@ def test_mooncake_methods_the_subclass_overrides():
     assert list(inspect.signature(worker._send_blocks).parameters) == [
         "self", "remote_session", "src_ptrs", "dst_ptrs", "lengths"]
     assert "self._send_blocks" in inspect.getsource(worker)
+    # the transfer timeout: the coroutines it wraps, the state it reads and what it calls
+    for name, params in (
+            ("_start_load_kv", ["self", "reqs_to_recv"]),
+            ("handle_new_engine_id", ["self", "remote_engine_id", "pull_metas"]),
+            ("receive_kv_from_single_worker", ["self", "worker_addr", "pull_metas"]),
+            ("record_send_reqs", ["self", "metadata"]),
+            ("_build_transfer_params", ["self", "ready_reqs", "agent_meta", "local_regions",
+                                        "remote_regions"])):
+        fn = getattr(worker, name)
+        assert inspect.iscoroutinefunction(fn), name
+        assert list(inspect.signature(fn).parameters) == params, name
+    assert list(inspect.signature(worker._handle_failed_recv).parameters) == [
+        "self", "pull_metas", "req_ids", "reason"]
+    source = inspect.getsource(worker)
+    for attr in ("self._pending_bootstrap_queries[remote_bootstrap_addr].set()",
+                 "self._remote_agents[remote_engine_id]", "send_meta.expire_time",
+                 "self.reqs_need_send[transfer_id]"):
+        assert attr in source, attr
+    assert "expire_time" in {f.name for f in dataclasses.fields(m.SendBlockMeta)}
     for fn in (m.should_launch_bootstrap_server, m.get_mooncake_bootstrap_addr):
         assert list(inspect.signature(fn).parameters) == ["vllm_config"]
     assert hasattr(m, "TransferEngine")  # None where Mooncake does not import

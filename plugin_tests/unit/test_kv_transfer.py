@@ -20,6 +20,7 @@ from vllm_omni_plugin.kv_transfer import (
     CONNECTOR_NAME,
     EXTRA_BOOTSTRAP_PORT,
     EXTRA_MAX_DESCS_PER_PEER,
+    EXTRA_TRANSFER_TIMEOUT,
     register_connectors,
 )
 from vllm_omni_plugin.kv_transfer import mooncake as omni_mooncake
@@ -125,6 +126,118 @@ def test_bad_extra_config_values_name_the_key(value):
         omni_mooncake._preflight(_vllm_config(**{EXTRA_MAX_DESCS_PER_PEER: value}))
 
 
+@pytest.mark.parametrize("value", [0, -1.5, "3", True])
+def test_bad_transfer_timeout_names_the_key(value):
+    with pytest.raises(ValueError, match=EXTRA_TRANSFER_TIMEOUT):
+        omni_mooncake._preflight(_vllm_config(**{EXTRA_TRANSFER_TIMEOUT: value}))
+
+
+# -- transfer timeout: vLLM's coroutines scripted where a real peer cannot be made to
+# -- hang on cue (the real processes are plugin_tests/engine/test_pd_engine.py) ----------
+def _timed_worker(timeout):
+    worker = object.__new__(omni_mooncake.OmniMooncakeConnectorWorker)
+    worker._omni_timeout = timeout
+    worker._omni_deadlines = {}
+    worker._pending_bootstrap_queries = {}
+    worker._remote_agents = {}
+    worker.reqs_need_send = {}
+    worker.shutdown = lambda: None  # vLLM's __del__ shuts down what this worker never started
+    worker.failed: list = []
+    worker._handle_failed_recv = lambda metas, req_ids, reason: worker.failed.append(
+        (sorted(req_ids), reason))
+    return worker
+
+
+def _pull(addr="http://10.0.0.9:8998"):
+    return SimpleNamespace(remote_bootstrap_addr=addr, failed=False)
+
+
+def test_pull_that_outlasts_the_timeout_fails_its_requests(monkeypatch):
+    import asyncio
+
+    async def hang(self, *args):
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(m.MooncakeConnectorWorker, "_start_load_kv",
+                        lambda self, reqs: asyncio.sleep(0))
+    monkeypatch.setattr(m.MooncakeConnectorWorker, "receive_kv_from_single_worker", hang)
+    worker = _timed_worker(0.05)
+    metas = {"r1": _pull(), "r2": _pull()}
+
+    async def scenario():
+        await worker._start_load_kv({"engine-p": metas})
+        assert set(worker._omni_deadlines) == {"r1", "r2"}
+        await worker.receive_kv_from_single_worker("tcp://10.0.0.9:5555", metas)
+
+    asyncio.run(scenario())
+    ((req_ids, reason),) = worker.failed
+    assert req_ids == ["r1", "r2"]
+    assert "no KV cache from tcp://10.0.0.9:5555 within 0.05 s" in reason
+    assert EXTRA_TRANSFER_TIMEOUT in reason and worker._omni_deadlines == {}
+
+
+def test_bootstrap_query_that_outlasts_the_timeout_wakes_its_waiters(monkeypatch):
+    import asyncio
+
+    addr = "http://10.0.0.9:8998"
+
+    async def query(self, engine_id, pull_metas):  # vLLM's: registers, then never answers
+        self._pending_bootstrap_queries[addr] = asyncio.Event()
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(m.MooncakeConnectorWorker, "handle_new_engine_id", query)
+    worker = _timed_worker(0.05)
+    metas = {"r1": _pull(addr)}
+    asyncio.run(worker.handle_new_engine_id("engine-p", metas))
+    ((req_ids, reason),) = worker.failed
+    assert req_ids == ["r1"] and f"bootstrap server {addr} did not answer within" in reason
+    assert worker._pending_bootstrap_queries == {} and worker._omni_deadlines == {}
+
+
+def test_without_a_timeout_vllm_waits_as_it_does(monkeypatch):
+    import asyncio
+
+    seen = []
+
+    async def receive(self, addr, metas):
+        seen.append(addr)
+
+    monkeypatch.setattr(m.MooncakeConnectorWorker, "receive_kv_from_single_worker", receive)
+    worker = _timed_worker(None)
+    asyncio.run(worker.receive_kv_from_single_worker("tcp://p:1", {"r1": _pull()}))
+    assert seen == ["tcp://p:1"] and worker.failed == []
+
+
+def test_prefill_side_holds_kv_for_half_the_timeout_then_refuses_to_write(monkeypatch):
+    import asyncio
+    import time
+
+    built = []
+
+    async def record(self, metadata):  # vLLM's: 480 s by default
+        for transfer_id, _blocks in metadata.reqs_to_send.values():
+            self.reqs_need_send[transfer_id].expire_time = time.perf_counter() + 480
+
+    async def build(self, ready_reqs, agent_meta, local_regions, remote_regions):
+        built.append([d for d, _ in ready_reqs])
+        return [1], [2], [3], [], None
+
+    monkeypatch.setattr(m.MooncakeConnectorWorker, "record_send_reqs", record)
+    monkeypatch.setattr(m.MooncakeConnectorWorker, "_build_transfer_params", build)
+    worker = _timed_worker(4.0)
+    fresh, old = (SimpleNamespace(expire_time=float("inf")) for _ in range(2))
+    worker.reqs_need_send = {"t-fresh": fresh, "t-old": old}
+    before = time.perf_counter()
+    asyncio.run(worker.record_send_reqs(SimpleNamespace(reqs_to_send={
+        "p1": ("t-fresh", [[1]]), "p2": ("t-old", [[2]])})))
+    assert before + 2.0 <= fresh.expire_time <= time.perf_counter() + 2.0
+    old.expire_time = time.perf_counter() - 1  # held past its limit
+    src, dst, lengths, err_reqs, err_msg = asyncio.run(worker._build_transfer_params(
+        [("d-fresh", fresh), ("d-old", old)], None, [], []))
+    assert built == [["d-fresh"]] and (src, dst, lengths) == ([1], [2], [3])
+    assert err_reqs == ["d-old"] and "longer than 2 s" in err_msg
+
+
 def test_missing_mooncake_names_the_fix(monkeypatch):
     monkeypatch.setattr(m, "TransferEngine", None)  # as where `mooncake.engine` fails
     with pytest.raises(RuntimeError, match=r"vllm-omni-plugin\[pd\].*libibverbs1"):
@@ -202,15 +315,20 @@ def test_kv_transfer_config_per_role_is_what_vllm_accepts():
 
     from vllm_omni_plugin.kv_transfer import kv_transfer_config, new_engine_id
 
+    pd = _pd(protocol="tcp", max_descs_per_peer=64)
     prefill = KVTransferConfig(**kv_transfer_config(
-        _pd(protocol="tcp", max_descs_per_peer=64), new_engine_id("thinker_prefill"), 9001))
+        pd, new_engine_id("thinker_prefill"), pd.transfer_timeout(30.0), 9001))
     assert prefill.kv_connector == CONNECTOR_NAME and prefill.kv_role == "kv_producer"
     assert prefill.engine_id.startswith("thinker_prefill-")
+    assert prefill.kv_load_failure_policy == "fail"
     assert prefill.kv_connector_extra_config == {
-        "mooncake_protocol": "tcp", EXTRA_MAX_DESCS_PER_PEER: 64, EXTRA_BOOTSTRAP_PORT: 9001}
-    decode = KVTransferConfig(**kv_transfer_config(_pd("decode", device_name="mlx5_0"), "d"))
+        "mooncake_protocol": "tcp", EXTRA_MAX_DESCS_PER_PEER: 64, EXTRA_BOOTSTRAP_PORT: 9001,
+        EXTRA_TRANSFER_TIMEOUT: 30.0}
+    pd = _pd("decode", device_name="mlx5_0", transfer_timeout_s=4.5)
+    decode = KVTransferConfig(**kv_transfer_config(pd, "d", pd.transfer_timeout(30.0)))
     assert decode.kv_role == "kv_consumer" and EXTRA_BOOTSTRAP_PORT not in (
         decode.kv_connector_extra_config)
+    assert decode.kv_connector_extra_config[EXTRA_TRANSFER_TIMEOUT] == 4.5
     assert decode.kv_connector_extra_config["device_name"] == "mlx5_0"
     assert new_engine_id("x") != new_engine_id("x")  # a new one for every engine start
 
@@ -225,7 +343,7 @@ def test_prefill_engine_params_pair_a_decode_request():
 
     def config(pd, port=None):
         return SimpleNamespace(kv_transfer_config=SimpleNamespace(
-            **kv_transfer_config(pd, "e-1", port)))
+            **kv_transfer_config(pd, "e-1", 30.0, port)))
 
     engine = prefill_engine_params(config(_pd(), 9001), "10.0.0.7")
     assert engine == {"remote_engine_id": "e-1",

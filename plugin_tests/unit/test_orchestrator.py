@@ -13,6 +13,7 @@ chosen per test. The same flow with real engines is in
 from __future__ import annotations
 
 import asyncio
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -66,7 +67,7 @@ class Entry:
         completion = SimpleNamespace(token_ids=[ENTRY_TOKENS[0]])
         yield SimpleNamespace(finished=False, prompt_token_ids=PROMPT, outputs=[completion])
         await asyncio.sleep(0)
-        completion = SimpleNamespace(token_ids=list(ENTRY_TOKENS))
+        completion = SimpleNamespace(token_ids=list(ENTRY_TOKENS), finish_reason="length")
         yield SimpleNamespace(finished=True, prompt_token_ids=PROMPT, outputs=[completion])
 
 
@@ -298,21 +299,33 @@ class PrefillPool(Pool):
 
 
 class DecodeEntry(Entry):
-    """A decode engine: with ``prefilled`` it publishes only the generated positions."""
+    """A decode engine: with ``prefilled`` it publishes only the generated positions; a
+    request that pulls KV ends with ``pulled_finish`` (vLLM's ``error`` when the pull
+    failed, with no token)."""
+
+    def __init__(self, store: PayloadStore, pulled_finish: str = "length") -> None:
+        super().__init__(store)
+        self.pulled_finish = pulled_finish
 
     async def __call__(self, prompt, params, request_id):
         keys = xargs.payload_keys(params.extra_args)
+        pulls = "kv_transfer_params" in (params.extra_args or {})
+        if pulls and self.pulled_finish == "error":
+            self.seen_extra_args.append(dict(params.extra_args))
+            completion = SimpleNamespace(token_ids=[], finish_reason="error")
+            yield SimpleNamespace(finished=True, prompt_token_ids=PROMPT, outputs=[completion])
+            return
         if not keys.prefilled:
             async for out in super().__call__(prompt, params, request_id):
                 yield out
             return
         self.seen_extra_args.append(dict(params.extra_args))
         self.store.append(keys.output, {"hidden": torch.full((1, 2), 3.0)})
-        completion = SimpleNamespace(token_ids=list(ENTRY_TOKENS))
+        completion = SimpleNamespace(token_ids=list(ENTRY_TOKENS), finish_reason="length")
         yield SimpleNamespace(finished=True, prompt_token_ids=PROMPT, outputs=[completion])
 
 
-def _pd_orchestrator(tmp_path, prefill_outcome="ok", finish="length"):
+def _pd_orchestrator(tmp_path, prefill_outcome="ok", finish="length", pulled_finish="length"):
     pipeline = _pd_pipeline()
     store = PayloadStore(str(tmp_path / "run"))
     pools = {1: Pool(1), 2: Pool(2), 3: PrefillPool(prefill_outcome, finish)}
@@ -323,7 +336,7 @@ def _pd_orchestrator(tmp_path, prefill_outcome="ok", finish="length"):
         return StageInput(prompt_token_ids=[1, 2], payload={"x": torch.zeros(1)})
 
     orchestrator = Orchestrator(
-        DecodeEntry(store), SimpleNamespace(), pipeline, store, pools,
+        DecodeEntry(store, pulled_finish), SimpleNamespace(), pipeline, store, pools,
         AdmissionGate({1: 4, 2: 4}, 1.0), {1: processor, 2: processor})
     return orchestrator, upstream_payloads
 
@@ -397,6 +410,25 @@ def test_pd_prefill_failure_fails_the_request_naming_the_prefill_stage(
         asyncio.run(_run(orchestrator, text, request_id="req-2"))
     assert text.result.error.startswith(error)
     assert orchestrator.entry_generate.seen_extra_args == []  # the entry never ran
+    assert orchestrator.store.keys() == [] and orchestrator._inflight == {}
+
+
+def test_pd_failed_kv_load_fails_the_request_naming_the_prefill_engine(tmp_path):
+    """The decode engine ends a request whose KV cache did not arrive with vLLM's finish
+    reason ``error`` (the connector's transfer timeout, a dead or unreachable prefill
+    replica): a 503 naming the prefill stage and engine, no downstream stage runs."""
+    orchestrator, upstream = _pd_orchestrator(tmp_path, pulled_finish="error")
+    want = (r"^stage 3 \(thinker_prefill\): stage 0 \(thinker\) could not load the prompt's "
+            r"KV cache from prefill engine thinker_prefill-abc \(http://127.0.0.1:9\)")
+    request = _audio()
+    asyncio.run(_run(orchestrator, request))
+    assert request.result.status == 503
+    assert re.match(want, request.result.error)
+    assert upstream == [] and not orchestrator.pools[1].tasks
+    text = OmniRequest()
+    with pytest.raises(StageError, match=want) as info:
+        asyncio.run(_run(orchestrator, text, request_id="req-2"))
+    assert info.value.status == 503 and re.match(want, text.result.error)
     assert orchestrator.store.keys() == [] and orchestrator._inflight == {}
 
 

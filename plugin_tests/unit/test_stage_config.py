@@ -103,6 +103,15 @@ def test_qwen3_omni_pd_config_loads():
         s.model_dump(exclude={"pd"}) for s in plain.stages]
 
 
+def test_prefill_stage_takes_the_transfer_timeout_of_its_decode_stage():
+    cfg = parse_pipeline_config(_pd(decode={"transfer_timeout_s": 12.5}),
+                                check_processors=False)
+    assert cfg.prefill_stage_for(0).pd.transfer_timeout(30.0) == 12.5
+    assert cfg.entry_stage.pd.transfer_timeout(30.0) == 12.5
+    default = parse_pipeline_config(_pd(), check_processors=False)
+    assert default.prefill_stage_for(0).pd.transfer_timeout(30.0) == 30.0
+
+
 def _pd(prefill=None, decode=None, extra=()):
     """BASE with a decode role on the thinker and a prefill stage 3."""
     d = mutate(s0={"pd": {"role": "decode", **(decode or {})},
@@ -133,6 +142,10 @@ _PREFILL = "stage 3 ('thinker_prefill')"
      "pd.protocol", "'rdma' or 'tcp'"),
     (_pd(prefill={"pd": {"role": "prefill", "decode_stage": 0, "max_descs_per_peer": 0}}),
      _PREFILL, "pd.max_descs_per_peer", "greater than or equal to 1"),
+    (_pd(decode={"transfer_timeout_s": 0}), "stage 0 ('thinker')", "pd.transfer_timeout_s",
+     "greater than 0"),
+    (_pd(prefill={"pd": {"role": "prefill", "decode_stage": 0, "transfer_timeout_s": 9}}),
+     _PREFILL, "pd.transfer_timeout_s", "set it on decode stage 0"),
     (_pd(decode={"decode_stage": 3}), "stage 0 ('thinker')", "pd.decode_stage",
      "only a prefill stage"),
     (mutate(s0={"pd": {"role": "decode"}, "engine_args": {"enable_prefix_caching": False}}),

@@ -279,7 +279,8 @@ def apply_omni_args(args: argparse.Namespace, engine_args) -> None:
                          "replicas with --headless --stage-id N")
     apply_stage_engine_args(engine_args, entry.engine_args)
     if entry.pd is not None:
-        _set_decode_kv_transfer_config(engine_args, entry, path)
+        _set_decode_kv_transfer_config(engine_args, entry, path,
+                                       args.omni_heartbeat_timeout)
     settings = OmniSettings(
         stage_configs_path=os.path.abspath(path), stage_id=entry.stage_id, entry=True,
         payload_dir=default_run_dir(),
@@ -298,7 +299,8 @@ def apply_omni_args(args: argparse.Namespace, engine_args) -> None:
         args.middleware = [*middleware, MIDDLEWARE_QUALNAME]
 
 
-def _set_decode_kv_transfer_config(engine_args, entry, path: str) -> None:
+def _set_decode_kv_transfer_config(engine_args, entry, path: str,
+                                   heartbeat_timeout: float) -> None:
     from vllm.config import KVTransferConfig
 
     from vllm_omni_plugin.config.schema import StageConfigError
@@ -310,7 +312,8 @@ def _set_decode_kv_transfer_config(engine_args, entry, path: str) -> None:
             "from its 'pd' block; remove the flag", path=path, stage_id=entry.stage_id,
             stage_name=entry.name, field="pd")
     engine_args.kv_transfer_config = KVTransferConfig(
-        **kv_transfer_config(entry.pd, new_engine_id(entry.name)))
+        **kv_transfer_config(entry.pd, new_engine_id(entry.name),
+                             entry.pd.transfer_timeout(heartbeat_timeout)))
 
 
 def apply_stage_engine_args(engine_args, overrides: dict) -> None:

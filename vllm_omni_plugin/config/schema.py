@@ -135,9 +135,12 @@ class PDConfig(BaseModel):
     (computes the prompt's KV cache for ``decode_stage``, which pulls it). ``protocol``:
     Mooncake's transport, ``rdma`` (hosts with RDMA NICs; ``device_name`` lists them, e.g.
     ``mlx5_0``) or ``tcp``. ``max_descs_per_peer``: transfer descriptors per write to one
-    peer (Mooncake fails above about 2048). The plugin builds each engine's
-    ``kv_transfer_config`` from this block, with a new engine id for every engine start
-    and a free bootstrap port per prefill engine.
+    peer (Mooncake fails above about 2048). ``transfer_timeout_s``: seconds after which a
+    decode engine fails a request whose KV cache has not arrived (a prefill engine holds a
+    finished request's KV cache half that long); None: the coordinator's heartbeat timeout
+    (``--omni-heartbeat-timeout``); set on the decode stage, its prefill stage takes it.
+    The plugin builds each engine's ``kv_transfer_config`` from this block, with a new
+    engine id for every engine start and a free bootstrap port per prefill engine.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -146,6 +149,12 @@ class PDConfig(BaseModel):
     protocol: Literal["rdma", "tcp"] = "rdma"
     device_name: str = ""
     max_descs_per_peer: int = Field(default=1024, ge=1)
+    transfer_timeout_s: float | None = Field(default=None, gt=0)
+
+    def transfer_timeout(self, heartbeat_timeout: float) -> float:
+        """The transfer timeout in seconds: ``transfer_timeout_s``, else
+        ``heartbeat_timeout``."""
+        return self.transfer_timeout_s or heartbeat_timeout
 
 
 class StageConfig(BaseModel):
@@ -348,6 +357,12 @@ def _check_pd_pairs(stages: list[StageConfig], by_id: dict[int, StageConfig]) ->
             if decode.kind != s.kind:
                 raise s._error("kind", f"{s.kind!r} differs from decode stage "
                                f"{decode.stage_id}'s {decode.kind!r}")
+            # The prefill side's hold time is derived from the decode side's timeout
+            # (kv_transfer/mooncake.py): one value for the pair, set on the decode stage.
+            if s.pd.transfer_timeout_s not in (None, decode.pd.transfer_timeout_s):
+                raise s._error("pd.transfer_timeout_s", "set it on decode stage "
+                               f"{decode.stage_id}; its prefill stage takes it from there")
+            s.pd.transfer_timeout_s = decode.pd.transfer_timeout_s
     for s in stages:
         if s.pd is not None and not s.is_prefill:
             if s.inputs:

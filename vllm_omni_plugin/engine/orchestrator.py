@@ -151,6 +151,7 @@ class Orchestrator:
                     yield out
             if final is None:
                 return
+            self._check_kv_loaded(prefilled, final)
             payload = await self._payload(self.entry, entry_out_key)
             if prefilled:
                 payload = _join_rows(prefilled.payload, payload)
@@ -193,14 +194,19 @@ class Orchestrator:
                 if prefilled is _ABORTED:
                     return
                 extra = {**extra, **_decode_extra(prefilled)}
+            else:
+                prefilled = None
             params.extra_args = {**extra, xargs.PAYLOAD: {"err": err_key}}
             async for out in self.entry_generate(prompt, params, request_id, *args, **kwargs):
                 if out.finished:
                     error = self.store.error(err_key)
-                    if error is not None:
-                        exc = StageError(self.entry.stage_id, self.entry.name, error)
+                    try:
+                        if error is not None:
+                            raise StageError(self.entry.stage_id, self.entry.name, error)
+                        self._check_kv_loaded(prefilled, out)
+                    except StageError as exc:
                         _record_failure(request, request_id, exc)
-                        raise exc
+                        raise
                 yield out
         finally:
             self.store.delete(err_key)
@@ -245,6 +251,24 @@ class Orchestrator:
                              f"the KV cache (finish reason {run.finish_reason!r}, engine "
                              f"{run.prefill_engine})")
         return _Prefilled(decode_request_params(transfer_id, run.prefill_engine), run.payload)
+
+    def _check_kv_loaded(self, prefilled: _Prefilled | None, final) -> None:
+        """Raise when the entry engine ended a prefilled request with finish reason
+        ``error``: it could not load the prompt's KV cache (the prefill replica died or
+        is unreachable, or the transfer outlasted the connector's timeout).
+
+        Raises:
+            StageError: names the prefill stage and engine.
+        """
+        if not prefilled or not final.outputs or final.outputs[0].finish_reason != "error":
+            return
+        engine = prefilled.decode_params
+        raise StageError(
+            self.prefill.stage_id, self.prefill.name,
+            f"stage {self.entry.stage_id} ({self.entry.name}) could not load the prompt's "
+            f"KV cache from prefill engine {engine.get('remote_engine_id')} "
+            f"({engine.get('remote_bootstrap_addr')}); the decode engine's log says why",
+            status=503)
 
     async def _run_downstream(self, request: OmniRequest, request_id, outputs, extra,
                               admission) -> StageResult | None:

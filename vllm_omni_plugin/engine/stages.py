@@ -46,7 +46,8 @@ def start_stage_engine(stage, base_args: dict, settings: OmniSettings) -> StageE
             setattr(args, name, value)
     apply_stage_engine_args(args, stage.engine_args)
     if stage.pd is not None:
-        args.kv_transfer_config = _kv_transfer_config(stage)
+        args.kv_transfer_config = _kv_transfer_config(stage,
+                                                      settings.cluster.heartbeat_timeout)
     args.additional_config = settings.for_stage(stage.stage_id).additional_config()
     start = time.perf_counter()
     try:
@@ -62,7 +63,7 @@ def start_stage_engine(stage, base_args: dict, settings: OmniSettings) -> StageE
     return StageEngine(stage.stage_id, stage.name, engine)
 
 
-def _kv_transfer_config(stage):
+def _kv_transfer_config(stage, heartbeat_timeout: float):
     """A new engine id (and, for a prefill engine, a free bootstrap port) for each start."""
     from vllm.config import KVTransferConfig
     from vllm.utils.network_utils import get_open_port
@@ -70,7 +71,9 @@ def _kv_transfer_config(stage):
     from vllm_omni_plugin.kv_transfer import kv_transfer_config, new_engine_id
 
     port = get_open_port() if stage.is_prefill else None
-    return KVTransferConfig(**kv_transfer_config(stage.pd, new_engine_id(stage.name), port))
+    return KVTransferConfig(**kv_transfer_config(
+        stage.pd, new_engine_id(stage.name), stage.pd.transfer_timeout(heartbeat_timeout),
+        port))
 
 
 def _model_hf_overrides(args) -> dict:

@@ -19,6 +19,7 @@ CONNECTOR_MODULE = "vllm_omni_plugin.kv_transfer.mooncake"
 #: ``mooncake_protocol`` and ``num_workers``, keep their meaning).
 EXTRA_BOOTSTRAP_PORT = "omni_plugin_bootstrap_port"
 EXTRA_MAX_DESCS_PER_PEER = "omni_plugin_max_descs_per_peer"
+EXTRA_TRANSFER_TIMEOUT = "omni_plugin_transfer_timeout_s"
 
 #: Transfer descriptors (``src, dst, length`` triples) one write to a peer may carry.
 #: Measured on Mooncake 0.3.13 over TCP: more than about 2048 outstanding descriptors per peer
@@ -50,19 +51,24 @@ def new_engine_id(stage_name: str) -> str:
     return f"{stage_name}-{uuid.uuid4().hex[:12]}"
 
 
-def kv_transfer_config(pd, engine_id: str, bootstrap_port: int | None = None) -> dict:
+def kv_transfer_config(pd, engine_id: str, transfer_timeout_s: float,
+                       bootstrap_port: int | None = None) -> dict:
     """``KVTransferConfig`` fields of one engine of a stage with ``pd`` (a ``PDConfig``):
     the plugin's connector, ``kv_producer`` for a prefill stage, ``kv_consumer`` for a
-    decode stage, Mooncake's protocol and device, and the bootstrap port of a prefill
-    engine."""
-    extra = {"mooncake_protocol": pd.protocol, EXTRA_MAX_DESCS_PER_PEER: pd.max_descs_per_peer}
+    decode stage, Mooncake's protocol and device, the transfer timeout (seconds; see
+    :class:`~vllm_omni_plugin.kv_transfer.mooncake.OmniMooncakeConnectorWorker`) and the
+    bootstrap port of a prefill engine. vLLM's ``kv_load_failure_policy`` is ``fail``: a
+    request whose KV cache does not arrive ends with finish reason ``error``."""
+    extra = {"mooncake_protocol": pd.protocol, EXTRA_MAX_DESCS_PER_PEER: pd.max_descs_per_peer,
+             EXTRA_TRANSFER_TIMEOUT: transfer_timeout_s}
     if pd.device_name:
         extra["device_name"] = pd.device_name
     if bootstrap_port is not None:
         extra[EXTRA_BOOTSTRAP_PORT] = bootstrap_port
     return {"kv_connector": CONNECTOR_NAME,
             "kv_role": "kv_producer" if pd.role == "prefill" else "kv_consumer",
-            "engine_id": engine_id, "kv_connector_extra_config": extra}
+            "engine_id": engine_id, "kv_load_failure_policy": "fail",
+            "kv_connector_extra_config": extra}
 
 
 def prefill_request_params(transfer_id: str) -> dict:

@@ -21,6 +21,15 @@ This subclass adds:
 * **The bootstrap port** from ``kv_connector_extra_config["omni_plugin_bootstrap_port"]``
   (the plugin allocates one per prefill replica) instead of the process-wide
   ``VLLM_MOONCAKE_BOOTSTRAP_PORT``, checked free before vLLM's server binds it.
+* **A transfer timeout** (``kv_connector_extra_config["omni_plugin_transfer_timeout_s"]``,
+  seconds; the plugin sets the coordinator's heartbeat timeout): a decode engine fails a
+  request whose bootstrap query and KV pull have not finished that long after the pull
+  started (vLLM's own limits are ``VLLM_MOONCAKE_CONNECTOR_TIMEOUT`` per bootstrap attempt
+  and ``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT`` + 60 s per pull, 540 s by default), so vLLM
+  ends it with finish reason ``error`` and frees its blocks. A prefill engine stops
+  holding a finished request's KV cache half that long after it was ready, and refuses
+  to start a write for it later, so that it never writes into blocks a decode engine has
+  already given up on (Mooncake cannot cancel a write once posted).
 * **Clear start-up errors**: a missing Mooncake (the ``pd`` extra, or ``libibverbs1``) and a
   transfer engine that fails to initialise name the fix.
 
@@ -31,7 +40,9 @@ fails when vLLM changes that dispatch).
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1 import base as connector_base
@@ -45,6 +56,7 @@ from vllm_omni_plugin.kv_transfer import (
     DEFAULT_MAX_DESCS_PER_PEER,
     EXTRA_BOOTSTRAP_PORT,
     EXTRA_MAX_DESCS_PER_PEER,
+    EXTRA_TRANSFER_TIMEOUT,
 )
 from vllm_omni_plugin.logger import init_logger
 
@@ -75,6 +87,16 @@ def _positive_int(extra: dict, key: str, default: int | None) -> int | None:
     return value
 
 
+def _positive_seconds(extra: dict, key: str) -> float | None:
+    value = extra.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"kv_connector_extra_config.{key} must be a positive number of "
+                         f"seconds, got {value!r}")
+    return float(value)
+
+
 def _preflight(vllm_config: VllmConfig) -> None:
     """What must hold before the connector worker starts (so that a failure leaves no
     half-built worker behind).
@@ -87,6 +109,7 @@ def _preflight(vllm_config: VllmConfig) -> None:
     kv_config = vllm_config.kv_transfer_config
     extra = kv_config.kv_connector_extra_config or {}
     _positive_int(extra, EXTRA_MAX_DESCS_PER_PEER, DEFAULT_MAX_DESCS_PER_PEER)
+    _positive_seconds(extra, EXTRA_TRANSFER_TIMEOUT)
     if vllm_mooncake.TransferEngine is None:
         raise RuntimeError(
             f"{CONNECTOR_NAME} needs Mooncake's transfer engine ({_mooncake_import_error()}). "
@@ -106,8 +129,9 @@ def _preflight(vllm_config: VllmConfig) -> None:
 
 class OmniMooncakeConnectorWorker(vllm_mooncake.MooncakeConnectorWorker):
     """vLLM's Mooncake connector worker, startable on vLLM's CPU platform, with bounded
-    descriptor batches per peer. Same constructor as vLLM's; build it after
-    :func:`_preflight` (as :class:`OmniMooncakeConnector` does).
+    descriptor batches per peer and, where ``omni_plugin_transfer_timeout_s`` is set, the
+    transfer timeout described in the module docstring. Same constructor as vLLM's; build
+    it after :func:`_preflight` (as :class:`OmniMooncakeConnector` does).
 
     Raises:
         RuntimeError: Mooncake's transfer engine fails to initialise.
@@ -120,6 +144,10 @@ class OmniMooncakeConnectorWorker(vllm_mooncake.MooncakeConnectorWorker):
                                              DEFAULT_MAX_DESCS_PER_PEER)
         self._omni_peer_locks: dict[str, threading.Lock] = {}
         self._omni_peer_locks_guard = threading.Lock()
+        self._omni_timeout = _positive_seconds(extra, EXTRA_TRANSFER_TIMEOUT)
+        #: decode side: request id -> ``time.monotonic()`` by which its pull must be done
+        #: (touched only on vLLM's receiver event loop)
+        self._omni_deadlines: dict[str, float] = {}
         try:
             with compat_mooncake.cpu_device_index():
                 super().__init__(vllm_config, engine_id, kv_cache_config)
@@ -153,6 +181,97 @@ class OmniMooncakeConnectorWorker(vllm_mooncake.MooncakeConnectorWorker):
                 if status != 0:
                     return status
         return 0
+
+    # -- transfer timeout, decode side (vLLM's receiver event loop) -------------------
+    async def _start_load_kv(self, reqs_to_recv) -> None:
+        if self._omni_timeout is not None:
+            deadline = time.monotonic() + self._omni_timeout
+            for pull_metas in reqs_to_recv.values():
+                self._omni_deadlines.update(dict.fromkeys(pull_metas, deadline))
+        await super()._start_load_kv(reqs_to_recv)
+
+    def _omni_remaining(self, pull_metas: dict) -> float:
+        now = time.monotonic()
+        deadline = min(self._omni_deadlines.get(req_id, now + self._omni_timeout)
+                       for req_id in pull_metas)
+        return max(0.0, deadline - now)
+
+    def _omni_forget(self, pull_metas: dict) -> None:
+        for req_id in pull_metas:
+            self._omni_deadlines.pop(req_id, None)
+
+    async def handle_new_engine_id(self, remote_engine_id: str, pull_metas: dict) -> None:
+        """vLLM's bootstrap query for an unknown prefill engine, then the pull; the query
+        ends at the requests' deadline."""
+        if self._omni_timeout is None or not pull_metas:
+            return await super().handle_new_engine_id(remote_engine_id, pull_metas)
+        addr = next(iter(pull_metas.values())).remote_bootstrap_addr
+        try:
+            await asyncio.wait_for(super().handle_new_engine_id(remote_engine_id, pull_metas),
+                                   self._omni_remaining(pull_metas))
+        except asyncio.TimeoutError:
+            # vLLM sets and drops the query's event only when its query returns; waiters
+            # for the same address must not wait on a cancelled query.
+            event = self._pending_bootstrap_queries.pop(addr, None)
+            if event is not None:
+                event.set()
+            self._handle_failed_recv(
+                pull_metas, list(pull_metas),
+                f"bootstrap server {addr} did not answer within {self._omni_timeout:g} s "
+                f"(kv_connector_extra_config.{EXTRA_TRANSFER_TIMEOUT})")
+        finally:
+            if remote_engine_id not in self._remote_agents:
+                self._omni_forget(pull_metas)
+
+    async def receive_kv_from_single_worker(self, worker_addr: str, pull_metas: dict) -> None:
+        """vLLM's pull from one prefill worker, ended at the requests' deadline (the
+        blocks of a request that timed out are reported as failed loads)."""
+        if self._omni_timeout is None:
+            return await super().receive_kv_from_single_worker(worker_addr, pull_metas)
+        try:
+            await asyncio.wait_for(super().receive_kv_from_single_worker(worker_addr,
+                                                                         pull_metas),
+                                   self._omni_remaining(pull_metas))
+        except asyncio.TimeoutError:
+            self._handle_failed_recv(
+                pull_metas, list(pull_metas),
+                f"no KV cache from {worker_addr} within {self._omni_timeout:g} s "
+                f"(kv_connector_extra_config.{EXTRA_TRANSFER_TIMEOUT})")
+        finally:
+            self._omni_forget(pull_metas)
+
+    # -- transfer timeout, prefill side (vLLM's sender event loop) ----------------------
+    async def record_send_reqs(self, metadata) -> None:
+        """vLLM's bookkeeping of finished requests to send, with their hold time cut to
+        half the transfer timeout (vLLM frees their blocks when it expires)."""
+        await super().record_send_reqs(metadata)
+        if self._omni_timeout is None:
+            return
+        limit = time.perf_counter() + self._omni_timeout / 2
+        for transfer_id, block_ids in metadata.reqs_to_send.values():
+            send_meta = self.reqs_need_send.get(transfer_id)
+            if block_ids and send_meta is not None:
+                send_meta.expire_time = min(send_meta.expire_time, limit)
+
+    async def _build_transfer_params(self, ready_reqs, agent_meta, local_regions,
+                                     remote_regions):
+        """vLLM's descriptors for ``ready_reqs``, less those whose hold time expired
+        (reported to the decode engine as failed instead of written late)."""
+        now = time.perf_counter()
+        stale = [d_req_id for d_req_id, meta in ready_reqs if meta.expire_time < now]
+        if not stale:
+            return await super()._build_transfer_params(ready_reqs, agent_meta,
+                                                        local_regions, remote_regions)
+        fresh = [(d_req_id, meta) for d_req_id, meta in ready_reqs
+                 if meta.expire_time >= now]
+        src, dst, lengths, err_reqs, err_msg = await super()._build_transfer_params(
+            fresh, agent_meta, local_regions, remote_regions)
+        logger.warning("not sending the KV cache of %s: held longer than %g s", stale,
+                       self._omni_timeout / 2)
+        msg = (f"the prefill engine held the KV cache longer than {self._omni_timeout / 2:g} s"
+               f" (kv_connector_extra_config.{EXTRA_TRANSFER_TIMEOUT} / 2)")
+        return (src, dst, lengths, [*err_reqs, *stale],
+                msg if err_msg is None else f"{err_msg}; {msg}")
 
 
 class OmniMooncakeConnector(vllm_mooncake.MooncakeConnector):

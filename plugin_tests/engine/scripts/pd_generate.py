@@ -45,12 +45,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _llm(model: str, spec: dict, kv_transfer_config=None):
+def _llm(model: str, spec: dict, kv_transfer_config=None, **engine_args):
     from vllm import LLM
 
     return LLM(model, **BASE_ENGINE_ARGS, enable_prefix_caching=False,
                block_size=spec["block_size"], kv_cache_memory_bytes=16 * 1024 * 1024,
-               kv_transfer_config=kv_transfer_config)
+               kv_transfer_config=kv_transfer_config, **engine_args)
 
 
 def _shutdown(*llms) -> None:
