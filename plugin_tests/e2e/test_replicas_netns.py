@@ -16,7 +16,7 @@ import uuid
 import pytest
 import yaml
 
-from plugin_tests.conftest import QWEN3_OMNI_YAML
+from plugin_tests.conftest import QWEN3_OMNI_PD_YAML, QWEN3_OMNI_YAML
 from plugin_tests.serve_utils import ServeProcess, free_port
 
 pytestmark = pytest.mark.e2e
@@ -90,6 +90,66 @@ def test_headless_replica_in_another_network_namespace(netns, tiny_qwen3_omni, t
         served = [v for (name, labels), v in head.metrics().items()
                   if name == "vllm_omni:replica_requests_total" and ("stage", "1") in labels]
         assert served == [1.0]
+    finally:
+        if replica is not None:
+            replica.stop()
+        head.stop()
+
+
+def test_headless_prefill_replica_in_another_network_namespace(netns, tiny_qwen3_omni,
+                                                               tmp_path):
+    """Prefill/decode disaggregation across hosts: the thinker's prefill stage runs only as
+    a headless replica in its own namespace; the head's decode engine pulls each prompt's
+    KV cache from it over the link (Mooncake TCP). Each side advertises the address the
+    other reaches it at (the head's master address, the replica's route-probe address),
+    and the replica's bootstrap port comes from the master's port range."""
+    pytest.importorskip("mooncake.engine", reason="the plugin's `pd` extra is not installed")
+    with open(QWEN3_OMNI_PD_YAML) as f:
+        pipeline = yaml.safe_load(f)
+    pipeline["stages"][1]["default_sampling_params"]["max_tokens"] = 16
+    prefill = next(s for s in pipeline["stages"] if s.get("pd", {}).get("role") == "prefill")
+    prefill["runtime"] = {"num_replicas": 0}
+    yaml_path = tmp_path / "pipeline.yaml"
+    yaml_path.write_text(yaml.safe_dump(pipeline))
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_HOST_IP"}
+    # vLLM's CPU build pins every engine's worker to core 0 of this 2-core machine; the
+    # decode worker busy-waits for the KV cache and starved the prefill replica's
+    # bootstrap server on that core (separate hosts share no core)
+    env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    common = [tiny_qwen3_omni, "--stage-configs-path", str(yaml_path), "--dtype", "float32",
+              "--max-model-len", "2048", "-oma", HEAD_IP, "-omp", str(free_port())]
+    head = ServeProcess([*common, "--omni-heartbeat-timeout", "10"],
+                        str(tmp_path / "head.log"), env=env)
+    replica = None
+    stage = str(prefill["stage_id"])
+    try:
+        head.wait_for_log(r"omni master on tcp://")
+        replica = ServeProcess([*common, "--headless", "--stage-id", stage],
+                               str(tmp_path / "headless.log"), env=env,
+                               prefix=["ip", "netns", "exec", netns])
+        head.wait_ready()
+        replica.wait_for_log(rf"stage {stage} replica \d+ serving on tcp://{REPLICA_IP}:")
+        head.wait_for_log(rf"stage {stage} replica \d+ \(remote tcp://10\.231\.0\.2:\d+\) "
+                          "attached", timeout_s=60)
+        assert f"KV transfers advertise {HEAD_IP}" in head.log()
+        assert f"KV transfers advertise {REPLICA_IP}" in replica.log()
+        import openai
+
+        client = openai.OpenAI(base_url=f"{head.url}/v1", api_key="-")
+        model = client.models.list().data[0].id
+        messages = [{"role": "user", "content": "Prefill over there, decode here."}]
+        text = client.chat.completions.create(model=model, messages=messages, max_tokens=8,
+                                              temperature=0)
+        spoken = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=8, temperature=0,
+            modalities=["text", "audio"], audio={"voice": "ethan", "format": "wav"})
+        # a failed KV load would have been an error (kv_load_failure_policy "fail")
+        assert text.choices[0].finish_reason == "length"
+        assert spoken.choices[0].message.content == text.choices[0].message.content
+        assert spoken.choices[0].message.audio.data
+        served = [v for (name, labels), v in head.metrics().items()
+                  if name == "vllm_omni:replica_requests_total" and ("stage", stage) in labels]
+        assert served == [2.0]
     finally:
         if replica is not None:
             replica.stop()

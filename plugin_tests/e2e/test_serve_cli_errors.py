@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from plugin_tests.conftest import PYTHON, QWEN3_OMNI_PD_YAML, QWEN3_OMNI_YAML, VLLM
+from plugin_tests.conftest import PYTHON, QWEN3_OMNI_YAML, VLLM
 
 
 def _serve(tmp_path, yaml_text: str) -> subprocess.CompletedProcess:
@@ -88,16 +88,6 @@ def test_bad_omni_flags_fail_naming_the_flag(tmp_path, flags, expected):
     assert out.returncode != 0
     assert expected in text, text[-3000:]
     assert "EngineCore" not in text
-
-
-def test_headless_prefill_replicas_are_refused(tmp_path):
-    out = subprocess.run([VLLM, "serve", str(tmp_path), "--stage-configs-path",
-                          QWEN3_OMNI_PD_YAML, "--headless", "--stage-id", "3", "-omp", "9"],
-                         capture_output=True, text=True, timeout=240, env={**os.environ})
-    text = out.stdout + out.stderr
-    assert out.returncode != 0 and "EngineCore" not in text
-    assert "--stage-id 3 is a prefill stage: headless prefill replicas are not supported" \
-        in text, text[-3000:]
 
 
 def test_deprecated_replica_id_warns_and_is_ignored():

@@ -370,3 +370,48 @@ def test_prefill_stage_takes_the_decode_engines_kv_layout():
                     "worker_cls": "w", "max_num_seqs": 8, "block_size": 32,
                     "kv_cache_dtype": "auto", "max_model_len": 2048,
                     "tensor_parallel_size": 1, "pipeline_parallel_size": 1}
+
+
+@pytest.mark.parametrize("host,preset,want", [
+    ("10.0.0.7", None, "10.0.0.7"),        # the address peers reach this process at
+    ("10.0.0.7", "10.9.9.9", "10.9.9.9"),  # the operator's VLLM_HOST_IP wins
+    ("0.0.0.0", None, None),               # a wildcard says nothing: vLLM decides
+    ("head.example", None, None),          # a host name: vLLM decides
+])
+def test_advertise_host(monkeypatch, host, preset, want):
+    from vllm_omni_plugin.kv_transfer import HOST_IP_ENV, advertise_host
+
+    monkeypatch.delenv(HOST_IP_ENV, raising=False)
+    if preset:
+        monkeypatch.setenv(HOST_IP_ENV, preset)
+    assert advertise_host(host) == want
+    assert os.environ.get(HOST_IP_ENV) == want
+
+
+def test_headless_prefill_replica_takes_the_decode_stage_model(tmp_path):
+    """``--headless --stage-id`` of a prefill stage: the decode stage's model settings
+    (architecture, worker) under the command line's, the KV layout from the command line."""
+    import argparse
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from plugin_tests.conftest import QWEN3_OMNI_PD_YAML
+    from vllm_omni_plugin.config.cli import add_omni_args, headless_plan
+    from vllm_omni_plugin.config.loader import load_pipeline_config
+
+    parser = argparse.ArgumentParser()
+    AsyncEngineArgs.add_cli_args(parser)
+    parser.add_argument("--headless", action="store_true")  # `vllm serve`'s own flag
+    add_omni_args(parser)
+    pipeline = load_pipeline_config(QWEN3_OMNI_PD_YAML)
+    prefill = pipeline.prefill_stage_for(pipeline.entry_stage.stage_id)
+    args = parser.parse_args(["--model", str(tmp_path), "--stage-configs-path",
+                              QWEN3_OMNI_PD_YAML, "--headless", "--stage-id",
+                              str(prefill.stage_id), "-oma", "127.0.0.1", "-omp", "9",
+                              "--block-size", "64", "--max-model-len", "1024"])
+    plan = headless_plan(args)
+    assert plan.stage.is_prefill
+    decode_args = pipeline.entry_stage.engine_args
+    assert plan.base_args["hf_overrides"] == decode_args["hf_overrides"]
+    assert plan.base_args["worker_cls"] == decode_args["worker_cls"]
+    assert plan.base_args["block_size"] == 64 and plan.base_args["max_model_len"] == 1024

@@ -428,7 +428,8 @@ def test_pd_failed_kv_load_fails_the_request_naming_the_prefill_engine(tmp_path)
     text = OmniRequest()
     with pytest.raises(StageError, match=want) as info:
         asyncio.run(_run(orchestrator, text, request_id="req-2"))
-    assert info.value.status == 503 and re.match(want, text.result.error)
+    assert info.value.status == 503 and text.result.status == 503
+    assert re.match(want, text.result.error)
     assert orchestrator.store.keys() == [] and orchestrator._inflight == {}
 
 

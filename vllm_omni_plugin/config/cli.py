@@ -201,16 +201,17 @@ def headless_plan(args: argparse.Namespace) -> HeadlessPlan:
     if stage.stage_id == pipeline.entry_stage.stage_id:
         raise ValueError(f"--stage-id {stage.stage_id} is the entry stage, which the head "
                          "serves itself; scale it with vLLM's --data-parallel-size")
-    if stage.is_prefill:
-        raise ValueError(f"--stage-id {stage.stage_id} is a prefill stage: headless prefill "
-                         "replicas are not supported yet; the head runs the YAML's "
-                         "runtime.num_replicas of them")
     engine_args = AsyncEngineArgs.from_cli_args(args)
+    base = base_args_from(engine_args)
+    if stage.is_prefill:  # the decode stage's model; the KV layout from this command line
+        base.update(pipeline.stage(stage.pd.decode_stage).engine_args)
+        base.update({name: getattr(engine_args, name) for name in KV_LAYOUT_FIELDS
+                     if getattr(engine_args, name, None) is not None})
     return HeadlessPlan(
         stage=stage,
         settings=OmniSettings(stage_configs_path=os.path.abspath(path),
                               stage_id=stage.stage_id, entry=False),
-        base_args=base_args_from(engine_args),
+        base_args=base,
         master_host=args.omni_master_address,
         master_port=args.omni_master_port,
         replica_host=route_probe_address(args.omni_master_address, args.omni_master_port,
@@ -279,8 +280,8 @@ def apply_omni_args(args: argparse.Namespace, engine_args) -> None:
                          "replicas with --headless --stage-id N")
     apply_stage_engine_args(engine_args, entry.engine_args)
     if entry.pd is not None:
-        _set_decode_kv_transfer_config(engine_args, entry, path,
-                                       args.omni_heartbeat_timeout)
+        _set_decode_kv_transfer_config(engine_args, entry, path, args.omni_heartbeat_timeout,
+                                       args.omni_master_address)
     settings = OmniSettings(
         stage_configs_path=os.path.abspath(path), stage_id=entry.stage_id, entry=True,
         payload_dir=default_run_dir(),
@@ -299,12 +300,14 @@ def apply_omni_args(args: argparse.Namespace, engine_args) -> None:
         args.middleware = [*middleware, MIDDLEWARE_QUALNAME]
 
 
-def _set_decode_kv_transfer_config(engine_args, entry, path: str,
-                                   heartbeat_timeout: float) -> None:
+def _set_decode_kv_transfer_config(engine_args, entry, path: str, heartbeat_timeout: float,
+                                   host: str) -> None:
+    """The decode engine's ``kv_transfer_config``; its KV transfers (and those of the
+    head's own prefill replicas) advertise ``host``, the head's address."""
     from vllm.config import KVTransferConfig
 
     from vllm_omni_plugin.config.schema import StageConfigError
-    from vllm_omni_plugin.kv_transfer import kv_transfer_config, new_engine_id
+    from vllm_omni_plugin.kv_transfer import advertise_host, kv_transfer_config, new_engine_id
 
     if engine_args.kv_transfer_config is not None:
         raise StageConfigError(
@@ -314,6 +317,8 @@ def _set_decode_kv_transfer_config(engine_args, entry, path: str,
     engine_args.kv_transfer_config = KVTransferConfig(
         **kv_transfer_config(entry.pd, new_engine_id(entry.name),
                              entry.pd.transfer_timeout(heartbeat_timeout)))
+    logger.info("stage %d: KV transfers advertise %s (VLLM_HOST_IP)", entry.stage_id,
+                advertise_host(host))
 
 
 def apply_stage_engine_args(engine_args, overrides: dict) -> None:

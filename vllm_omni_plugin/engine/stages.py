@@ -26,12 +26,14 @@ class StageEngine:
     engine: object  # vllm.v1.engine.async_llm.AsyncLLM
 
 
-def start_stage_engine(stage, base_args: dict, settings: OmniSettings) -> StageEngine:
+def start_stage_engine(stage, base_args: dict, settings: OmniSettings,
+                       bootstrap_port: int | None = None) -> StageEngine:
     """Build and start one engine of ``stage`` (a ``StageConfig``).
 
     Args:
         base_args: ``EngineArgs`` fields under the YAML's (model path first).
         settings: The plugin's settings (made this stage's, into ``additional_config``).
+        bootstrap_port: a prefill stage's KV bootstrap port (None: a free one).
 
     Raises:
         RuntimeError: the engine failed to start; the message names the stage.
@@ -46,8 +48,8 @@ def start_stage_engine(stage, base_args: dict, settings: OmniSettings) -> StageE
             setattr(args, name, value)
     apply_stage_engine_args(args, stage.engine_args)
     if stage.pd is not None:
-        args.kv_transfer_config = _kv_transfer_config(stage,
-                                                      settings.cluster.heartbeat_timeout)
+        args.kv_transfer_config = _kv_transfer_config(
+            stage, settings.cluster.heartbeat_timeout, bootstrap_port)
     args.additional_config = settings.for_stage(stage.stage_id).additional_config()
     start = time.perf_counter()
     try:
@@ -63,14 +65,15 @@ def start_stage_engine(stage, base_args: dict, settings: OmniSettings) -> StageE
     return StageEngine(stage.stage_id, stage.name, engine)
 
 
-def _kv_transfer_config(stage, heartbeat_timeout: float):
-    """A new engine id (and, for a prefill engine, a free bootstrap port) for each start."""
+def _kv_transfer_config(stage, heartbeat_timeout: float, bootstrap_port: int | None):
+    """A new engine id (and, for a prefill engine, ``bootstrap_port`` or a free one) for
+    each start."""
     from vllm.config import KVTransferConfig
     from vllm.utils.network_utils import get_open_port
 
     from vllm_omni_plugin.kv_transfer import kv_transfer_config, new_engine_id
 
-    port = get_open_port() if stage.is_prefill else None
+    port = (bootstrap_port or get_open_port()) if stage.is_prefill else None
     return KVTransferConfig(**kv_transfer_config(
         stage.pd, new_engine_id(stage.name), stage.pd.transfer_timeout(heartbeat_timeout),
         port))

@@ -219,7 +219,13 @@ class OmniAudioMiddleware:
                 return await self.app(scope, _replay(forwarded, receive), send)
         captured = _Capture()
         with omni_request_scope(request):
-            await self.app(scope, _replay(forwarded, receive), captured.send)
+            try:
+                await self.app(scope, _replay(forwarded, receive), captured.send)
+            except Exception:
+                # a failure the orchestrator recorded (and logged) answers with its own
+                # status (vLLM's handler for exceptions would make every one a 500)
+                if request.result is None or not request.result.error:
+                    raise
         result = request.result
         if result is not None and result.error:
             return await _send_failure(send, result)

@@ -9,6 +9,8 @@ the connector module is imported only when vLLM builds a connector.
 
 from __future__ import annotations
 
+import ipaddress
+import os
 import uuid
 
 #: The name the connector is registered under (``KVTransferConfig.kv_connector``).
@@ -38,6 +40,26 @@ def register_connectors() -> bool:
     except ValueError:  # already registered in this process
         return False
     return True
+
+
+#: The address vLLM's side channel and Mooncake's transfer engine advertise to peers
+#: (vLLM's ``get_ip()``: this variable, else the address of the default route).
+HOST_IP_ENV = "VLLM_HOST_IP"
+
+
+def advertise_host(host: str) -> str | None:
+    """Make the engines this process starts advertise ``host`` for KV transfers (where
+    peers write to and pull from), unless ``VLLM_HOST_IP`` is set already. ``host`` is the
+    address the plugin's own peers reach this process at (a head's
+    ``--omni-master-address``, a headless replica's route-probe address); a wildcard or a
+    host name is left to vLLM. Returns the address now in ``VLLM_HOST_IP``, or None."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        address = None
+    if address is not None and not address.is_unspecified:
+        os.environ.setdefault(HOST_IP_ENV, str(address))
+    return os.environ.get(HOST_IP_ENV)
 
 
 #: The ``SamplingParams.extra_args`` key vLLM's KV connectors read per request.

@@ -31,7 +31,7 @@ from vllm_omni_plugin.logger import init_logger
 from vllm_omni_plugin.master.messages import tcp_address
 
 from .pool import StagePool
-from .protocol import TASK_ENDPOINT
+from .protocol import KV_BOOTSTRAP_ENDPOINT, TASK_ENDPOINT
 from .replica import RemoteReplica
 
 logger = init_logger(__name__)
@@ -64,7 +64,7 @@ class HeadCluster:
             cluster_token=cluster_token)
         try:
             self.master = OmniMasterServer(
-                tcp_address(host, port), endpoint_names=(TASK_ENDPOINT,),
+                tcp_address(host, port), endpoint_names=(TASK_ENDPOINT, KV_BOOTSTRAP_ENDPOINT),
                 cluster_token=cluster_token,
                 cluster_info={INFO_COORDINATOR: self.runtime.router_address,
                               INFO_HEARTBEAT_TIMEOUT: repr(float(heartbeat_timeout))})

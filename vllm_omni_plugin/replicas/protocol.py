@@ -29,8 +29,11 @@ from vllm_omni_plugin.coordinator.messages import PROTOCOL_VERSION
 from vllm_omni_plugin.wire import auth
 from vllm_omni_plugin.wire.codec import BoundedDecoder, FrameRejected, RejectReason, encode
 
-#: Name of the one endpoint the master assigns each remote replica a port for.
+#: Names of the endpoints the master assigns each remote replica a port for: its task
+#: channel, and the bootstrap server of a prefill stage's engine (vLLM's Mooncake
+#: connector; other stages leave that port unused).
 TASK_ENDPOINT = "task"
+KV_BOOTSTRAP_ENDPOINT = "kv_bootstrap"
 
 #: Largest accepted task-channel frame, in bytes. Input payloads (e.g. the
 #: thinker's hidden states for the talker) are the bulk: a 4096-token prompt of

@@ -25,6 +25,7 @@ from vllm_omni_plugin.wire.codec import FrameRejected, RejectLog
 from vllm_omni_plugin.wire.sockets import bind
 
 from .protocol import (
+    KV_BOOTSTRAP_ENDPOINT,
     MAX_TASK_FRAME_BYTES,
     TASK_ENDPOINT,
     Channel,
@@ -201,11 +202,21 @@ async def _serve(plan, assignments, info: dict) -> None:
     run_dir = default_run_dir()
     remove_stale_run_dirs(os.path.dirname(run_dir))
     servers: list[ReplicaServer] = []
+    # the head's heartbeat timeout (a prefill engine's KV hold time derives from it)
+    cluster = plan.settings.cluster.model_copy(update={"heartbeat_timeout": timeout})
+    if plan.stage.is_prefill:
+        from vllm_omni_plugin.kv_transfer import advertise_host
+
+        logger.info("stage %d: KV transfers advertise %s (VLLM_HOST_IP)",
+                    plan.stage.stage_id, advertise_host(plan.replica_host))
 
     def start(assignment):
         payload_dir = os.path.join(run_dir, f"r{assignment.replica_id}")
-        settings = plan.settings.model_copy(update={"payload_dir": payload_dir})
-        engine = start_stage_engine(plan.stage, plan.base_args, settings).engine
+        settings = plan.settings.model_copy(update={"payload_dir": payload_dir,
+                                                    "cluster": cluster})
+        engine = start_stage_engine(plan.stage, plan.base_args, settings,
+                                    bootstrap_port=assignment.ports.get(KV_BOOTSTRAP_ENDPOINT)
+                                    ).engine
         return assignment, engine, payload_dir
 
     started = await asyncio.gather(*(asyncio.to_thread(start, a) for a in assignments),
