@@ -10,9 +10,9 @@ Usage (repository root, project venv with the `pd` extra)::
 What is timed:
 
 * **connector**: a prefill engine (``kv_producer``) and a decode engine (``kv_consumer``)
-  of the tiny Qwen3-Omni thinker stage (float32, block size 32). The prefill engine
-  computes ``--requests`` prompts of ``--prompt-len`` tokens (one output token each,
-  untimed); then the decode engine is given the same prompts with the pairing
+  of the tiny Qwen3-Omni thinker stage (float32, block size ``--block-size``, default 32).
+  The prefill engine computes ``--requests`` prompts of ``--prompt-len`` tokens (one
+  output token each, untimed); then the decode engine is given the same prompts with the pairing
   parameters and one output token each, and the wall time of that call is taken: the
   decode engine's scheduling, the pull requests, the prefill engine's writes, the
   completion notices and one forward of the last prompt token per request. The figure
@@ -49,16 +49,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import free_port, make_checkpoint  # noqa: E402
 
-BLOCK = 32
 MAX_DESCS = 1024
 
 
-def _engine_args(kv_bytes: int) -> dict:
+def _engine_args(kv_bytes: int, block_size: int) -> dict:
     return {
         "hf_overrides": {"architectures": ["OmniPluginQwen3OmniThinker"]},
         "worker_cls": "vllm_omni_plugin.worker.omni_worker.OmniWorker",
         "max_model_len": 512, "dtype": "float32", "enforce_eager": True, "seed": 0,
-        "gpu_memory_utilization": 0.2, "enable_prefix_caching": False, "block_size": BLOCK,
+        "gpu_memory_utilization": 0.2, "enable_prefix_caching": False,
+        "block_size": block_size,
         "kv_cache_memory_bytes": kv_bytes, "max_num_seqs": 256,
         "max_num_batched_tokens": 8192,
     }
@@ -135,8 +135,8 @@ async def bench_connector(ckpt: Path, args) -> dict:
     )
 
     per_token = _kv_bytes_per_token(ckpt)
-    blocks = args.prompt_len // BLOCK
-    kv_bytes = args.requests * blocks * BLOCK * per_token
+    blocks = args.prompt_len // args.block_size
+    kv_bytes = args.requests * blocks * args.block_size * per_token
     cache = int(kv_bytes * 1.6) + (32 << 20)
     port = free_port()
     ids = {r: f"bench-{r}-{uuid.uuid4().hex[:8]}" for r in ("prefill", "decode")}
@@ -144,7 +144,7 @@ async def bench_connector(ckpt: Path, args) -> dict:
     def engine(name, kv_role, extra, stat_loggers=None):
         config = KVTransferConfig(kv_connector=CONNECTOR_NAME, kv_role=kv_role,
                                   engine_id=ids[name], kv_connector_extra_config=extra)
-        engine_args = AsyncEngineArgs(str(ckpt), **_engine_args(cache),
+        engine_args = AsyncEngineArgs(str(ckpt), **_engine_args(cache, args.block_size),
                                       kv_transfer_config=config, disable_log_stats=False)
         return AsyncLLM.from_engine_args(engine_args, stat_loggers=stat_loggers)
 
@@ -285,7 +285,10 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=140,
                         help="prompts per trial (140 x 480 tokens = 65.6 MiB of KV)")
     parser.add_argument("--prompt-len", type=int, default=480,
-                        help="tokens per prompt (a multiple of 32, below 512)")
+                        help="tokens per prompt (a multiple of the block size, below 512)")
+    parser.add_argument("--block-size", type=int, default=32,
+                        help="KV cache block size of both engines (a multiple of 32 on "
+                        "vLLM's CPU build); larger blocks make larger transfer descriptors")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(tmp) / "qwen3-omni"
