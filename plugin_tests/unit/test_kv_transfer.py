@@ -384,7 +384,7 @@ def test_advertise_host(monkeypatch, host, preset, want):
     monkeypatch.delenv(HOST_IP_ENV, raising=False)
     if preset:
         monkeypatch.setenv(HOST_IP_ENV, preset)
-    assert advertise_host(host) == want
+    assert advertise_host(host, 0) == want
     assert os.environ.get(HOST_IP_ENV) == want
 
 

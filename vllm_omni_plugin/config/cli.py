@@ -317,8 +317,7 @@ def _set_decode_kv_transfer_config(engine_args, entry, path: str, heartbeat_time
     engine_args.kv_transfer_config = KVTransferConfig(
         **kv_transfer_config(entry.pd, new_engine_id(entry.name),
                              entry.pd.transfer_timeout(heartbeat_timeout)))
-    logger.info("stage %d: KV transfers advertise %s (VLLM_HOST_IP)", entry.stage_id,
-                advertise_host(host))
+    advertise_host(host, entry.stage_id)
 
 
 def apply_stage_engine_args(engine_args, overrides: dict) -> None:

@@ -182,6 +182,7 @@ class Orchestrator:
         :class:`StageError` naming the stage instead of the engine."""
         err_key = f"{safe_key(request_id)}.{uuid.uuid4().hex[:6]}.err"
         self.store.create(err_key)
+        prefilled = None
         try:
             if self.prefill is not None:
                 self._inflight[request_id] = set()
@@ -194,8 +195,6 @@ class Orchestrator:
                 if prefilled is _ABORTED:
                     return
                 extra = {**extra, **_decode_extra(prefilled)}
-            else:
-                prefilled = None
             params.extra_args = {**extra, xargs.PAYLOAD: {"err": err_key}}
             async for out in self.entry_generate(prompt, params, request_id, *args, **kwargs):
                 if out.finished:

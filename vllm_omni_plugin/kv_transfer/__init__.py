@@ -13,6 +13,10 @@ import ipaddress
 import os
 import uuid
 
+from vllm_omni_plugin.logger import init_logger
+
+logger = init_logger(__name__)
+
 #: The name the connector is registered under (``KVTransferConfig.kv_connector``).
 CONNECTOR_NAME = "OmniMooncakeConnector"
 CONNECTOR_MODULE = "vllm_omni_plugin.kv_transfer.mooncake"
@@ -47,19 +51,23 @@ def register_connectors() -> bool:
 HOST_IP_ENV = "VLLM_HOST_IP"
 
 
-def advertise_host(host: str) -> str | None:
-    """Make the engines this process starts advertise ``host`` for KV transfers (where
-    peers write to and pull from), unless ``VLLM_HOST_IP`` is set already. ``host`` is the
-    address the plugin's own peers reach this process at (a head's
-    ``--omni-master-address``, a headless replica's route-probe address); a wildcard or a
-    host name is left to vLLM. Returns the address now in ``VLLM_HOST_IP``, or None."""
+def advertise_host(host: str, stage_id: int) -> str | None:
+    """Make the engines this process starts (of stage ``stage_id``) advertise ``host`` for
+    KV transfers (where peers write to and pull from), unless ``VLLM_HOST_IP`` is set
+    already; logs the outcome. ``host`` is the address the plugin's own peers reach this
+    process at (a head's ``--omni-master-address``, a headless replica's route-probe
+    address); a wildcard or a host name is left to vLLM. Returns the address now in
+    ``VLLM_HOST_IP``, or None."""
     try:
         address = ipaddress.ip_address(host)
     except ValueError:
         address = None
     if address is not None and not address.is_unspecified:
         os.environ.setdefault(HOST_IP_ENV, str(address))
-    return os.environ.get(HOST_IP_ENV)
+    advertised = os.environ.get(HOST_IP_ENV)
+    logger.info("stage %d: KV transfers advertise %s (%s)", stage_id, advertised,
+                HOST_IP_ENV)
+    return advertised
 
 
 #: The ``SamplingParams.extra_args`` key vLLM's KV connectors read per request.

@@ -200,6 +200,20 @@ class OmniMooncakeConnectorWorker(vllm_mooncake.MooncakeConnectorWorker):
         for req_id in pull_metas:
             self._omni_deadlines.pop(req_id, None)
 
+    async def _omni_until_deadline(self, receive, pull_metas: dict, what: str) -> bool:
+        """Await ``receive`` (one of vLLM's receive coroutines) until the requests'
+        deadline; past it, cancel it and report the requests as failed loads ("``what``
+        within N s"). Returns whether it finished in time."""
+        try:
+            await asyncio.wait_for(receive, self._omni_remaining(pull_metas))
+        except asyncio.TimeoutError:
+            self._handle_failed_recv(
+                pull_metas, list(pull_metas),
+                f"{what} within {self._omni_timeout:g} s "
+                f"(kv_connector_extra_config.{EXTRA_TRANSFER_TIMEOUT})")
+            return False
+        return True
+
     async def handle_new_engine_id(self, remote_engine_id: str, pull_metas: dict) -> None:
         """vLLM's bootstrap query for an unknown prefill engine, then the pull; the query
         ends at the requests' deadline."""
@@ -207,18 +221,14 @@ class OmniMooncakeConnectorWorker(vllm_mooncake.MooncakeConnectorWorker):
             return await super().handle_new_engine_id(remote_engine_id, pull_metas)
         addr = next(iter(pull_metas.values())).remote_bootstrap_addr
         try:
-            await asyncio.wait_for(super().handle_new_engine_id(remote_engine_id, pull_metas),
-                                   self._omni_remaining(pull_metas))
-        except asyncio.TimeoutError:
-            # vLLM sets and drops the query's event only when its query returns; waiters
-            # for the same address must not wait on a cancelled query.
-            event = self._pending_bootstrap_queries.pop(addr, None)
-            if event is not None:
-                event.set()
-            self._handle_failed_recv(
-                pull_metas, list(pull_metas),
-                f"bootstrap server {addr} did not answer within {self._omni_timeout:g} s "
-                f"(kv_connector_extra_config.{EXTRA_TRANSFER_TIMEOUT})")
+            if not await self._omni_until_deadline(
+                    super().handle_new_engine_id(remote_engine_id, pull_metas), pull_metas,
+                    f"bootstrap server {addr} did not answer"):
+                # vLLM sets and drops the query's event only when its query returns;
+                # waiters for the same address must not wait on a cancelled query.
+                event = self._pending_bootstrap_queries.pop(addr, None)
+                if event is not None:
+                    event.set()
         finally:
             if remote_engine_id not in self._remote_agents:
                 self._omni_forget(pull_metas)
@@ -229,14 +239,9 @@ class OmniMooncakeConnectorWorker(vllm_mooncake.MooncakeConnectorWorker):
         if self._omni_timeout is None:
             return await super().receive_kv_from_single_worker(worker_addr, pull_metas)
         try:
-            await asyncio.wait_for(super().receive_kv_from_single_worker(worker_addr,
-                                                                         pull_metas),
-                                   self._omni_remaining(pull_metas))
-        except asyncio.TimeoutError:
-            self._handle_failed_recv(
-                pull_metas, list(pull_metas),
-                f"no KV cache from {worker_addr} within {self._omni_timeout:g} s "
-                f"(kv_connector_extra_config.{EXTRA_TRANSFER_TIMEOUT})")
+            await self._omni_until_deadline(
+                super().receive_kv_from_single_worker(worker_addr, pull_metas), pull_metas,
+                f"no KV cache from {worker_addr}")
         finally:
             self._omni_forget(pull_metas)
 

@@ -207,8 +207,7 @@ async def _serve(plan, assignments, info: dict) -> None:
     if plan.stage.is_prefill:
         from vllm_omni_plugin.kv_transfer import advertise_host
 
-        logger.info("stage %d: KV transfers advertise %s (VLLM_HOST_IP)",
-                    plan.stage.stage_id, advertise_host(plan.replica_host))
+        advertise_host(plan.replica_host, plan.stage.stage_id)
 
     def start(assignment):
         payload_dir = os.path.join(run_dir, f"r{assignment.replica_id}")
