@@ -25,7 +25,13 @@ What is timed:
   over TCP the cost is mostly per descriptor), at most 1024 per call.
 * **connector writes**: vLLM's own transfer statistics of the prefill engine (bytes and
   duration of each ``batch_transfer_sync_write``), collected through a stat logger.
+* **raw Mooncake beside busy loops**: the same, while two processes spin on the CPU, as the
+  two engines' busy loops do while a transfer runs (on a host with few cores Mooncake's
+  TCP threads share them).
 * **torch copy_**: ``dst.copy_(src)`` of the same bytes in host memory.
+
+The engines run with ``VLLM_CPU_OMP_THREADS_BIND=nobind`` unless it is set: vLLM's CPU
+build otherwise binds both engines' workers to the same core on a 2-core host.
 * **latency**: one request of ``--prompt-len`` tokens and 16 new tokens: decode engine
   alone vs prefill engine then decode engine (the orchestrator's sequence).
 
@@ -38,6 +44,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import random
 import statistics
 import sys
@@ -265,6 +272,26 @@ def bench_raw(nbytes: int, num_descs: int, trials: int) -> float:
             proc.kill()
 
 
+def _spin(stop) -> None:
+    while not stop.is_set():
+        pass
+
+
+def bench_raw_beside_busy_loops(nbytes: int, num_descs: int, trials: int,
+                                busy: int = 2) -> float:
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    spinners = [ctx.Process(target=_spin, args=(stop,)) for _ in range(busy)]
+    for proc in spinners:
+        proc.start()
+    try:
+        return bench_raw(nbytes, num_descs, trials)
+    finally:
+        stop.set()
+        for proc in spinners:
+            proc.join(30)
+
+
 def bench_copy(nbytes: int, trials: int) -> float:
     import torch
 
@@ -290,6 +317,7 @@ def main() -> int:
                         help="KV cache block size of both engines (a multiple of 32 on "
                         "vLLM's CPU build); larger blocks make larger transfer descriptors")
     args = parser.parse_args()
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(tmp) / "qwen3-omni"
         make_checkpoint(ckpt)
@@ -297,6 +325,7 @@ def main() -> int:
     nbytes = connector["bytes"]
     desc = connector["desc_bytes"]
     raw = bench_raw(nbytes, nbytes // desc, args.trials)
+    raw_busy = bench_raw_beside_busy_loops(nbytes, nbytes // desc, args.trials)
     copy = bench_copy(nbytes, max(5, args.trials))
     print(f"\nKV moved per trial: {nbytes / 2**20:.1f} MiB ({args.requests} prompts x "
           f"{args.prompt_len} tokens), medians of {args.trials} trials; the connector's "
@@ -304,7 +333,8 @@ def main() -> int:
     print(f"{'path':<34}{'GB/s':>8}{'vs raw Mooncake':>18}")
     for name, rate in (("connector writes (vLLM's stats)", connector["writes"]),
                        ("decode engine wall (lower bound)", connector["wall"]),
-                       ("raw Mooncake TCP loopback", raw), ("torch copy_ (host memory)", copy)):
+                       ("raw Mooncake TCP loopback", raw),
+                       ("raw Mooncake beside 2 busy loops", raw_busy), ("torch copy_ (host memory)", copy)):
         print(f"{name:<34}{rate / 1e9:>8.2f}{rate / raw:>17.2f}x")
     print(f"\nlatency, 1 request of {args.prompt_len} tokens + 16 new: local "
           f"{connector['latency_local'] * 1e3:.0f} ms, prefill+decode "

@@ -84,6 +84,33 @@ def test_send_blocks_splits_writes_by_descriptor_limit():
     assert all(c[0] == "peer:1" for c in engine.calls)
 
 
+def test_coalesce_merges_runs_adjoining_on_both_sides_in_any_order():
+    # a request's blocks in a descending run (vLLM's block pool frees them reversed):
+    # local blocks 7, 6, 5 -> remote blocks 12, 11, 10, 16 bytes each
+    src, dst, lengths = omni_mooncake.coalesce_descriptors(
+        [7 * 16, 6 * 16, 5 * 16], [12 * 16, 11 * 16, 10 * 16], [16, 16, 16])
+    assert (src, dst, lengths) == ([5 * 16], [10 * 16], [48])
+
+
+def test_coalesce_keeps_apart_what_adjoins_on_one_side_only():
+    # 0->100 and 16->200 adjoin at the source only; 32->216 adjoins 16->200 on both;
+    # 64->300 leaves a gap at the source; 48 bytes at 80 adjoin 64 (16 bytes) on both
+    src, dst, lengths = omni_mooncake.coalesce_descriptors(
+        [80, 0, 32, 16, 64], [316, 100, 216, 200, 300], [48, 16, 8, 16, 16])
+    assert src == [0, 16, 64]
+    assert dst == [100, 200, 300]
+    assert lengths == [16, 24, 64]
+    assert sum(lengths) == 48 + 16 + 8 + 16 + 16
+
+
+def test_send_blocks_writes_coalesced_descriptors():
+    engine = ScriptedTransferEngine()
+    src = [3 * 16, 2 * 16, 1 * 16, 9 * 16]
+    dst = [43 * 16, 42 * 16, 41 * 16, 60 * 16]
+    assert _worker(engine)._send_blocks("peer:1", src, dst, [16] * 4) == 0
+    assert engine.calls == [("peer:1", [16, 9 * 16], [41 * 16, 60 * 16], [48, 16])]
+
+
 def test_send_blocks_stops_at_first_failed_write():
     engine = ScriptedTransferEngine(status=[0, -1, 0])
     worker = _worker(engine, max_descs=2)

@@ -13,6 +13,11 @@ This subclass adds:
 
 * **vLLM's CPU platform**: the connector worker starts where
   ``torch.accelerator.current_device_index()`` raises (``compat/mooncake.py``).
+* **Coalesced descriptors**: descriptors whose source and destination ranges both adjoin
+  are written as one (:func:`coalesce_descriptors`). vLLM merges only ascending runs of
+  block ids, and its block pool frees a request's blocks in reverse order, so after the
+  first requests a request's blocks come in descending runs and vLLM writes one
+  descriptor per block and layer; over TCP a write costs mostly per descriptor.
 * **Descriptor batches**: one write to a peer carries at most
   ``kv_connector_extra_config["omni_plugin_max_descs_per_peer"]`` descriptors (default
   :data:`~vllm_omni_plugin.kv_transfer.DEFAULT_MAX_DESCS_PER_PEER`), and writes to one peer
@@ -44,6 +49,8 @@ import asyncio
 import threading
 import time
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from vllm.distributed.kv_transfer.kv_connector.v1 import base as connector_base
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
@@ -127,6 +134,36 @@ def _preflight(vllm_config: VllmConfig) -> None:
                 vllm_mooncake.get_mooncake_bootstrap_addr(vllm_config)[1])
 
 
+def coalesce_descriptors(src_ptrs: list[int], dst_ptrs: list[int], lengths: list[int],
+                         ) -> tuple[list[int], list[int], list[int]]:
+    """Merge transfer descriptors that copy adjoining source ranges into adjoining
+    destination ranges, in any order they come (descending runs of block ids too).
+
+    Args:
+        src_ptrs, dst_ptrs: start addresses (bytes) of each descriptor's source and
+            destination range, as vLLM passes them to Mooncake's
+            ``batch_transfer_sync_write``.
+        lengths: each descriptor's length in bytes.
+
+    Returns:
+        ``(src_ptrs, dst_ptrs, lengths)`` sorted by source address, where descriptor
+        ``i + 1`` never starts where descriptor ``i`` ends on both sides. The same bytes
+        land in the same places: descriptors are independent copies between disjoint
+        ranges.
+    """
+    if len(src_ptrs) < 2:
+        return src_ptrs, dst_ptrs, lengths
+    src = np.asarray(src_ptrs, dtype=np.int64)
+    order = np.argsort(src, kind="stable")
+    src = src[order]
+    dst = np.asarray(dst_ptrs, dtype=np.int64)[order]
+    size = np.asarray(lengths, dtype=np.int64)[order]
+    joins = (src[:-1] + size[:-1] == src[1:]) & (dst[:-1] + size[:-1] == dst[1:])
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    return (src[starts].tolist(), dst[starts].tolist(),
+            np.add.reduceat(size, starts).tolist())
+
+
 class OmniMooncakeConnectorWorker(vllm_mooncake.MooncakeConnectorWorker):
     """vLLM's Mooncake connector worker, startable on vLLM's CPU platform, with bounded
     descriptor batches per peer and, where ``omni_plugin_transfer_timeout_s`` is set, the
@@ -169,9 +206,11 @@ class OmniMooncakeConnectorWorker(vllm_mooncake.MooncakeConnectorWorker):
 
     def _send_blocks(self, remote_session: str, src_ptrs: list[int], dst_ptrs: list[int],
                      lengths: list[int]) -> int:
-        """vLLM's write, in batches of at most ``omni_plugin_max_descs_per_peer``
-        descriptors, one writer per peer at a time. Returns 0, or the first batch's
-        non-zero Mooncake status (the later batches are not sent)."""
+        """vLLM's write of the :func:`coalesce_descriptors` of its descriptors, in batches
+        of at most ``omni_plugin_max_descs_per_peer`` descriptors, one writer per peer at
+        a time. Returns 0, or the first batch's non-zero Mooncake status (the later
+        batches are not sent)."""
+        src_ptrs, dst_ptrs, lengths = coalesce_descriptors(src_ptrs, dst_ptrs, lengths)
         step = self._omni_max_descs
         with self._omni_peer_lock(remote_session):
             for start in range(0, len(src_ptrs), step):
