@@ -334,7 +334,8 @@ def main() -> int:
     for name, rate in (("connector writes (vLLM's stats)", connector["writes"]),
                        ("decode engine wall (lower bound)", connector["wall"]),
                        ("raw Mooncake TCP loopback", raw),
-                       ("raw Mooncake beside 2 busy loops", raw_busy), ("torch copy_ (host memory)", copy)):
+                       ("raw Mooncake beside 2 busy loops", raw_busy),
+                       ("torch copy_ (host memory)", copy)):
         print(f"{name:<34}{rate / 1e9:>8.2f}{rate / raw:>17.2f}x")
     print(f"\nlatency, 1 request of {args.prompt_len} tokens + 16 new: local "
           f"{connector['latency_local'] * 1e3:.0f} ms, prefill+decode "

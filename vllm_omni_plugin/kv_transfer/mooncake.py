@@ -51,7 +51,6 @@ import time
 from typing import TYPE_CHECKING
 
 import numpy as np
-
 from vllm.distributed.kv_transfer.kv_connector.v1 import base as connector_base
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
     mooncake_connector as vllm_mooncake,
