@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 
+import numpy as np
 import pytest
 import yaml
 
@@ -121,15 +122,98 @@ def test_text_only_chat_is_plain_vllm(server, extra):
     ({"modalities": ["text", "video"]}, "modalities"),
     ({"modalities": ["audio"]}, "modalities"),
     ({"modalities": "text,audio"}, "modalities"),
-    ({"modalities": ["text", "audio"], "audio": {"format": "mp3"}}, "audio.format"),
+    ({"modalities": ["text", "audio"], "audio": {"format": "aac"}}, "audio.format"),
     ({"audio": {"voice": "ethan"}}, "audio"),
-    ({"modalities": ["text", "audio"], "stream": True}, "stream"),
+    ({"modalities": ["text", "audio"], "stream": True, "audio": {"format": "wav"}},
+     "audio.format"),
 ])
 def test_bad_request_is_rejected_and_server_keeps_serving(server, extra, field):
     r = server.chat(server.chat_body(**extra))
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == field and f"'{field}'" in error["message"]
+    ok = server.chat(server.audio_body())
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["audio"]["data"]
+
+
+def _pcm16(message) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(message["audio"]["data"]), "<i2")
+
+
+@pytest.mark.parametrize("fmt", ["pcm16", "flac", "mp3", "opus"])
+def test_each_audio_format_decodes_to_the_wav_sample_count(server, fmt):
+    """The same greedy request as WAV and as ``fmt``: a standard decoder (libsndfile; raw
+    int16 for pcm16) gives the WAV's sample count; pcm16 its samples, FLAC within 1 LSB."""
+    import soundfile as sf
+
+    wav = server.chat(server.audio_body(audio={"format": "wav"}))
+    other = server.chat(server.audio_body(audio={"format": fmt}))
+    assert wav.status_code == 200 and other.status_code == 200, other.text
+    reference, _ = sf.read(io.BytesIO(base64.b64decode(
+        wav.json()["choices"][0]["message"]["audio"]["data"])), dtype="int16")
+    message = other.json()["choices"][0]["message"]
+    if fmt == "pcm16":
+        samples = _pcm16(message)
+    else:
+        samples, rate = sf.read(io.BytesIO(base64.b64decode(message["audio"]["data"])),
+                                dtype="int16")
+        assert rate == SAMPLE_RATE
+    assert len(reference) > 0 and len(samples) == len(reference)
+    if fmt == "pcm16":
+        np.testing.assert_array_equal(samples, reference)
+    elif fmt == "flac":  # libsndfile rounds float to 16 bit for FLAC unlike for WAV
+        assert np.abs(samples.astype(np.int32) - reference).max() <= 1
+
+
+def test_streamed_chat_audio_deltas_equal_the_unstreamed_answer(server):
+    """OpenAI SDK, ``stream=True`` with audio: text deltas as vLLM streams them, then
+    ``delta.audio`` whose PCM16, concatenated, is the non-streamed answer's sample for
+    sample (tolerance 0: greedy, same request, same encoder)."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="-")
+    body = server.audio_body(audio={"voice": "ethan", "format": "pcm16"})
+    unstreamed = server.chat(body)
+    assert unstreamed.status_code == 200, unstreamed.text
+    expected = unstreamed.json()["choices"][0]["message"]
+    stream = client.chat.completions.create(
+        model=body["model"], messages=body["messages"], max_tokens=body["max_tokens"],
+        temperature=0, modalities=["text", "audio"],
+        audio={"voice": "ethan", "format": "pcm16"}, stream=True)
+    text, pcm, audio_deltas, finish = [], [], [], None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        if delta.content:
+            assert not audio_deltas, "text after audio"
+            text.append(delta.content)
+        # the SDK parses delta.audio (ChoiceDeltaAudio); older SDKs keep it as an extra
+        audio = getattr(delta, "audio", None) or (delta.model_extra or {}).get("audio")
+        if audio:
+            audio = audio if isinstance(audio, dict) else audio.model_dump()
+            audio_deltas.append(audio)
+            pcm.append(base64.b64decode(audio["data"]))
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "length" and len(text) > 1
+    assert "".join(text) == expected["content"]
+    assert audio_deltas and audio_deltas[-1]["expires_at"] > 0
+    assert "".join(a.get("transcript") or "" for a in audio_deltas) == expected["content"]
+    np.testing.assert_array_equal(np.frombuffer(b"".join(pcm), "<i2"), _pcm16(expected))
+
+
+def test_streamed_chat_failure_is_an_error_event(server):
+    """A stage failing after the text streamed: the OpenAI SDK raises with the stage."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="-")
+    body = server.audio_body()
+    with pytest.raises(openai.APIError, match="stage 2 \\(code2wav\\)"):
+        for _ in client.chat.completions.create(
+                model=body["model"], messages=body["messages"], max_tokens=4,
+                modalities=["text", "audio"], stream=True,
+                extra_body={"vllm_xargs": {"omni_test_fault": "code2wav"}}):
+            pass
     ok = server.chat(server.audio_body())
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["audio"]["data"]
 

@@ -1,21 +1,37 @@
-"""The API middleware's answer when vLLM's handler raises for a request the orchestrator
-already failed: the recorded status and message (vLLM would answer every exception with
-500). The app is a scripted ASGI callable standing in for vLLM's FastAPI app."""
+"""The API middleware: its answer when vLLM's handler raises for a request the orchestrator
+already failed (the recorded status and message; vLLM would answer every exception with
+500), the audio of streamed chat completions, and the ``audio`` field's checks. The app
+is a scripted ASGI callable standing in for vLLM's FastAPI app (the real server is in
+``plugin_tests/e2e/test_e2e_serve.py``)."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 
+import numpy as np
 import pytest
+import torch
 
 from vllm_omni_plugin.engine.omni_request import StageResult, current_omni_request
-from vllm_omni_plugin.entrypoints.audio_output import COMPLETIONS_PATH, OmniAudioMiddleware
+from vllm_omni_plugin.entrypoints.audio_encoding import encode_audio
+from vllm_omni_plugin.entrypoints.audio_output import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    OmniAudioMiddleware,
+    parse_audio_request,
+)
+from vllm_omni_plugin.entrypoints.media_input import RequestError
+
+COMPLETION = {"model": "m", "prompt": "hi", "max_tokens": 2}
+STREAMED_AUDIO_CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                       "modalities": ["text", "audio"], "stream": True}
 
 
-def _call(app) -> list[dict]:
+def _call(app, path=COMPLETIONS_PATH, request=COMPLETION) -> list[dict]:
     sent: list[dict] = []
-    body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 2}).encode()
+    body = json.dumps(request).encode()
 
     async def receive():
         return {"type": "http.request", "body": body, "more_body": False}
@@ -23,7 +39,7 @@ def _call(app) -> list[dict]:
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": COMPLETIONS_PATH,
+    scope = {"type": "http", "method": "POST", "path": path,
              "headers": [(b"content-type", b"application/json")]}
     asyncio.run(OmniAudioMiddleware(app)(scope, receive, send))
     return sent
@@ -47,3 +63,123 @@ def test_other_exceptions_reach_vllm_unchanged():
 
     with pytest.raises(RuntimeError, match="boom"):
         _call(app)
+
+
+# -- streamed chat with audio ------------------------------------------------------------
+WAVEFORM = torch.linspace(-0.5, 0.5, 480)
+SSE = [(b"content-type", b"text/event-stream; charset=utf-8")]
+
+
+def _chunk(delta, finish=None) -> bytes:
+    chunk = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 7,
+             "model": "m", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+def _streaming_app(result: StageResult, fail_early=False, last=None):
+    """vLLM's SSE sequence; the orchestrator's result lands before the finish chunk (or,
+    with ``fail_early``, before any output); ``last``: the finish chunk's own text."""
+    async def app(scope, receive, send):
+        await receive()
+        if fail_early:
+            current_omni_request().result = result
+        await send({"type": "http.response.start", "status": 200, "headers": SSE})
+        if not fail_early:
+            for delta in ({"role": "assistant", "content": ""}, {"content": "Hel"},
+                          {"content": "lo"}):
+                await send({"type": "http.response.body", "body": _chunk(delta),
+                            "more_body": True})
+            current_omni_request().result = result
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": _chunk({"content": last} if last else {}, "stop")})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n",
+                    "more_body": False})
+    return app
+
+
+def _events(sent) -> list:
+    raw = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    events = [e.removeprefix(b"data: ") for e in raw.split(b"\n\n") if e]
+    return [e.decode() if e == b"[DONE]" else json.loads(e) for e in events]
+
+
+def test_streamed_audio_goes_out_before_the_finish_chunk():
+    result = StageResult(output_type="audio", payload={"waveform": WAVEFORM},
+                         sample_rate=24000)
+    sent = _call(_streaming_app(result), CHAT_PATH, STREAMED_AUDIO_CHAT)
+    assert sent[0]["status"] == 200
+    events = _events(sent)
+    assert [e if isinstance(e, str) else e["choices"][0]["finish_reason"]
+            for e in events] == [None, None, None, None, "stop", "[DONE]"]
+    chunk = events[3]
+    assert (chunk["id"], chunk["model"], chunk["object"]) == (
+        "chatcmpl-1", "m", "chat.completion.chunk")
+    audio = chunk["choices"][0]["delta"]["audio"]
+    assert audio["transcript"] == "Hello"
+    assert audio["id"].startswith("audio_") and audio["expires_at"] > 0
+    pcm = base64.b64decode(audio["data"])
+    assert pcm == encode_audio(WAVEFORM.numpy(), 24000, "pcm16")
+    assert len(np.frombuffer(pcm, "<i2")) == len(WAVEFORM)
+
+
+def test_text_of_the_finish_chunk_goes_out_before_the_audio():
+    result = StageResult(output_type="audio", payload={"waveform": WAVEFORM},
+                         sample_rate=24000)
+    events = _events(_call(_streaming_app(result, last="!"), CHAT_PATH, STREAMED_AUDIO_CHAT))
+    deltas = [(e["choices"][0]["delta"], e["choices"][0]["finish_reason"])
+              for e in events[1:-1]]
+    assert [d.get("content") for d, _ in deltas] == ["Hel", "lo", "!", None, None]
+    assert [f for _, f in deltas] == [None, None, None, None, "stop"]
+    assert deltas[3][0]["audio"]["transcript"] == "Hello!"
+    assert deltas[4][0] == {}
+
+
+def test_stream_failure_before_any_output_answers_with_its_status():
+    failure = StageResult.failure("stage 1 (talker): full", 429, retry_after=2.0)
+    sent = _call(_streaming_app(failure, fail_early=True), CHAT_PATH, STREAMED_AUDIO_CHAT)
+    start, body = sent
+    assert start["status"] == 429
+    assert (b"retry-after", b"2") in start["headers"]
+    assert json.loads(body["body"])["error"]["message"] == "stage 1 (talker): full"
+
+
+def test_stream_failure_after_text_is_an_error_event():
+    failure = StageResult.failure("stage 2 (code2wav): boom", 500)
+    events = _events(_call(_streaming_app(failure), CHAT_PATH, STREAMED_AUDIO_CHAT))
+    assert events[3] == {"error": {"message": "stage 2 (code2wav): boom",
+                                   "type": "InternalServerError", "param": None,
+                                   "code": 500}}
+    assert events[4]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_vllm_errors_in_a_stream_pass_through():
+    async def app(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 400,
+                     "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": b'{"error": {}}'})
+
+    start, body = _call(app, CHAT_PATH, STREAMED_AUDIO_CHAT)
+    assert start["status"] == 400 and body["body"] == b'{"error": {}}'
+
+
+# -- the audio field -----------------------------------------------------------------
+@pytest.mark.parametrize("stream, audio, fmt", [
+    (False, None, "wav"), (True, None, "pcm16"), (False, {"format": "opus"}, "opus"),
+    (True, {"format": "pcm16", "voice": "ethan"}, "pcm16")])
+def test_audio_format_defaults_and_choices(stream, audio, fmt):
+    body = {"modalities": ["text", "audio"], "stream": stream,
+            **({"audio": audio} if audio else {})}
+    assert parse_audio_request(body).format == fmt
+    assert "audio" not in body and "modalities" not in body
+
+
+@pytest.mark.parametrize("stream, fmt, says", [
+    (False, "aac", "'aac' is not supported; use one of wav, pcm16, flac, mp3, opus"),
+    (True, "wav", "streamed audio is 'pcm16' only"),
+    (False, 16, "'int' is not supported")])
+def test_bad_audio_format_names_the_field(stream, fmt, says):
+    body = {"modalities": ["text", "audio"], "stream": stream, "audio": {"format": fmt}}
+    with pytest.raises(RequestError, match="audio.format") as info:
+        parse_audio_request(body)
+    assert says in str(info.value)

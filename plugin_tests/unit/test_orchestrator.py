@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from vllm.sampling_params import RequestOutputKind
 
 from vllm_omni_plugin import extra_args as xargs
 from vllm_omni_plugin.config.loader import parse_pipeline_config
@@ -67,7 +68,10 @@ class Entry:
         completion = SimpleNamespace(token_ids=[ENTRY_TOKENS[0]])
         yield SimpleNamespace(finished=False, prompt_token_ids=PROMPT, outputs=[completion])
         await asyncio.sleep(0)
-        completion = SimpleNamespace(token_ids=list(ENTRY_TOKENS), finish_reason="length")
+        # a streamed request (RequestOutputKind.DELTA) gets only the new tokens each time
+        delta = params.output_kind == RequestOutputKind.DELTA
+        completion = SimpleNamespace(token_ids=list(ENTRY_TOKENS[1:] if delta else ENTRY_TOKENS),
+                                     finish_reason="length")
         yield SimpleNamespace(finished=True, prompt_token_ids=PROMPT, outputs=[completion])
 
 
@@ -126,14 +130,16 @@ def _orchestrator(tmp_path, fan_out=False, outcomes=None, entry_fail=None, bound
     return orchestrator, calls
 
 
-async def _run(orchestrator, request: OmniRequest, request_id="req-1", extra_args=None):
+async def _run(orchestrator, request: OmniRequest, request_id="req-1", extra_args=None,
+               output_kind=RequestOutputKind.CUMULATIVE):
     from vllm import SamplingParams
 
     outputs = []
     with omni_request_scope(request):
         async for out in orchestrator.generate(
                 {"prompt_token_ids": PROMPT},
-                SamplingParams(max_tokens=4, extra_args=extra_args), request_id):
+                SamplingParams(max_tokens=4, extra_args=extra_args, output_kind=output_kind),
+                request_id):
             outputs.append(out)
     return outputs
 
@@ -154,6 +160,20 @@ def test_chain_runs_each_stage_and_hands_the_result_to_the_request(tmp_path):
     assert orchestrator.pools[1].tasks[0].request_id == "req-1-s1"
     assert orchestrator.pools[1].forgotten == ["req-1-s1"]
     assert orchestrator.store.keys() == [] and orchestrator.admission.in_flight == {1: 0, 2: 0}
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA])
+def test_downstream_stages_see_every_generated_token_streamed_or_not(tmp_path, kind):
+    orchestrator, _ = _orchestrator(tmp_path)
+    seen = []
+
+    def processor(upstream, stage, extras):
+        seen.append(list(upstream[0].output_token_ids))
+        return StageInput(prompt_token_ids=[1, 2])
+
+    orchestrator.processors = dict.fromkeys(orchestrator.processors, processor)
+    asyncio.run(_run(orchestrator, _audio(), output_kind=kind))
+    assert seen[0] == ENTRY_TOKENS
 
 
 def test_fan_out_feeds_each_stage_its_listed_inputs_in_order(tmp_path):
@@ -321,7 +341,10 @@ class DecodeEntry(Entry):
             return
         self.seen_extra_args.append(dict(params.extra_args))
         self.store.append(keys.output, {"hidden": torch.full((1, 2), 3.0)})
-        completion = SimpleNamespace(token_ids=list(ENTRY_TOKENS), finish_reason="length")
+        # a streamed request (RequestOutputKind.DELTA) gets only the new tokens each time
+        delta = params.output_kind == RequestOutputKind.DELTA
+        completion = SimpleNamespace(token_ids=list(ENTRY_TOKENS[1:] if delta else ENTRY_TOKENS),
+                                     finish_reason="length")
         yield SimpleNamespace(finished=True, prompt_token_ids=PROMPT, outputs=[completion])
 
 

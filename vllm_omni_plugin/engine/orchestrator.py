@@ -28,6 +28,8 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+from vllm.sampling_params import RequestOutputKind
+
 from vllm_omni_plugin import extra_args as xargs
 from vllm_omni_plugin.engine.admission import AdmissionGate, AdmissionRefused
 from vllm_omni_plugin.engine.omni_request import (
@@ -144,7 +146,11 @@ class Orchestrator:
                                  xargs.PAYLOAD: {"out": entry_out_key,
                                                  **({"prefilled": True} if prefilled else {})}}
             self._stage_of[request_id] = self.entry.stage_id
+            # streamed requests get only each step's new tokens (RequestOutputKind.DELTA)
+            deltas = [] if params.output_kind == RequestOutputKind.DELTA else None
             async for out in self.entry_generate(prompt, params, request_id, *args, **kwargs):
+                if deltas is not None and out.outputs:
+                    deltas.extend(out.outputs[0].token_ids)
                 if out.finished:
                     final = out
                 else:
@@ -155,7 +161,8 @@ class Orchestrator:
             payload = await self._payload(self.entry, entry_out_key)
             if prefilled:
                 payload = _join_rows(prefilled.payload, payload)
-            outputs = {self.entry.stage_id: _stage_output(self.entry.stage_id, final, payload)}
+            outputs = {self.entry.stage_id: _stage_output(self.entry.stage_id, final, payload,
+                                                          deltas)}
             result = await self._run_downstream(request, request_id, outputs, extra,
                                                 admission)
             if result is None:  # aborted between stages
@@ -431,14 +438,17 @@ def _record_failure(request: OmniRequest, request_id: str, exc: StageError) -> N
     request.result = StageResult.failure(str(exc), exc.status, exc.retry_after)
 
 
-def _stage_output(stage_id: int, request_output, payload):
+def _stage_output(stage_id: int, request_output, payload, generated: list[int] | None):
+    """The entry stage's :class:`UpstreamOutput`; ``generated`` holds the output token ids
+    gathered from every output of a streamed request (None: the final output has them)."""
     from vllm_omni_plugin.processors.hookspecs import UpstreamOutput
 
-    completion = request_output.outputs[0]
+    if generated is None:
+        generated = list(request_output.outputs[0].token_ids)
     return UpstreamOutput(
         stage_id=stage_id,
         prompt_token_ids=list(request_output.prompt_token_ids or []),
-        output_token_ids=list(completion.token_ids),
+        output_token_ids=generated,
         payload=payload,
     )
 

@@ -14,14 +14,20 @@ For a chat completion request it
   types, inline images and audio that do not decode, item counts, audio length),
   answering HTTP 400 naming the field;
 * validates ``modalities`` (``["text"]`` or ``["text", "audio"]``) and the
-  optional ``audio`` object (``{"voice": str, "format": "wav"}``); anything
-  else is answered with HTTP 400 naming the field, before vLLM sees it;
+  optional ``audio`` object (``{"voice": str, "format": str}``, a format of
+  :data:`~vllm_omni_plugin.entrypoints.audio_encoding.AUDIO_FORMATS`; streamed:
+  ``pcm16`` only, as OpenAI); anything else is answered with HTTP 400 naming the
+  field, before vLLM sees it;
 * runs vLLM's handler inside an :class:`~vllm_omni_plugin.engine.omni_request.OmniRequest`
   scope carrying them, where the orchestrator finds them and leaves its result;
-* after vLLM's response, sets ``choices[0].message.audio`` to
-  ``{"id", "data" (base64 WAV, 16-bit PCM mono), "expires_at", "transcript"}``,
+* not streamed: after vLLM's response, sets ``choices[0].message.audio`` to
+  ``{"id", "data" (base64 of the encoded audio, mono), "expires_at", "transcript"}``,
   OpenAI's chat-audio shape, or replaces the response with the pipeline's
-  error (HTTP 400/429/500/503 naming the stage, ``Retry-After`` on 429/503).
+  error (HTTP 400/429/500/503 naming the stage, ``Retry-After`` on 429/503);
+* streamed (``stream: true``): passes vLLM's text deltas through and, before the
+  chunk that carries ``finish_reason``, sends the audio as ``delta.audio`` chunks
+  (:class:`_AudioStream`); a failure before any chunk answers with its status, a
+  later one is an ``{"error": ...}`` event in the stream.
 
 Non-streamed text-only chat and completion requests get the same error
 replacement when the entry stage's worker failed them; streamed ones pass
@@ -36,6 +42,7 @@ import json
 import math
 import time
 import uuid
+from dataclasses import dataclass
 
 from vllm_omni_plugin import extra_args as xargs
 from vllm_omni_plugin.engine.omni_request import (
@@ -45,13 +52,22 @@ from vllm_omni_plugin.engine.omni_request import (
     StageResult,
     omni_request_scope,
 )
+from vllm_omni_plugin.entrypoints.audio_encoding import (
+    AUDIO_FORMATS,
+    STREAM_FORMAT,
+    encode_audio,
+)
 from vllm_omni_plugin.entrypoints.media_input import MediaLimits, RequestError, check_media
 
 MIDDLEWARE_QUALNAME = "vllm_omni_plugin.entrypoints.audio_output.OmniAudioMiddleware"
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 MAX_BODY_BYTES = 64 * 1024 * 1024
-AUDIO_FORMATS = ("wav",)
+#: ``audio.format`` when the client leaves it out, not streamed (streamed: ``pcm16``).
+DEFAULT_FORMAT = "wav"
+#: Seconds a returned audio's ``expires_at`` lies ahead (there is nothing to fetch later:
+#: the audio is in the answer; OpenAI uses the field for multi-turn references).
+AUDIO_EXPIRY_S = 3600
 #: Longest voice name accepted (speaker names in Qwen3-Omni's config are short words).
 MAX_VOICE_CHARS = 64
 _ERROR_TYPES = {400: "BadRequestError", 413: "RequestTooLargeError", 429: "RateLimitError",
@@ -76,18 +92,36 @@ def check_vllm_xargs(body: dict) -> None:
                            f"{xargs.RESERVED_PREFIX!r} are reserved for the omni pipeline")
 
 
-def parse_audio_request(body: dict) -> tuple[list[str] | None, str | None]:
-    """Validate ``modalities``/``audio``; returns ``(modalities, voice)``.
+@dataclass(frozen=True)
+class AudioRequest:
+    """A chat request's validated output fields.
+
+    Attributes:
+        modalities: ``("text",)`` or ``("text", "audio")``.
+        voice: the talker's speaker name, None for the checkpoint's default.
+        format: a key of :data:`AUDIO_FORMATS`.
+        stream: whether the client asked for ``stream: true``.
+    """
+
+    modalities: tuple[str, ...]
+    voice: str | None = None
+    format: str = DEFAULT_FORMAT
+    stream: bool = False
+
+
+def parse_audio_request(body: dict) -> AudioRequest | None:
+    """Validate and remove ``modalities``/``audio``; None when both are absent.
 
     Raises:
         RequestError: naming the offending field.
     """
     modalities = body.pop("modalities", None)
     audio = body.pop("audio", None)
+    stream = bool(body.get("stream"))
     if modalities is None:
         if audio is not None:
             raise RequestError("audio", "requires \"modalities\": [\"text\", \"audio\"]")
-        return None, None
+        return None
     if not isinstance(modalities, list) or not all(isinstance(m, str) for m in modalities):
         raise RequestError("modalities", "must be a list of strings")
     unknown = sorted(set(modalities) - {TEXT, AUDIO})
@@ -98,14 +132,18 @@ def parse_audio_request(body: dict) -> tuple[list[str] | None, str | None]:
     if TEXT not in modalities:
         raise RequestError("modalities", "must include \"text\"")
     voice = None
+    fmt = STREAM_FORMAT if stream else DEFAULT_FORMAT
     if audio is not None:
         if not isinstance(audio, dict):
-            raise RequestError("audio", "must be an object {\"voice\": ..., \"format\": \"wav\"}")
-        fmt = audio.get("format", "wav")
+            raise RequestError("audio", "must be an object {\"voice\": ..., \"format\": ...}")
+        fmt = audio.get("format", fmt)
         if fmt not in AUDIO_FORMATS:
             shown = fmt[:40] if isinstance(fmt, str) else type(fmt).__name__
-            raise RequestError("audio.format",
-                               f"{shown!r} is not supported; use one of {AUDIO_FORMATS}")
+            raise RequestError("audio.format", f"{shown!r} is not supported; use one of "
+                               f"{', '.join(AUDIO_FORMATS)}")
+        if stream and fmt != STREAM_FORMAT:
+            raise RequestError("audio.format", f"streamed audio is {STREAM_FORMAT!r} only "
+                               f"(got {fmt!r}); leave out stream for other formats")
         voice = audio.get("voice")
         if voice is not None:
             if not isinstance(voice, str) or not voice.strip():
@@ -114,11 +152,10 @@ def parse_audio_request(body: dict) -> tuple[list[str] | None, str | None]:
             if len(voice) > MAX_VOICE_CHARS:
                 raise RequestError("audio.voice", f"is {len(voice)} characters long; voice "
                                    f"names have at most {MAX_VOICE_CHARS}")
-    if AUDIO in modalities and body.get("stream"):
-        raise RequestError("stream", "audio output is not available with stream=true yet")
     if AUDIO in modalities and body.get("n") not in (None, 1):
         raise RequestError("n", "audio output supports n=1 only")
-    return sorted(set(modalities), key=[TEXT, AUDIO].index), voice
+    return AudioRequest(tuple(sorted(set(modalities), key=[TEXT, AUDIO].index)), voice, fmt,
+                        stream)
 
 
 def _error_body(message: str, code: int, param: str | None = None) -> bytes:
@@ -142,18 +179,21 @@ async def _send_failure(send, result: StageResult) -> None:
                      result.retry_after)
 
 
-def attach_audio(response: dict, result, sample_rate: int) -> dict:
-    """Put ``result.payload["waveform"]`` into ``choices[0].message.audio``."""
-    from vllm_omni_plugin.entrypoints.wav import encode_wav
+def audio_object(result: StageResult, fmt: str, transcript: str) -> dict:
+    """OpenAI's chat-audio object for the waveform in ``result.payload["waveform"]``
+    (``[num_samples]`` float, ``result.sample_rate`` Hz): ``{"id", "data" (base64 of the
+    audio encoded as ``fmt``), "expires_at" (Unix seconds), "transcript"}``."""
+    encoded = encode_audio(result.payload["waveform"].numpy(), result.sample_rate, fmt)
+    return {"id": f"audio_{uuid.uuid4().hex}",
+            "data": base64.b64encode(encoded).decode("ascii"),
+            "expires_at": int(time.time()) + AUDIO_EXPIRY_S,
+            "transcript": transcript}
 
-    wav = encode_wav(result.payload["waveform"].numpy(), sample_rate)
+
+def attach_audio(response: dict, result: StageResult, fmt: str) -> dict:
+    """Put the request's audio into ``choices[0].message.audio`` of a chat completion."""
     message = response["choices"][0]["message"]
-    message["audio"] = {
-        "id": f"audio_{uuid.uuid4().hex}",
-        "data": base64.b64encode(wav).decode("ascii"),
-        "expires_at": int(time.time()) + 3600,
-        "transcript": message.get("content") or "",
-    }
+    message["audio"] = audio_object(result, fmt, message.get("content") or "")
     return response
 
 
@@ -199,12 +239,12 @@ class OmniAudioMiddleware:
         except ValueError:
             body = None  # vLLM answers malformed JSON itself
         path = scope["path"]
-        modalities = voice = None
+        asked = None
         if isinstance(body, dict):
             try:
                 check_vllm_xargs(body)
                 if path == CHAT_PATH:
-                    modalities, voice = parse_audio_request(body)
+                    asked = parse_audio_request(body)
                     # decoding inline media takes a while: off the event loop
                     await asyncio.to_thread(check_media, body, self.media_limits(scope))
             except RequestError as exc:
@@ -213,8 +253,11 @@ class OmniAudioMiddleware:
         forwarded = json.dumps(body).encode() if isinstance(body, dict) else raw
         if path not in (CHAT_PATH, COMPLETIONS_PATH) or not isinstance(body, dict):
             return await self.app(scope, _replay(forwarded, receive), send)
-        request = OmniRequest(modalities=tuple(modalities or (TEXT,)), voice=voice)
-        if request.text_only and body.get("stream"):
+        asked = asked or AudioRequest((TEXT,))
+        request = OmniRequest(modalities=asked.modalities, voice=asked.voice)
+        if body.get("stream"):
+            if not request.text_only:
+                send = _AudioStream(send, request, asked.format)
             with omni_request_scope(request):
                 return await self.app(scope, _replay(forwarded, receive), send)
         captured = _Capture()
@@ -232,7 +275,7 @@ class OmniAudioMiddleware:
         status, payload = captured.status, captured.body
         if status == 200 and result is not None:
             response = json.loads(payload)
-            payload = json.dumps(attach_audio(response, result, result.sample_rate)).encode()
+            payload = json.dumps(attach_audio(response, result, asked.format)).encode()
         headers = [(k, v) for k, v in captured.headers if k.lower() != b"content-length"]
         headers.append((b"content-length", str(len(payload)).encode()))
         await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -252,6 +295,107 @@ def _replay(body: bytes, receive):
         return await receive()
 
     return replay
+
+
+class _AudioStream:
+    """The ASGI ``send`` of a streamed chat completion with audio.
+
+    vLLM's SSE events pass through; the request's audio goes out as one
+    ``chat.completion.chunk`` whose ``choices[0].delta.audio`` is ``{"id", "data" (base64
+    little-endian 16-bit PCM, mono, at the pipeline's sample rate), "transcript" (the
+    streamed text), "expires_at"}``, after all the text and before ``finish_reason``
+    (the orchestrator holds vLLM's last output back until the last stage ran).
+    A pipeline failure recorded before vLLM's first event answers with its own status;
+    a later one goes out as an ``{"error": ...}`` event, which the OpenAI SDK raises.
+    Anything but a ``200 text/event-stream`` response (vLLM's own errors) passes
+    through untouched.
+    """
+
+    def __init__(self, send, request: OmniRequest, fmt: str) -> None:
+        self._send = send
+        self._request = request
+        self._format = fmt
+        self._start: dict | None = None
+        self._sse: bool | None = None  # decided by the response start
+        self._buffer = b""
+        self._transcript: list[str] = []
+        self._chunk: dict = {}  # id, created, model of vLLM's chunks
+        self._done = False  # audio or error sent
+        self._closed = False
+
+    async def __call__(self, message) -> None:
+        if self._closed:
+            return
+        if message["type"] == "http.response.start":
+            kind = dict((k.lower(), v) for k, v in message.get("headers", ()))
+            self._sse = message["status"] == 200 and kind.get(
+                b"content-type", b"").startswith(b"text/event-stream")
+            self._start = message
+            if not self._sse:
+                await self._send(message)
+            return
+        if message["type"] != "http.response.body" or not self._sse:
+            return await self._send(message)
+        if self._start is not None:
+            result = self._request.result
+            if result is not None and result.error:  # failed before anything was streamed
+                self._closed = True
+                return await _send_failure(self._send, result)
+            await self._send(self._start)
+            self._start = None
+        self._buffer += message.get("body", b"")
+        out = []
+        while b"\n\n" in self._buffer:
+            event, self._buffer = self._buffer.split(b"\n\n", 1)
+            out.extend(self._rewrite(event + b"\n\n"))
+        more = message.get("more_body", False)
+        if not more:
+            out.append(self._buffer)
+        await self._send({"type": "http.response.body", "body": b"".join(out),
+                          "more_body": more})
+
+    def _rewrite(self, event: bytes) -> list[bytes]:
+        """vLLM's ``event`` and what goes with it: the audio (or the error) before the
+        ``[DONE]`` or the chunk carrying ``finish_reason``; that chunk's text, if any, is
+        sent first on its own, so that the audio follows all the text."""
+        data = event.removeprefix(b"data: ").strip()
+        if data == b"[DONE]":
+            return [*self._audio_or_error(), event]
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            return [event]
+        choices = chunk.get("choices") if isinstance(chunk, dict) else None
+        if not choices:
+            return [event]
+        self._chunk = {k: chunk[k] for k in ("id", "created", "model") if k in chunk}
+        delta = choices[0].get("delta") or {}
+        if delta.get("content"):
+            self._transcript.append(delta["content"])
+        if not choices[0].get("finish_reason") or self._done:
+            return [event]
+        events = []
+        if delta.get("content"):
+            text = {**chunk, "choices": [{**choices[0], "finish_reason": None}]}
+            events.append(_sse(text))
+            choices[0]["delta"] = {k: v for k, v in delta.items() if k != "content"}
+            event = _sse(chunk)
+        return [*events, *self._audio_or_error(), event]
+
+    def _audio_or_error(self) -> list[bytes]:
+        result = self._request.result
+        if self._done or result is None:
+            return []
+        self._done = True
+        if result.error:
+            return [b"data: " + _error_body(result.error, result.status) + b"\n\n"]
+        audio = audio_object(result, self._format, "".join(self._transcript))
+        return [_sse({**self._chunk, "object": "chat.completion.chunk", "choices": [
+            {"index": 0, "delta": {"audio": audio}, "logprobs": None, "finish_reason": None}]})]
+
+
+def _sse(chunk: dict) -> bytes:
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
 
 
 class _Capture:
