@@ -218,12 +218,65 @@ def test_streamed_chat_failure_is_an_error_event(server):
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["audio"]["data"]
 
 
-def test_unknown_voice_names_stage_and_voices(server):
+def test_voices_lists_the_checkpoint_speakers(server, tiny_qwen3_omni):
+    import requests
+
+    with open(os.path.join(tiny_qwen3_omni, "config.json")) as f:
+        speakers = json.load(f)["talker_config"]["speaker_id"]
+    r = requests.get(f"{server.url}/v1/audio/voices", timeout=30)
+    assert r.status_code == 200, r.text
+    assert sorted(v["id"] for v in r.json()["data"]) == sorted(speakers)
+    assert r.json()["default"] == "ethan"
+
+
+def test_unknown_voice_is_a_400_listing_the_voices(server):
     r = server.chat(server.audio_body(audio={"voice": "nobody"}))
     assert r.status_code == 400, r.text
-    message = r.json()["error"]["message"]
-    assert "stage 1 (talker)" in message and "'nobody'" in message and "ethan" in message
+    error = r.json()["error"]
+    assert error["param"] == "audio.voice"
+    assert "'nobody'" in error["message"] and "ethan" in error["message"].lower()
     assert server.chat(server.audio_body(audio={"voice": "Ethan"})).status_code == 200
+
+
+def test_speech_endpoint_speaks_the_input(server):
+    """``/v1/audio/speech`` through the OpenAI SDK: the same input twice gives the same
+    bytes, another input other audio; the SSE events carry the same audio."""
+    import openai
+    import requests
+    import soundfile as sf
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="-")
+
+    def speak(text, **extra):
+        return client.audio.speech.create(model=server.model, voice="ethan", input=text,
+                                          response_format="wav", **extra).content
+
+    first, again = speak("Hello there, how are you?"), speak("Hello there, how are you?")
+    other = speak("The weather is cold and grey today.")
+    data, rate = sf.read(io.BytesIO(first), dtype="float32")
+    assert rate == SAMPLE_RATE and 0 < len(data) <= TALKER_MAX_TOKENS * 1920
+    assert first == again and first != other
+    r = requests.post(f"{server.url}/v1/audio/speech", timeout=300, json={
+        "model": server.model, "voice": "ethan", "input": "Hello there, how are you?",
+        "response_format": "wav", "stream_format": "sse"})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [json.loads(line[len("data: "):]) for line in r.text.splitlines()
+              if line.startswith("data: ")]
+    assert [e["type"] for e in events] == ["speech.audio.delta", "speech.audio.done"]
+    assert base64.b64decode(events[0]["audio"]) == first
+    assert events[1]["usage"]["input_tokens"] > 0
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"voice": "nobody"}, "voice"), ({"response_format": "aac"}, "response_format"),
+    ({"speed": 2.0}, "speed"), ({"input": ""}, "input")])
+def test_bad_speech_request_is_a_400_naming_the_field(server, change, field):
+    import requests
+
+    body = {"model": server.model, "voice": "ethan", "input": "Hello", **change}
+    r = requests.post(f"{server.url}/v1/audio/speech", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
 
 
 def test_worker_failure_fails_only_that_request(server):

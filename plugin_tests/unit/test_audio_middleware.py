@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,10 +20,16 @@ from vllm_omni_plugin.entrypoints.audio_encoding import encode_audio
 from vllm_omni_plugin.entrypoints.audio_output import (
     CHAT_PATH,
     COMPLETIONS_PATH,
+    VOICES_PATH,
     OmniAudioMiddleware,
     parse_audio_request,
 )
 from vllm_omni_plugin.entrypoints.media_input import RequestError
+from vllm_omni_plugin.entrypoints.speech import (
+    SPEECH_PATH,
+    parse_speech_request,
+    speech_chat_body,
+)
 
 COMPLETION = {"model": "m", "prompt": "hi", "max_tokens": 2}
 STREAMED_AUDIO_CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
@@ -183,3 +190,100 @@ def test_bad_audio_format_names_the_field(stream, fmt, says):
     with pytest.raises(RequestError, match="audio.format") as info:
         parse_audio_request(body)
     assert says in str(info.value)
+
+
+# -- /v1/audio/speech and /v1/audio/voices ------------------------------------------------
+SPEECH = {"model": "m", "input": "Hello there.", "voice": "ethan"}
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"input": ""}, "input"), ({"input": "x" * 4097}, "input"), ({"model": None}, "model"),
+    ({"response_format": "aac"}, "response_format"), ({"stream_format": "chunks"},
+                                                       "stream_format"),
+    ({"speed": 1.5}, "speed"), ({"voice": ""}, "voice"), ({"instructions": 3}, "instructions")])
+def test_bad_speech_request_names_the_field(change, field):
+    with pytest.raises(RequestError) as info:
+        parse_speech_request({**SPEECH, **change}, 64)
+    assert info.value.field == field
+
+
+def test_speech_becomes_an_open_assistant_turn_spoken_in_the_asked_format():
+    speech = parse_speech_request({**SPEECH, "response_format": "pcm"}, 64)
+    body = speech_chat_body(speech)
+    assert body["messages"][-1] == {"role": "assistant", "content": "Hello there."}
+    assert body["continue_final_message"] and not body["add_generation_prompt"]
+    assert body["audio"] == {"format": "pcm16", "voice": "ethan"}
+    assert parse_speech_request({"model": "m", "input": "hi"}, 64).format == "mp3"
+
+
+def _with_voices(scope_path, method="GET", body=None, app=None):
+    """Run the middleware with an app state whose checkpoint has two voices."""
+    hf_config = SimpleNamespace(talker_config=SimpleNamespace(speaker_id={"Ethan": 2302,
+                                                                          "Chelsie": 2301}))
+    state = SimpleNamespace(vllm_config=SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=hf_config)))
+    sent: list[dict] = []
+
+    async def receive():
+        return {"type": "http.request", "body": json.dumps(body or {}).encode(),
+                "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    async def no_app(scope, receive, send):
+        raise AssertionError("vLLM must not see this request")
+
+    scope = {"type": "http", "method": method, "path": scope_path,
+             "headers": [(b"content-type", b"application/json")],
+             "app": SimpleNamespace(state=state)}
+    asyncio.run(OmniAudioMiddleware(app or no_app)(scope, receive, send))
+    return sent
+
+
+def test_voices_lists_the_checkpoint_speakers():
+    start, body = _with_voices(VOICES_PATH)
+    assert start["status"] == 200
+    assert json.loads(body["body"]) == {"object": "list", "default": "ethan", "data": [
+        {"id": "Chelsie", "object": "voice"}, {"id": "Ethan", "object": "voice"}]}
+
+
+@pytest.mark.parametrize("path, body, field", [
+    (SPEECH_PATH, {**SPEECH, "voice": "alloy"}, "voice"),
+    (CHAT_PATH, {**STREAMED_AUDIO_CHAT, "audio": {"voice": "alloy"}}, "audio.voice")])
+def test_unknown_voice_is_refused_before_any_stage_runs(path, body, field):
+    start, answer = _with_voices(path, "POST", body)
+    assert start["status"] == 400
+    error = json.loads(answer["body"])["error"]
+    assert error["param"] == field
+    assert "'alloy'" in error["message"] and "Chelsie, Ethan" in error["message"]
+
+
+def test_speech_answers_the_encoded_audio_or_events():
+    result = StageResult(output_type="audio", payload={"waveform": WAVEFORM},
+                         sample_rate=24000)
+    seen = []
+
+    async def chat_app(scope, receive, send):
+        seen.append((scope["path"], json.loads((await receive())["body"])))
+        current_omni_request().result = result
+        body = json.dumps({"choices": [{"message": {"content": "."}}],
+                           "usage": {"prompt_tokens": 9, "completion_tokens": 1,
+                                     "total_tokens": 10}}).encode()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+
+    start, body = _with_voices(SPEECH_PATH, "POST", {**SPEECH, "response_format": "wav"},
+                               chat_app)
+    assert seen[0][0] == CHAT_PATH and seen[0][1]["continue_final_message"]
+    assert (b"content-type", b"audio/wav") in start["headers"]
+    assert body["body"] == encode_audio(WAVEFORM.numpy(), 24000, "wav")
+    start, body = _with_voices(SPEECH_PATH, "POST", {**SPEECH, "stream_format": "sse"},
+                               chat_app)
+    assert (b"content-type", b"text/event-stream") in start["headers"]
+    delta, done = _events([body])
+    assert delta["type"] == "speech.audio.delta"
+    assert base64.b64decode(delta["audio"]) == encode_audio(WAVEFORM.numpy(), 24000, "mp3")
+    assert done == {"type": "speech.audio.done",
+                    "usage": {"input_tokens": 9, "output_tokens": 1, "total_tokens": 10}}

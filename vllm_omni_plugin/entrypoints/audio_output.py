@@ -32,6 +32,11 @@ For a chat completion request it
 Non-streamed text-only chat and completion requests get the same error
 replacement when the entry stage's worker failed them; streamed ones pass
 through untouched (vLLM reports the failure in the stream).
+
+It also serves OpenAI's ``POST /v1/audio/speech`` (:mod:`.speech`: a chat completion
+with the text as an open assistant turn, answered as audio) and ``GET
+/v1/audio/voices`` (the checkpoint's voices, from the ``omni_list_voices`` hook); a
+voice not among them is a 400 naming ``audio.voice`` or ``voice``.
 """
 
 from __future__ import annotations
@@ -58,10 +63,19 @@ from vllm_omni_plugin.entrypoints.audio_encoding import (
     encode_audio,
 )
 from vllm_omni_plugin.entrypoints.media_input import MediaLimits, RequestError, check_media
+from vllm_omni_plugin.entrypoints.speech import (
+    SPEECH_PATH,
+    SpeechRequest,
+    parse_speech_request,
+    speech_chat_body,
+    sse_events,
+)
+from vllm_omni_plugin.processors import Voices, list_voices
 
 MIDDLEWARE_QUALNAME = "vllm_omni_plugin.entrypoints.audio_output.OmniAudioMiddleware"
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
+VOICES_PATH = "/v1/audio/voices"
 MAX_BODY_BYTES = 64 * 1024 * 1024
 #: ``audio.format`` when the client leaves it out, not streamed (streamed: ``pcm16``).
 DEFAULT_FORMAT = "wav"
@@ -70,6 +84,7 @@ DEFAULT_FORMAT = "wav"
 AUDIO_EXPIRY_S = 3600
 #: Longest voice name accepted (speaker names in Qwen3-Omni's config are short words).
 MAX_VOICE_CHARS = 64
+_UNSET = object()
 _ERROR_TYPES = {400: "BadRequestError", 413: "RequestTooLargeError", 429: "RateLimitError",
                 503: "ServiceUnavailableError"}
 
@@ -214,6 +229,7 @@ class OmniAudioMiddleware:
     def __init__(self, app):
         self.app = app
         self._limits: MediaLimits | None = None
+        self._voices: Voices | None | object = _UNSET
 
     def media_limits(self, scope) -> MediaLimits:
         """The served model's media limits, read once from vLLM's app state."""
@@ -223,7 +239,34 @@ class OmniAudioMiddleware:
                 MediaLimits.from_vllm_config(config)
         return self._limits
 
+    def voices(self, scope) -> Voices | None:
+        """The served checkpoint's voices (the ``omni_list_voices`` hook), read once."""
+        if self._voices is _UNSET:
+            config = getattr(getattr(scope.get("app"), "state", None), "vllm_config", None)
+            hf_config = getattr(getattr(config, "model_config", None), "hf_config", None)
+            self._voices = None if hf_config is None else list_voices(hf_config)
+        return self._voices
+
+    def check_voice(self, scope, voice: str | None, field: str) -> None:
+        """Refuse a voice the checkpoint does not have.
+
+        Raises:
+            RequestError: naming ``field`` and listing the voices.
+        """
+        known = self.voices(scope)
+        if voice is None or known is None:
+            return
+        if voice.lower() not in {name.lower() for name in known.names}:
+            raise RequestError(field, f"unknown voice {voice[:MAX_VOICE_CHARS]!r}; known: "
+                               f"{', '.join(known.names)} (GET {VOICES_PATH})")
+
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "GET" and scope["path"] == VOICES_PATH:
+            known = self.voices(scope)
+            return await _send_json(send, 200, json.dumps({
+                "object": "list", "default": known.default if known else None,
+                "data": [{"id": name, "object": "voice"} for name in
+                         (known.names if known else [])]}).encode())
         if scope["type"] != "http" or scope["method"] != "POST" or not _is_json(scope):
             return await self.app(scope, receive, send)
         raw = b""
@@ -239,17 +282,23 @@ class OmniAudioMiddleware:
         except ValueError:
             body = None  # vLLM answers malformed JSON itself
         path = scope["path"]
-        asked = None
+        asked = speech = None
         if isinstance(body, dict):
             try:
                 check_vllm_xargs(body)
                 if path == CHAT_PATH:
                     asked = parse_audio_request(body)
+                    self.check_voice(scope, asked and asked.voice, "audio.voice")
                     # decoding inline media takes a while: off the event loop
                     await asyncio.to_thread(check_media, body, self.media_limits(scope))
+                elif path == SPEECH_PATH:
+                    speech = parse_speech_request(body, MAX_VOICE_CHARS)
+                    self.check_voice(scope, speech.voice, "voice")
             except RequestError as exc:
                 return await _send_json(send, 400, _error_body(f"invalid request: {exc}", 400,
                                                                exc.field))
+        if speech is not None:
+            return await self._speech(scope, receive, send, speech)
         forwarded = json.dumps(body).encode() if isinstance(body, dict) else raw
         if path not in (CHAT_PATH, COMPLETIONS_PATH) or not isinstance(body, dict):
             return await self.app(scope, _replay(forwarded, receive), send)
@@ -260,26 +309,51 @@ class OmniAudioMiddleware:
                 send = _AudioStream(send, request, asked.format)
             with omni_request_scope(request):
                 return await self.app(scope, _replay(forwarded, receive), send)
+        captured = await self._captured(scope, receive, forwarded, request)
+        result = request.result
+        if result is not None and result.error:
+            return await _send_failure(send, result)
+        payload = captured.body
+        if captured.status == 200 and result is not None:
+            response = json.loads(payload)
+            payload = json.dumps(attach_audio(response, result, asked.format)).encode()
+        await captured.replay(send, payload)
+
+    async def _captured(self, scope, receive, body: bytes, request: OmniRequest) -> _Capture:
+        """vLLM's whole answer to ``body`` at ``scope``, run in ``request``'s scope."""
         captured = _Capture()
         with omni_request_scope(request):
             try:
-                await self.app(scope, _replay(forwarded, receive), captured.send)
+                await self.app(scope, _replay(body, receive), captured.send)
             except Exception:
                 # a failure the orchestrator recorded (and logged) answers with its own
                 # status (vLLM's handler for exceptions would make every one a 500)
                 if request.result is None or not request.result.error:
                     raise
+        return captured
+
+    async def _speech(self, scope, receive, send, speech: SpeechRequest) -> None:
+        """``POST /v1/audio/speech``: the chat completion of :func:`speech_chat_body`,
+        answered as audio bytes or as OpenAI's speech events."""
+        request = OmniRequest(modalities=(TEXT, AUDIO), voice=speech.voice)
+        chat_scope = {**scope, "path": CHAT_PATH, "raw_path": CHAT_PATH.encode()}
+        captured = await self._captured(chat_scope, receive,
+                                        json.dumps(speech_chat_body(speech)).encode(), request)
         result = request.result
         if result is not None and result.error:
             return await _send_failure(send, result)
-        status, payload = captured.status, captured.body
-        if status == 200 and result is not None:
-            response = json.loads(payload)
-            payload = json.dumps(attach_audio(response, result, asked.format)).encode()
-        headers = [(k, v) for k, v in captured.headers if k.lower() != b"content-length"]
-        headers.append((b"content-length", str(len(payload)).encode()))
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": payload})
+        if captured.status != 200 or result is None:
+            return await captured.replay(send, captured.body)  # vLLM's own error
+        encoded = encode_audio(result.payload["waveform"].numpy(), result.sample_rate,
+                               speech.format)
+        if speech.stream_format == "sse":
+            usage = json.loads(captured.body).get("usage")
+            body, kind = sse_events(encoded, usage), b"text/event-stream"
+        else:
+            body, kind = encoded, AUDIO_FORMATS[speech.format].media_type.encode()
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", kind), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
 
 
 def _replay(body: bytes, receive):
@@ -401,6 +475,13 @@ def _sse(chunk: dict) -> bytes:
 class _Capture:
     def __init__(self):
         self.status, self.headers, self.body = 500, [], b""
+
+    async def replay(self, send, body: bytes) -> None:
+        """Send the captured status and headers with ``body``."""
+        headers = [(k, v) for k, v in self.headers if k.lower() != b"content-length"]
+        headers.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": self.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
 
     async def send(self, message):
         if message["type"] == "http.response.start":

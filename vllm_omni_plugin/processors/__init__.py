@@ -8,6 +8,7 @@ from vllm_omni_plugin.processors.hookspecs import (
     StageInput,
     StageInputProcessor,
     UpstreamOutput,
+    Voices,
     hookimpl,
     hookspec,
 )
@@ -18,6 +19,7 @@ from vllm_omni_plugin.processors.registry import (
     available_processors,
     get_plugin_manager,
     get_processor,
+    list_voices,
 )
 
 __all__ = [
@@ -28,9 +30,11 @@ __all__ = [
     "StageInputProcessor",
     "UnknownProcessorError",
     "UpstreamOutput",
+    "Voices",
     "available_processors",
     "get_plugin_manager",
     "get_processor",
     "hookimpl",
     "hookspec",
+    "list_voices",
 ]

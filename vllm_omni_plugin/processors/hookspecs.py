@@ -84,3 +84,19 @@ def omni_register_stage_input_processors() -> dict[str, StageInputProcessor]:
     per-request data from the client request (e.g. ``speaker``). Names must be
     unique across all plugins (a duplicate raises ``ValueError`` at lookup).
     """
+
+
+@dataclass
+class Voices:
+    """The voices a checkpoint speaks in: ``names`` as the client writes them (matched
+    case-insensitively), ``default`` the one used when a request names none."""
+
+    names: list[str]
+    default: str
+
+
+@hookspec(firstresult=True)
+def omni_list_voices(hf_config: Any) -> Voices | None:
+    """Return the voices of the served checkpoint (its HF config), or None when this
+    plugin does not know the model. The first non-None answer wins. The API serves it
+    as ``GET /v1/audio/voices`` and refuses any other voice with HTTP 400."""

@@ -120,3 +120,9 @@ def get_processor(name: str) -> Callable:
         return procs[name]
     except KeyError:
         raise UnknownProcessorError(name, list(procs)) from None
+
+
+def list_voices(hf_config) -> hookspecs.Voices | None:
+    """The served checkpoint's voices from the first plugin that knows its model
+    (``omni_list_voices``); None when none does."""
+    return get_plugin_manager().hook.omni_list_voices(hf_config=hf_config)

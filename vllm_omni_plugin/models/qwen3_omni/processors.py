@@ -15,9 +15,10 @@ import torch
 from vllm_omni_plugin import extra_args as xargs
 from vllm_omni_plugin.models.qwen3_omni.talker_inputs import (
     ASSISTANT_PREFIX_LEN,
+    default_speaker,
     resolve_speaker,
 )
-from vllm_omni_plugin.processors.hookspecs import StageInput, UpstreamOutput, hookimpl
+from vllm_omni_plugin.processors.hookspecs import StageInput, UpstreamOutput, Voices, hookimpl
 
 
 def user_positions(config, prompt_ids: list[int]) -> list[int]:
@@ -94,3 +95,12 @@ def talker2code2wav(upstream: list[UpstreamOutput], stage, extras: dict[str, Any
 @hookimpl
 def omni_register_stage_input_processors():
     return {"thinker2talker": thinker2talker, "talker2code2wav": talker2code2wav}
+
+
+@hookimpl
+def omni_list_voices(hf_config):
+    talker_config = getattr(hf_config, "talker_config", None)
+    names = sorted(getattr(talker_config, "speaker_id", None) or {}, key=str.lower)
+    if not names:
+        return None
+    return Voices(names=names, default=default_speaker(talker_config))

@@ -137,6 +137,13 @@ ASSISTANT_PREFIX_LEN = 9
 DEFAULT_SPEAKER = "ethan"
 
 
+def default_speaker(talker_config) -> str:
+    """The speaker of a request that names none: :data:`DEFAULT_SPEAKER`, or the
+    alphabetically first (lower-cased) name when the checkpoint lacks it."""
+    speakers = sorted(k.lower() for k in (talker_config.speaker_id or {}))
+    return DEFAULT_SPEAKER if DEFAULT_SPEAKER in speakers or not speakers else speakers[0]
+
+
 def resolve_speaker(talker_config, name: str | None) -> int:
     """Speaker name (case-insensitive) -> codec id; None picks :data:`DEFAULT_SPEAKER`
     (or the alphabetically first speaker when the checkpoint lacks it).
@@ -148,9 +155,7 @@ def resolve_speaker(talker_config, name: str | None) -> int:
     speakers = {k.lower(): v for k, v in (talker_config.speaker_id or {}).items()}
     if not speakers:
         raise ValueError("the checkpoint's talker_config defines no speakers")
-    if name is None:
-        return speakers.get(DEFAULT_SPEAKER, speakers[min(speakers)])
-    key = name.lower()
+    key = default_speaker(talker_config) if name is None else name.lower()
     if key not in speakers:
         raise ValueError(f"unknown voice {name!r}; known: {', '.join(sorted(speakers))}")
     return speakers[key]

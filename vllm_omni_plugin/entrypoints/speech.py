@@ -1,0 +1,120 @@
+"""OpenAI's text-to-speech request, ``POST /v1/audio/speech``, on the omni pipeline.
+
+The request becomes a chat completion whose assistant turn is the ``input`` text,
+left open (vLLM's ``continue_final_message``): the entry stage prefills it and
+generates one token, which no later stage reads, and the stages after it speak the
+assistant turn as they speak a generated answer. The user turn is ``instructions``
+when given, else the ``input`` itself.
+
+Fields (OpenAI's): ``model``, ``input`` (at most :data:`MAX_INPUT_CHARS`
+characters), ``voice`` (one of ``GET /v1/audio/voices``; default: the checkpoint's),
+``response_format`` (:data:`SPEECH_FORMATS`, default ``mp3``), ``stream_format``
+(``audio``: the encoded bytes as the body; ``sse``: ``speech.audio.delta`` and
+``speech.audio.done`` events), ``instructions`` and ``speed`` (1.0 only).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass
+
+from vllm_omni_plugin.engine.omni_request import AUDIO, TEXT
+from vllm_omni_plugin.entrypoints.media_input import RequestError
+
+SPEECH_PATH = "/v1/audio/speech"
+#: OpenAI's limit on ``input``.
+MAX_INPUT_CHARS = 4096
+#: OpenAI's ``response_format`` names -> keys of ``audio_encoding.AUDIO_FORMATS``
+#: (OpenAI's ``aac`` has no encoder in libsndfile and is refused).
+SPEECH_FORMATS = {"mp3": "mp3", "opus": "opus", "flac": "flac", "wav": "wav",
+                  "pcm": "pcm16"}
+DEFAULT_SPEECH_FORMAT = "mp3"
+STREAM_FORMATS = ("audio", "sse")
+
+
+@dataclass(frozen=True)
+class SpeechRequest:
+    """A validated ``/v1/audio/speech`` body; ``format`` is a key of
+    ``audio_encoding.AUDIO_FORMATS``."""
+
+    model: str
+    input: str
+    voice: str | None
+    format: str
+    stream_format: str
+    instructions: str | None
+
+
+def _optional_str(body: dict, field: str) -> str | None:
+    value = body.get(field)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise RequestError(field, "must be a non-empty string (or left out)")
+    return value
+
+
+def parse_speech_request(body: dict, max_voice_chars: int) -> SpeechRequest:
+    """Validate a ``/v1/audio/speech`` body.
+
+    Raises:
+        RequestError: naming the offending field.
+    """
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise RequestError("model", "is required: the served model's name")
+    text = body.get("input")
+    if not isinstance(text, str) or not text.strip():
+        raise RequestError("input", "is required: the text to speak")
+    if len(text) > MAX_INPUT_CHARS:
+        raise RequestError("input", f"is {len(text)} characters long; at most "
+                           f"{MAX_INPUT_CHARS}")
+    voice = _optional_str(body, "voice")
+    if voice is not None and len(voice) > max_voice_chars:
+        raise RequestError("voice", f"is {len(voice)} characters long; voice names have "
+                           f"at most {max_voice_chars}")
+    fmt = body.get("response_format", DEFAULT_SPEECH_FORMAT)
+    if fmt not in SPEECH_FORMATS:
+        shown = fmt[:40] if isinstance(fmt, str) else type(fmt).__name__
+        raise RequestError("response_format", f"{shown!r} is not supported; use one of "
+                           f"{', '.join(SPEECH_FORMATS)}")
+    stream_format = body.get("stream_format", "audio")
+    if stream_format not in STREAM_FORMATS:
+        shown = stream_format[:40] if isinstance(stream_format, str) else \
+            type(stream_format).__name__
+        raise RequestError("stream_format", f"{shown!r} is not supported; use one of "
+                           f"{', '.join(STREAM_FORMATS)}")
+    speed = body.get("speed", 1.0)
+    if isinstance(speed, bool) or not isinstance(speed, int | float) or speed != 1.0:
+        raise RequestError("speed", "only 1.0 is supported")
+    return SpeechRequest(model, text, voice, SPEECH_FORMATS[fmt], stream_format,
+                         _optional_str(body, "instructions"))
+
+
+def speech_chat_body(speech: SpeechRequest) -> dict:
+    """The chat completion request that speaks ``speech.input`` (see the module
+    docstring)."""
+    return {
+        "model": speech.model,
+        "messages": [{"role": "user", "content": speech.instructions or speech.input},
+                     {"role": "assistant", "content": speech.input}],
+        "add_generation_prompt": False, "continue_final_message": True,
+        "max_tokens": 1, "temperature": 0.0,
+        "modalities": [TEXT, AUDIO], "audio": {"format": speech.format,
+                                               **({"voice": speech.voice}
+                                                  if speech.voice else {})},
+    }
+
+
+def sse_events(encoded: bytes, usage: dict | None) -> bytes:
+    """OpenAI's speech stream: one ``speech.audio.delta`` event (``audio``: base64 of
+    ``encoded``) and the ``speech.audio.done`` event with ``usage``
+    (``input_tokens``, ``output_tokens``, ``total_tokens``: the entry stage's)."""
+    usage = usage or {}
+    done = {"type": "speech.audio.done", "usage": {
+        "input_tokens": usage.get("prompt_tokens", 0),
+        "output_tokens": usage.get("completion_tokens", 0),
+        "total_tokens": usage.get("total_tokens", 0)}}
+    delta = {"type": "speech.audio.delta", "audio": base64.b64encode(encoded).decode("ascii")}
+    return b"".join(b"data: " + json.dumps(event).encode() + b"\n\n" for event in (delta, done))
