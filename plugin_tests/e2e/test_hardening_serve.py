@@ -179,6 +179,33 @@ def test_client_disconnect_is_logged_and_cleans_up(server):
     assert _payload_keys_left(server) == []
 
 
+def test_streamed_client_disconnect_stops_the_stage_and_cleans_up(server):
+    """A streamed chat with audio whose client goes away after the text, while the
+    request waits at the talker (its EngineCore stopped with SIGSTOP so that it surely
+    does): the talker's task is aborted and nothing stays in the payload store."""
+    talker = _engine_pid(server, 1)
+    os.kill(talker, signal.SIGSTOP)
+    try:
+        with requests.post(f"{server.url}/v1/chat/completions", stream=True, timeout=60,
+                           json=server.audio_body(stream=True)) as r:
+            assert r.status_code == 200
+            # the iterator is kept: one dropped mid-way closes the connection (urllib3)
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith(b"data: "))
+            deadline = time.monotonic() + 60
+            while _metric(server, "vllm_omni:replica_requests_running", stage=1,
+                          replica=0, location="local") != 1:
+                assert time.monotonic() < deadline, "never reached the talker"
+        server.wait_for_log(r"request \S+ cancelled \(client disconnected\) "
+                            r"while at stage 1 \(talker\)", timeout_s=60)
+        assert _metric(server, "vllm_omni:replica_requests_running", stage=1, replica=0,
+                       location="local") == 0
+    finally:
+        os.kill(talker, signal.SIGCONT)
+    _assert_alive(server)
+    assert _payload_keys_left(server) == []
+
+
 # -- admission control -------------------------------------------------------------
 def test_burst_beyond_the_admission_bound_gets_429_while_admitted_finish(server):
     """3x the talker's bound at once while the talker's EngineCore is stopped

@@ -254,6 +254,13 @@ class RemoteReplica(Replica):
             payload = await asyncio.to_thread(unpack_tensors, done.payload)
             return StageRun(list(done.prompt_token_ids), list(done.output_token_ids), payload,
                             done.finish_reason, done.prefill_engine)
+        except asyncio.CancelledError:
+            # the request's caller went away (a client that disconnected): the replica
+            # stops the task as on an abort
+            if self.attached:  # (a task the replica finished meanwhile ignores it)
+                await self._socket.send_multipart(self._channel.frames(
+                    ToReplica(msg=TaskAbort(request_id=task.request_id))))
+            raise
         finally:
             self._pending.pop(task.request_id, None)
             self.running.discard(task.request_id)
