@@ -317,3 +317,38 @@ def chat_load(url: str, make_body, requests: int, concurrency: int, check) -> fl
     each answer (raise to stop the run). A non-200 answer raises ``RuntimeError``.
     """
     return asyncio.run(_chat_load(url, make_body, requests, concurrency, check))
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``values``, nearest rank."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def add_audio_chat_args(parser) -> None:
+    """The options of the audio chat benchmarks (checkpoint, trials, load, talker cap)."""
+    parser.add_argument("--checkpoint", type=Path, help="tiny checkpoint dir (made if missing)")
+    parser.add_argument("--trials", type=int, default=3, help="measurements per cell")
+    parser.add_argument("--requests", type=int, default=16, help="chats per measurement")
+    parser.add_argument("--max-tokens", type=int, default=16, help="thinker tokens per chat")
+    parser.add_argument("--talker-frames", type=int, default=64,
+                        help="talker max_tokens (codec frames, 12.5 per second of speech)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--timeout", type=float, default=600)
+
+
+def audio_pipeline_serve(args, tmp: Path) -> tuple[Path, list[str], dict, str]:
+    """``vllm serve`` of the three-stage Qwen3-Omni pipeline on the tiny checkpoint
+    (``args.checkpoint``, made under ``tmp`` when missing), the talker capped at
+    ``args.talker_frames``: (checkpoint, argv, env, base URL)."""
+    ckpt = args.checkpoint or tmp / "ckpt"
+    if not (ckpt / "config.json").exists():
+        make_checkpoint(ckpt)
+    yaml_path = write_short_talker_yaml(REPO / "stage_configs" / "qwen3_omni_moe.yaml",
+                                        tmp / "pipeline.yaml", args.talker_frames)
+    port = free_port()
+    argv = [venv_bin("vllm"), "serve", str(ckpt), "--max-model-len", "2048", "--dtype",
+            "float32", "--gpu-memory-utilization", "0.3", "--host", "127.0.0.1",
+            "--port", str(port), "--stage-configs-path", str(yaml_path)]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    return ckpt, argv, env, f"http://127.0.0.1:{port}"

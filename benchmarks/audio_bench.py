@@ -22,7 +22,6 @@ Usage (from the repository root)::
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -30,22 +29,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
-    REPO,
     Server,
+    add_audio_chat_args,
+    audio_pipeline_serve,
     chat_load,
     fmt,
-    free_port,
     install_sigterm_as_interrupt,
-    make_checkpoint,
     median,
+    percentile,
     table,
-    venv_bin,
     wait_health,
     wav_seconds,
-    write_short_talker_yaml,
 )
-
-YAML = REPO / "stage_configs" / "qwen3_omni_moe.yaml"
 
 
 def _load(url: str, model: str, requests: int, concurrency: int,
@@ -67,34 +62,13 @@ def _load(url: str, model: str, requests: int, concurrency: int,
     return rate, latencies, speech
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint", type=Path, help="tiny checkpoint dir (made if missing)")
-    parser.add_argument("--trials", type=int, default=3, help="measurements per concurrency")
-    parser.add_argument("--requests", type=int, default=16, help="chats per measurement")
-    parser.add_argument("--max-tokens", type=int, default=16, help="thinker tokens per chat")
-    parser.add_argument("--talker-frames", type=int, default=64,
-                        help="talker max_tokens (codec frames, 12.5 per second of speech)")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--timeout", type=float, default=600)
+    add_audio_chat_args(parser)
     args = parser.parse_args()
     install_sigterm_as_interrupt()
     tmp = Path(tempfile.mkdtemp(prefix="audio-bench-"))
-    ckpt = args.checkpoint or tmp / "ckpt"
-    if not (ckpt / "config.json").exists():
-        make_checkpoint(ckpt)
-    yaml_path = write_short_talker_yaml(YAML, tmp / "pipeline.yaml", args.talker_frames)
-    port = free_port()
-    argv = [venv_bin("vllm"), "serve", str(ckpt), "--max-model-len", "2048", "--dtype",
-            "float32", "--gpu-memory-utilization", "0.3", "--host", "127.0.0.1",
-            "--port", str(port), "--stage-configs-path", str(yaml_path)]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    url = f"http://127.0.0.1:{port}"
+    ckpt, argv, env, url = audio_pipeline_serve(args, tmp)
     results: dict[int, list[tuple[float, list[float], list[float]]]] = {
         c: [] for c in args.concurrency}
     with Server(argv, env, tmp / "serve.log") as server:
@@ -115,8 +89,8 @@ def main() -> int:
         latencies = [x for r in results[c] for x in r[1]]
         rtf = [lat / s for r in results[c] for lat, s in zip(r[1], r[2], strict=True) if s]
         speech = [s for r in results[c] for s in r[2]]
-        rows.append([str(c), fmt(median(rates), ".3f"), fmt(_percentile(latencies, 0.5), ".2f"),
-                     fmt(_percentile(latencies, 0.99), ".2f"), fmt(median(speech), ".2f"),
+        rows.append([str(c), fmt(median(rates), ".3f"), fmt(percentile(latencies, 0.5), ".2f"),
+                     fmt(percentile(latencies, 0.99), ".2f"), fmt(median(speech), ".2f"),
                      fmt(median(rtf), ".2f"),
                      fmt(median(rates) / base, ".2f") + "x"])
     print(table(["concurrency", "req/s", "latency p50 s", "latency p99 s", "speech s",

@@ -1,0 +1,163 @@
+"""Time to first audio (TTFP) and real-time factor (RTF) of chat with audio, streamed
+(``stream: true``, audio as ``delta.audio``) vs not, at several concurrencies, side by
+side in one run on one server.
+
+One ``vllm serve CKPT --stage-configs-path stage_configs/qwen3_omni_moe.yaml`` on the
+tiny Qwen3-Omni checkpoint, the talker's codec-frame budget set to ``--talker-frames``.
+Every chat asks for text and ``pcm16`` audio (greedy, ``--max-tokens`` thinker tokens,
+prompts differing per request). Per request:
+
+* **TTFP**: seconds from sending the request to the first audio byte: the first
+  ``delta.audio`` event when streamed, the whole answer when not (its audio arrives
+  with it).
+* **latency**: seconds to the end of the answer.
+* **RTF**: latency / seconds of speech returned (below 1 is faster than real time).
+
+After a warm-up, each of ``--trials`` trials runs ``--requests`` chats per
+(concurrency, mode), in rotating order. Printed per (concurrency, mode): requests/s
+(median over trials), TTFP and RTF p50/p99 over all trials' requests, and per
+concurrency the issue's two ratios: streamed TTFP p50 / non-streamed latency p50
+(target <= 0.3) and streamed / non-streamed requests/s (target within 5 %).
+
+Usage (from the repository root)::
+
+    .venv/bin/python benchmarks/speech_stream_bench.py
+    .venv/bin/python benchmarks/speech_stream_bench.py --concurrency 1 8 --trials 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import (  # noqa: E402
+    Server,
+    add_audio_chat_args,
+    audio_pipeline_serve,
+    fmt,
+    install_sigterm_as_interrupt,
+    median,
+    percentile,
+    table,
+    wait_health,
+)
+
+SAMPLE_RATE = 24000  # Qwen3-Omni's code2wav
+MODES = ("non-streamed", "streamed")
+
+
+async def _one(session, url: str, body: dict, stream: bool) -> tuple[float, float, float]:
+    """(TTFP s, latency s, speech s) of one chat."""
+    start = time.perf_counter()
+    first = None
+    pcm = 0
+    async with session.post(f"{url}/v1/chat/completions",
+                            json={**body, "stream": stream}) as r:
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:500]}")
+        if not stream:
+            answer = await r.json()
+            first = time.perf_counter() - start
+            pcm = len(base64.b64decode(answer["choices"][0]["message"]["audio"]["data"]))
+        else:
+            async for line in r.content:
+                if not line.startswith(b"data: ") or b'"audio"' not in line:
+                    continue
+                event = json.loads(line[len(b"data: "):])
+                if "error" in event:
+                    raise RuntimeError(f"stream error: {event['error']}")
+                audio = event["choices"][0]["delta"].get("audio")
+                if audio:
+                    first = first if first is not None else time.perf_counter() - start
+                    pcm += len(base64.b64decode(audio["data"]))
+    if first is None:
+        raise RuntimeError("no audio in the answer")
+    return first, time.perf_counter() - start, pcm / 2 / SAMPLE_RATE
+
+
+async def _load(url: str, model: str, requests: int, concurrency: int, max_tokens: int,
+                stream: bool) -> tuple[float, list[tuple[float, float, float]]]:
+    import aiohttp  # a vLLM requirement
+
+    todo = iter(range(requests))
+    samples: list[tuple[float, float, float]] = []
+
+    def body(i):
+        return {"model": model, "max_tokens": max_tokens, "temperature": 0,
+                "modalities": ["text", "audio"], "audio": {"format": "pcm16"},
+                "messages": [{"role": "user", "content": f"request {i}: say something"}]}
+
+    async def worker(session):
+        for i in todo:
+            samples.append(await _one(session, url, body(i), stream))
+
+    timeout = aiohttp.ClientTimeout(total=1800)
+    connector = aiohttp.TCPConnector(limit=concurrency, force_close=True)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+        return requests / (time.perf_counter() - start), samples
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_audio_chat_args(parser)
+    args = parser.parse_args()
+    install_sigterm_as_interrupt()
+    tmp = Path(tempfile.mkdtemp(prefix="speech-stream-bench-"))
+    ckpt, argv, env, url = audio_pipeline_serve(args, tmp)
+    cells = [(c, mode) for c in args.concurrency for mode in MODES]
+    rates: dict = {cell: [] for cell in cells}
+    samples: dict = {cell: [] for cell in cells}
+
+    def run(c, mode, n):
+        return asyncio.run(_load(url, str(ckpt), n, c, args.max_tokens, mode == "streamed"))
+
+    with Server(argv, env, tmp / "serve.log") as server:
+        ready = wait_health(server, f"{url}/health", timeout=args.timeout)
+        print(f"server ready in {ready:.1f} s (log {tmp / 'serve.log'})", flush=True)
+        for c, mode in cells:  # warm-up
+            run(c, mode, 2 * c)
+        for trial in range(args.trials):
+            shift = trial % len(cells)
+            for c, mode in cells[shift:] + cells[:shift]:
+                rate, got = run(c, mode, args.requests)
+                rates[(c, mode)].append(rate)
+                samples[(c, mode)].extend(got)
+                print(f"trial {trial + 1}, c={c}, {mode}: {rate:.3f} req/s", flush=True)
+    rows, ratios = [], []
+    for c, mode in cells:
+        ttfp = [s[0] for s in samples[(c, mode)]]
+        rtf = [s[1] / s[2] for s in samples[(c, mode)] if s[2]]
+        rows.append([str(c), mode, fmt(median(rates[(c, mode)]), ".3f"),
+                     fmt(percentile(ttfp, 0.5), ".3f"), fmt(percentile(ttfp, 0.99), ".3f"),
+                     fmt(percentile(rtf, 0.5), ".2f"), fmt(percentile(rtf, 0.99), ".2f"),
+                     fmt(median([s[2] for s in samples[(c, mode)]]), ".2f")])
+    for c in args.concurrency:
+        plain = [s[1] for s in samples[(c, "non-streamed")]]
+        streamed = [s[0] for s in samples[(c, "streamed")]]
+        ratios.append([str(c), fmt(percentile(streamed, 0.5) / percentile(plain, 0.5), ".2f"),
+                       fmt(median(rates[(c, "streamed")]) / median(rates[(c, "non-streamed")]),
+                           ".3f")])
+    print(table(["concurrency", "mode", "req/s", "TTFP p50 s", "TTFP p99 s", "RTF p50",
+                 "RTF p99", "speech s"], rows, left=2,
+                title=f"chat with audio, {args.requests} chats x {args.trials} trials per "
+                      f"cell, thinker {args.max_tokens} tokens, talker <= "
+                      f"{args.talker_frames} frames (log: {tmp / 'serve.log'})"))
+    print()
+    print(table(["concurrency", "streamed TTFP / non-streamed latency (p50)",
+                 "streamed / non-streamed req/s"], ratios,
+                title="targets: TTFP ratio <= 0.3, req/s ratio >= 0.95"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
