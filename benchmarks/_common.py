@@ -270,19 +270,23 @@ def wav_seconds(b64: str) -> float:
         return w.getnframes() / w.getframerate()
 
 
-def write_short_talker_yaml(src: Path, dst: Path, max_tokens: int) -> Path:
+def write_short_talker_yaml(src: Path, dst: Path, max_tokens: int,
+                            streaming: dict | None = None) -> Path:
     """Copy the pipeline YAML ``src`` to ``dst`` with the talker's (stage 1)
-    ``max_tokens`` (codec frames) set to ``max_tokens``."""
+    ``max_tokens`` (codec frames) set to ``max_tokens``, and code2wav's (stage 2)
+    ``streaming`` fields updated from ``streaming``."""
     import yaml
 
     data = yaml.safe_load(src.read_text())
-    talker = [s for s in data["stages"] if int(s["stage_id"]) == 1]
-    if not talker:
+    stages = {int(s["stage_id"]): s for s in data["stages"]}
+    if 1 not in stages:
         raise SystemExit(f"{src}: no stage 1 to apply --talker-max-tokens to")
-    talker[0].setdefault("default_sampling_params", {})["max_tokens"] = max_tokens
+    stages[1].setdefault("default_sampling_params", {})["max_tokens"] = max_tokens
+    if streaming:
+        stages[2].setdefault("streaming", {}).update(streaming)
     dst.write_text(
-        f"# benchmark copy of {src} with stage 1 max_tokens={max_tokens}\n"
-        + yaml.safe_dump(data, sort_keys=False)
+        f"# benchmark copy of {src} with stage 1 max_tokens={max_tokens}, stage 2 "
+        f"streaming {streaming or 'as is'}\n" + yaml.safe_dump(data, sort_keys=False)
     )
     return dst
 
@@ -344,8 +348,11 @@ def audio_pipeline_serve(args, tmp: Path) -> tuple[Path, list[str], dict, str]:
     ckpt = args.checkpoint or tmp / "ckpt"
     if not (ckpt / "config.json").exists():
         make_checkpoint(ckpt)
+    streaming = {k: v for k, v in (("chunk_size", getattr(args, "stream_chunk", None)),
+                                   ("left_context", getattr(args, "stream_left_context",
+                                                            None))) if v is not None}
     yaml_path = write_short_talker_yaml(REPO / "stage_configs" / "qwen3_omni_moe.yaml",
-                                        tmp / "pipeline.yaml", args.talker_frames)
+                                        tmp / "pipeline.yaml", args.talker_frames, streaming)
     port = free_port()
     argv = [venv_bin("vllm"), "serve", str(ckpt), "--max-model-len", "2048", "--dtype",
             "float32", "--gpu-memory-utilization", "0.3", "--host", "127.0.0.1",

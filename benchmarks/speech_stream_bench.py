@@ -3,13 +3,16 @@
 side in one run on one server.
 
 One ``vllm serve CKPT --stage-configs-path stage_configs/qwen3_omni_moe.yaml`` on the
-tiny Qwen3-Omni checkpoint, the talker's codec-frame budget set to ``--talker-frames``.
+tiny Qwen3-Omni checkpoint, the talker's codec-frame budget set to ``--talker-frames``
+and code2wav's ``streaming`` as in the YAML unless ``--stream-chunk`` /
+``--stream-left-context`` say otherwise (streamed requests decode the talker's frames
+in those chunks while the talker runs; the others decode them once, at the end).
 Every chat asks for text and ``pcm16`` audio (greedy, ``--max-tokens`` thinker tokens,
 prompts differing per request). Per request:
 
 * **TTFP**: seconds from sending the request to the first audio byte: the first
-  ``delta.audio`` event when streamed, the whole answer when not (its audio arrives
-  with it).
+  ``delta.audio`` event with audio when streamed, the whole answer when not (its audio
+  arrives with it).
 * **latency**: seconds to the end of the answer.
 * **RTF**: latency / seconds of speech returned (below 1 is faster than real time).
 
@@ -22,7 +25,7 @@ concurrency the issue's two ratios: streamed TTFP p50 / non-streamed latency p50
 Usage (from the repository root)::
 
     .venv/bin/python benchmarks/speech_stream_bench.py
-    .venv/bin/python benchmarks/speech_stream_bench.py --concurrency 1 8 --trials 5
+    .venv/bin/python benchmarks/speech_stream_bench.py --concurrency 8 --stream-left-context 0
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ async def _one(session, url: str, body: dict, stream: bool) -> tuple[float, floa
                 if "error" in event:
                     raise RuntimeError(f"stream error: {event['error']}")
                 audio = event["choices"][0]["delta"].get("audio")
-                if audio:
+                if audio and audio.get("data"):
                     first = first if first is not None else time.perf_counter() - start
                     pcm += len(base64.b64decode(audio["data"]))
     if first is None:
@@ -110,6 +113,10 @@ async def _load(url: str, model: str, requests: int, concurrency: int, max_token
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_audio_chat_args(parser)
+    parser.add_argument("--stream-chunk", type=int,
+                        help="code2wav streaming chunk_size, frames (default: the YAML's)")
+    parser.add_argument("--stream-left-context", type=int,
+                        help="code2wav streaming left_context, frames (default: the YAML's)")
     args = parser.parse_args()
     install_sigterm_as_interrupt()
     tmp = Path(tempfile.mkdtemp(prefix="speech-stream-bench-"))

@@ -155,12 +155,16 @@ class PayloadStore:
         self.create(key)
         self.append(key, tensors)
 
-    def _chunks(self, key: str) -> list[dict[str, torch.Tensor]]:
+    def chunks(self, key: str, first: int = 0) -> list[dict[str, torch.Tensor]]:
+        """The chunks of ``key`` appended so far, from the ``first``-th (0-based, in
+        append order) on; ``[]`` for a key that does not exist. A consumer may read while
+        the producer still appends: each chunk appears whole, in order."""
         d = self._dir(key)
-        if not os.path.isdir(d):
+        try:
+            names = sorted(n for n in os.listdir(d) if n.endswith(".st"))
+        except FileNotFoundError:
             return []
-        names = sorted(n for n in os.listdir(d) if n.endswith(".st"))
-        return [load_file(os.path.join(d, n)) for n in names]
+        return [load_file(os.path.join(d, n)) for n in names[first:]]
 
     def keys(self) -> list[str]:
         """The keys that exist now (created and not yet deleted)."""
@@ -201,7 +205,7 @@ class PayloadStore:
         if error is not None:
             raise PayloadError(error)
         merged: dict[str, list[torch.Tensor]] = {}
-        for chunk in self._chunks(key):
+        for chunk in self.chunks(key):
             for name, t in chunk.items():
                 merged.setdefault(name, []).append(t)
         return {k: torch.cat(v, dim=0) for k, v in merged.items()}

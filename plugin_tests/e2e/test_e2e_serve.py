@@ -26,6 +26,8 @@ FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 #: the talker's max_tokens (code-0 tokens, as HF's talker_max_new_tokens: 15 frames)
 TALKER_MAX_TOKENS = 16
 SAMPLE_RATE = 24000
+#: code2wav's streaming chunk (frames): a streamed answer's up to 15 frames in 3 chunks
+STREAM_CHUNK = 5
 
 
 #: --limit-mm-per-prompt of the module's server
@@ -64,6 +66,7 @@ def server(tiny_qwen3_omni, tmp_path_factory):
         pipeline = yaml.safe_load(f)
     pipeline["stages"][1]["default_sampling_params"]["max_tokens"] = TALKER_MAX_TOKENS
     pipeline["stages"][2]["input_processor"] = "faulty_talker2code2wav"
+    pipeline["stages"][2]["streaming"] = {"chunk_size": STREAM_CHUNK, "left_context": 25}
     yaml_path = root / "pipeline.yaml"
     yaml_path.write_text(yaml.safe_dump(pipeline))
     env = dict(os.environ)
@@ -166,9 +169,11 @@ def test_each_audio_format_decodes_to_the_wav_sample_count(server, fmt):
 
 
 def test_streamed_chat_audio_deltas_equal_the_unstreamed_answer(server):
-    """OpenAI SDK, ``stream=True`` with audio: text deltas as vLLM streams them, then
-    ``delta.audio`` whose PCM16, concatenated, is the non-streamed answer's sample for
-    sample (tolerance 0: greedy, same request, same encoder)."""
+    """OpenAI SDK, ``stream=True`` with audio: text deltas as vLLM streams them, and
+    ``delta.audio`` chunks decoded by code2wav while the talker generates (chunks of
+    :data:`STREAM_CHUNK` frames) whose PCM16, concatenated, is the non-streamed answer's:
+    the same sample count, each sample within 1 LSB (a chunk is decoded apart from the
+    frames after it: float noise); transcripts joined are the text."""
     import openai
 
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="-")
@@ -186,7 +191,6 @@ def test_streamed_chat_audio_deltas_equal_the_unstreamed_answer(server):
             continue
         delta = chunk.choices[0].delta
         if delta.content:
-            assert not audio_deltas, "text after audio"
             text.append(delta.content)
         # the SDK parses delta.audio (ChoiceDeltaAudio); older SDKs keep it as an extra
         audio = getattr(delta, "audio", None) or (delta.model_extra or {}).get("audio")
@@ -197,9 +201,14 @@ def test_streamed_chat_audio_deltas_equal_the_unstreamed_answer(server):
         finish = chunk.choices[0].finish_reason or finish
     assert finish == "length" and len(text) > 1
     assert "".join(text) == expected["content"]
-    assert audio_deltas and audio_deltas[-1]["expires_at"] > 0
+    assert audio_deltas[-1]["expires_at"] > 0
+    assert len({a["id"] for a in audio_deltas}) == 1
+    assert sum(1 for p in pcm if p) >= 2, "the audio came in one piece: no chunk streamed"
     assert "".join(a.get("transcript") or "" for a in audio_deltas) == expected["content"]
-    np.testing.assert_array_equal(np.frombuffer(b"".join(pcm), "<i2"), _pcm16(expected))
+    streamed = np.frombuffer(b"".join(pcm), "<i2").astype(np.int32)
+    reference = _pcm16(expected).astype(np.int32)
+    assert streamed.shape == reference.shape
+    assert np.abs(streamed - reference).max() <= 1
 
 
 def test_streamed_chat_failure_is_an_error_event(server):
@@ -265,6 +274,37 @@ def test_speech_endpoint_speaks_the_input(server):
     assert [e["type"] for e in events] == ["speech.audio.delta", "speech.audio.done"]
     assert base64.b64decode(events[0]["audio"]) == first
     assert events[1]["usage"]["input_tokens"] > 0
+
+
+def test_pcm_speech_streams_chunks_that_join_into_the_whole_speech(server):
+    """``/v1/audio/speech`` with ``pcm``, read as a stream through the OpenAI SDK and as
+    SSE: code2wav's chunks go out as they come (at least two pieces) and, joined, are the
+    WAV answer's samples within 1 LSB (chunks decoded apart: float noise)."""
+    import openai
+    import requests
+    import soundfile as sf
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="-")
+    text = "Hello there, how are you?"
+    wav = client.audio.speech.create(model=server.model, voice="ethan", input=text,
+                                     response_format="wav").content
+    reference = sf.read(io.BytesIO(wav), dtype="int16")[0].astype(np.int32)
+    with client.audio.speech.with_streaming_response.create(
+            model=server.model, voice="ethan", input=text, response_format="pcm") as answer:
+        pcm = b"".join(answer.iter_bytes())
+    streamed = np.frombuffer(pcm, "<i2").astype(np.int32)
+    assert streamed.shape == reference.shape
+    assert np.abs(streamed - reference).max() <= 1
+    r = requests.post(f"{server.url}/v1/audio/speech", timeout=300, json={
+        "model": server.model, "voice": "ethan", "input": text, "response_format": "pcm",
+        "stream_format": "sse"})
+    assert r.status_code == 200, r.text
+    events = [json.loads(line[len("data: "):]) for line in r.text.splitlines()
+              if line.startswith("data: ")]
+    deltas = [base64.b64decode(e["audio"]) for e in events[:-1]]
+    assert {e["type"] for e in events[:-1]} == {"speech.audio.delta"}
+    assert events[-1]["type"] == "speech.audio.done"
+    assert sum(1 for d in deltas if d) >= 2 and b"".join(deltas) == pcm
 
 
 @pytest.mark.parametrize("change, field", [

@@ -9,10 +9,14 @@ settings: chunked prefill off) serves
 
 * batch 0: requests of 5, 17, 40 and 650 frames (650: three of HF's 300-frame chunks,
   two with left context) and two malformed prompts, all in one ``generate`` call;
-* batches 1-4: each well-formed request alone.
+* batches 1-4: each well-formed request alone;
+* batch 5: the 40-frame request as the chunks of a streamed request (:data:`CHUNKS`: 15
+  frames after up to 25 frames of left context, input payload ``left_context``).
 
 Checked: every waveform equals HF's, batched equals alone, the batch ran as one engine
-step, and each malformed prompt fails only its own request with its error in the store.
+step, each malformed prompt fails only its own request with its error in the store, and
+the streamed chunks, joined, are HF's waveform of the whole request (no gap at the chunk
+boundaries, where HF's own chunked loop drops the samples a decode cannot end with).
 vLLM's engine core turns chunked prefill off for a model without KV cache, so a prompt
 never reaches the model split; the model's guard against it is probed inside the engine
 (``probe_model`` in the script): a split prompt fails alone with an error that says so.
@@ -44,6 +48,12 @@ FRAMES = (5, 17, 40, 650)
 ATOL_HF = 1e-5
 #: A padded batch runs the same operations as a request alone on other GEMM shapes.
 ATOL_BATCH = 1e-6
+#: Chunks of the 40-frame request as the orchestrator sends them for a streamed request
+#: with ``streaming: {chunk_size: 15, left_context: 25}``: (first frame, end, context).
+CHUNKS = ((0, 15, 0), (15, 30, 15), (30, 40, 25))
+#: Streamed chunks see at most 25 earlier frames (the last one not all 30); measured on
+#: the tiny checkpoint: 1.5e-6 from the whole decode.
+ATOL_STREAM = 1e-4
 #: max_model_len and token budget: the longest prompt, and the whole batch in one step.
 MAX_TOKENS_PER_STEP = 16 * 1024
 
@@ -107,7 +117,9 @@ def runs(tiny_qwen3_omni, hf_model, tmp_path_factory):
             {"name": "default",
              "engine_args": {"max_model_len": MAX_TOKENS_PER_STEP,
                              "max_num_batched_tokens": MAX_TOKENS_PER_STEP},
-             "batches": [prompts] + [[p] for p in good],
+             "batches": [prompts] + [[p] for p in good] + [[
+                 {"ids": code2wav_prompt_ids(codes[2][begin - context:end], config),
+                  "left_context": context} for begin, end, context in CHUNKS]],
              "probe": True},
         ],
     }
@@ -235,3 +247,16 @@ def test_prompt_ids_round_trip_and_errors(hf_model):
             code2wav_prompt_ids(bad, config)
     with pytest.raises(ValueError, match="multiple of 16"):
         codes_from_prompt_ids(torch.tensor(ids[:-1]), config)
+
+
+def test_streamed_chunks_join_into_the_whole_waveform(runs):
+    """The chunks of a streamed request (``left_context`` input), joined, have the samples
+    of the request decoded at once: the same count, values within :data:`ATOL_STREAM`."""
+    import torch
+
+    pieces = [_waveform(runs, 1 + len(FRAMES), i) for i in range(len(CHUNKS))]
+    joined, whole = torch.cat(pieces), runs["hf"][FRAMES.index(40)]
+    assert joined.shape == whole.shape
+    torch.testing.assert_close(joined, whole, atol=ATOL_STREAM, rtol=0)
+    # the first chunk has all its history: HF's samples up to float noise
+    torch.testing.assert_close(pieces[0], whole[:pieces[0].shape[0]], atol=ATOL_HF, rtol=0)

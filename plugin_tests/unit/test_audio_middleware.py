@@ -129,6 +129,44 @@ def test_streamed_audio_goes_out_before_the_finish_chunk():
     assert len(np.frombuffer(pcm, "<i2")) == len(WAVEFORM)
 
 
+def test_streamed_chunks_go_out_as_they_come_and_the_rest_before_the_finish_chunk():
+    """Two chunks of a streamed final stage reach the client while vLLM's stream waits
+    for the last stage; the waveform's remaining samples go out before the finish chunk;
+    the deltas' PCM joined is the whole waveform's."""
+    pieces = WAVEFORM.split([100, 200, 180])
+    result = StageResult(output_type="audio", payload={"waveform": WAVEFORM},
+                         sample_rate=24000)
+
+    async def app(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": SSE})
+        for delta in ({"role": "assistant", "content": ""}, {"content": "Hel"},
+                      {"content": "lo"}):
+            await send({"type": "http.response.body", "body": _chunk(delta),
+                        "more_body": True})
+        partials = current_omni_request().partials
+        for piece in pieces[:2]:
+            partials.put_nowait({"waveform": piece, "sample_rate": torch.tensor([24000])})
+        await partials.join()  # both sent by the middleware meanwhile
+        current_omni_request().result = result
+        await send({"type": "http.response.body", "more_body": True,
+                    "body": _chunk({"content": "!"}, "stop")})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n",
+                    "more_body": False})
+
+    events = _events(_call(app, CHAT_PATH, STREAMED_AUDIO_CHAT))
+    deltas = [e["choices"][0]["delta"] for e in events[1:-1]]
+    assert [d.get("content") for d in deltas] == ["Hel", "lo", None, None, "!", None, None]
+    audio = [deltas[i]["audio"] for i in (2, 3, 5)]
+    assert [a["transcript"] for a in audio] == ["Hello", "", "!"]
+    assert len({a["id"] for a in audio}) == 1
+    assert [("expires_at" in a) for a in audio] == [False, False, True]
+    assert [len(base64.b64decode(a["data"])) // 2 for a in audio] == [100, 200, 180]
+    assert b"".join(base64.b64decode(a["data"]) for a in audio) == encode_audio(
+        WAVEFORM.numpy(), 24000, "pcm16")
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+
+
 def test_text_of_the_finish_chunk_goes_out_before_the_audio():
     result = StageResult(output_type="audio", payload={"waveform": WAVEFORM},
                          sample_rate=24000)
@@ -259,20 +297,33 @@ def test_unknown_voice_is_refused_before_any_stage_runs(path, body, field):
     assert "'alloy'" in error["message"] and "Chelsie, Ethan" in error["message"]
 
 
+def _speech_app(result: StageResult, pieces=(), seen: list | None = None):
+    """The chat behind a speech request: ``pieces`` come as chunks of a streamed final
+    stage (each sent by the middleware before the next), then ``result``; ``seen``
+    collects the path and body the chat got."""
+    async def chat_app(scope, receive, send):
+        body = json.loads((await receive())["body"])
+        if seen is not None:
+            seen.append((scope["path"], body))
+        partials = current_omni_request().partials
+        for piece in pieces:
+            partials.put_nowait({"waveform": piece, "sample_rate": torch.tensor([24000])})
+            await partials.join()
+        current_omni_request().result = result
+        answer = json.dumps({"choices": [{"message": {"content": "."}}],
+                             "usage": {"prompt_tokens": 9, "completion_tokens": 1,
+                                       "total_tokens": 10}}).encode()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": answer})
+    return chat_app
+
+
 def test_speech_answers_the_encoded_audio_or_events():
     result = StageResult(output_type="audio", payload={"waveform": WAVEFORM},
                          sample_rate=24000)
     seen = []
-
-    async def chat_app(scope, receive, send):
-        seen.append((scope["path"], json.loads((await receive())["body"])))
-        current_omni_request().result = result
-        body = json.dumps({"choices": [{"message": {"content": "."}}],
-                           "usage": {"prompt_tokens": 9, "completion_tokens": 1,
-                                     "total_tokens": 10}}).encode()
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/json")]})
-        await send({"type": "http.response.body", "body": body})
+    chat_app = _speech_app(result, seen=seen)
 
     start, body = _with_voices(SPEECH_PATH, "POST", {**SPEECH, "response_format": "wav"},
                                chat_app)
@@ -287,3 +338,41 @@ def test_speech_answers_the_encoded_audio_or_events():
     assert base64.b64decode(delta["audio"]) == encode_audio(WAVEFORM.numpy(), 24000, "mp3")
     assert done == {"type": "speech.audio.done",
                     "usage": {"input_tokens": 9, "output_tokens": 1, "total_tokens": 10}}
+
+
+@pytest.mark.parametrize("stream_format", ["audio", "sse"])
+def test_pcm_speech_goes_out_chunk_by_chunk(stream_format):
+    pieces = WAVEFORM.split([100, 200, 180])
+    result = StageResult(output_type="audio", payload={"waveform": WAVEFORM},
+                         sample_rate=24000)
+    start, *bodies = _with_voices(
+        SPEECH_PATH, "POST", {**SPEECH, "response_format": "pcm",
+                              "stream_format": stream_format},
+        _speech_app(result, pieces[:2]))
+    assert start["status"] == 200
+    assert not any(k == b"content-length" for k, _ in start["headers"])
+    assert [b["more_body"] for b in bodies] == [True, True, False]
+    whole = encode_audio(WAVEFORM.numpy(), 24000, "pcm16")
+    if stream_format == "audio":
+        assert (b"content-type", b"audio/pcm") in start["headers"]
+        assert [len(b["body"]) // 2 for b in bodies] == [100, 200, 180]
+        assert b"".join(b["body"] for b in bodies) == whole
+    else:
+        events = _events(bodies)
+        assert [e["type"] for e in events] == ["speech.audio.delta"] * 3 + [
+            "speech.audio.done"]
+        assert b"".join(base64.b64decode(e["audio"]) for e in events[:3]) == whole
+        assert events[3]["usage"]["total_tokens"] == 10
+
+
+def test_streamed_speech_failing_after_a_chunk_ends_with_an_error_event():
+    failure = StageResult.failure("stage 2 (code2wav): boom", 500)
+    start, *bodies = _with_voices(
+        SPEECH_PATH, "POST", {**SPEECH, "response_format": "pcm", "stream_format": "sse"},
+        _speech_app(failure, WAVEFORM.split([100, 380])[:1]))
+    assert start["status"] == 200
+    events = _events(bodies)
+    assert events[0]["type"] == "speech.audio.delta"
+    assert events[1] == {"type": "error", "error": {
+        "message": "stage 2 (code2wav): boom", "type": "InternalServerError",
+        "param": None, "code": 500}}

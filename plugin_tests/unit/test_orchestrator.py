@@ -22,6 +22,7 @@ from vllm.sampling_params import RequestOutputKind
 
 from vllm_omni_plugin import extra_args as xargs
 from vllm_omni_plugin.config.loader import parse_pipeline_config
+from vllm_omni_plugin.config.schema import StreamingConfig
 from vllm_omni_plugin.engine.admission import AdmissionGate
 from vllm_omni_plugin.engine.omni_request import OmniRequest, omni_request_scope
 from vllm_omni_plugin.engine.orchestrator import Orchestrator, StageError
@@ -86,7 +87,7 @@ class Pool:
         self.forgotten: list[str] = []
         self._abort = asyncio.Event()
 
-    async def run(self, task):
+    async def run(self, task, on_rows=None):
         self.tasks.append(task)
         if self.outcome == "fail":
             raise TaskError("worker failed: boom", 500)
@@ -310,7 +311,7 @@ class PrefillPool(Pool):
         super().__init__(3, outcome)
         self.finish = finish
 
-    async def run(self, task):
+    async def run(self, task, on_rows=None):
         await super().run(task)  # records, fails or blocks as scripted
         payload = ({"hidden": torch.full((len(PROMPT), 2), 2.0), "once": torch.zeros(3)}
                    if task.publish else {})
@@ -490,3 +491,123 @@ def test_pd_prompts_other_than_token_ids_are_prefilled_by_the_entry(tmp_path, pr
     assert asyncio.run(scenario())[-1].finished
     assert orchestrator.pools[3].tasks == []
     assert "kv_transfer_params" not in orchestrator.entry_generate.seen_extra_args[0]
+
+
+# -- stage-to-stage streaming --------------------------------------------------------
+FRAMES = 5
+
+
+def _streaming_orchestrator(tmp_path, talker, code2wav):
+    """thinker -> talker -> code2wav with ``streaming`` on code2wav (chunks of 2 frames
+    after 1 frame of context); the processor for code2wav passes the chunk's codes and
+    context on as the task's payload."""
+    pipeline = _pipeline(fan_out=False)
+    pipeline.stage(2).streaming = StreamingConfig(chunk_size=2, left_context=1)
+    store = PayloadStore(str(tmp_path / "run"))
+
+    def to_code2wav(upstream, stage, extras):
+        (up,) = upstream
+        return StageInput(prompt_token_ids=[1], payload={
+            "codes": up.payload["codes"], "context": torch.tensor([up.context_rows])})
+
+    orchestrator = Orchestrator(
+        Entry(store), SimpleNamespace(), pipeline, store, {1: talker, 2: code2wav},
+        AdmissionGate({1: 4, 2: 4}, 1.0),
+        {1: _recording_processor([]), 2: to_code2wav})
+    return orchestrator
+
+
+class FrameTalker(Pool):
+    """A talker that publishes one frame (``codes`` ``[[i]]``) per step, ``FRAMES`` in all;
+    after the second it waits until code2wav has run a chunk (``live``), or publishes
+    nothing as it goes (``live=False``: a remote replica) and returns them all at the end."""
+
+    def __init__(self, live: bool = True) -> None:
+        super().__init__(1)
+        self.live = live
+        self.chunk_ran = asyncio.Event()
+        self.cancelled = False
+
+    async def run(self, task, on_rows=None):
+        self.tasks.append(task)
+        try:
+            for i in range(FRAMES):
+                if self.live:
+                    on_rows.add([{"codes": torch.tensor([[i]])}])
+                if i == 1 and self.live:
+                    await self.chunk_ran.wait()
+                await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+        return StageRun(list(task.prompt_token_ids), [7] * FRAMES,
+                        {"codes": torch.arange(FRAMES).reshape(-1, 1)})
+
+
+class ChunkDecoder(Pool):
+    """code2wav: the waveform of a chunk is its frames after the context, as floats."""
+
+    def __init__(self, talker: FrameTalker, fail: bool = False) -> None:
+        super().__init__(2)
+        self.talker = talker
+        self.fail = fail
+
+    async def run(self, task, on_rows=None):
+        self.tasks.append(task)
+        if self.fail:
+            raise TaskError("decoder broke", 500)
+        self.talker.chunk_ran.set()
+        context = int(task.payload["context"][0])
+        return StageRun([1], [0], {"waveform": task.payload["codes"][context:, 0].float(),
+                                   "sample_rate": torch.tensor([24000])})
+
+
+def _streamed_audio() -> OmniRequest:
+    request = _audio()
+    request.partials = asyncio.Queue()
+    return request
+
+
+@pytest.mark.parametrize("live", [True, False], ids=["local", "remote"])
+def test_streamed_request_decodes_chunks_while_the_talker_runs(tmp_path, live):
+    talker = FrameTalker(live)
+    decoder = ChunkDecoder(talker)
+    orchestrator = _streaming_orchestrator(tmp_path, talker, decoder)
+    request = _streamed_audio()
+    # a local talker waits for the first chunk's decode: without streaming this deadlocks
+    asyncio.run(asyncio.wait_for(_run(orchestrator, request), 30))
+    assert [t.request_id for t in decoder.tasks] == ["req-1-s2-c0", "req-1-s2-c1",
+                                                     "req-1-s2-c2"]
+    assert [t.payload["codes"][:, 0].tolist() for t in decoder.tasks] == [
+        [0, 1], [1, 2, 3], [3, 4]]
+    assert [int(t.payload["context"][0]) for t in decoder.tasks] == [0, 1, 1]
+    pieces = []
+    while not request.partials.empty():
+        pieces.append(request.partials.get_nowait()["waveform"].tolist())
+    assert pieces == [[0.0, 1.0], [2.0, 3.0], [4.0]]
+    result = request.result
+    assert result.error is None and result.sample_rate == 24000
+    assert result.payload["waveform"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert orchestrator.store.keys() == [] and orchestrator.admission.in_flight == {1: 0, 2: 0}
+    assert orchestrator._inflight == {}
+
+
+def test_request_not_streamed_decodes_the_whole_output_once(tmp_path):
+    talker = FrameTalker(live=False)
+    decoder = ChunkDecoder(talker)
+    orchestrator = _streaming_orchestrator(tmp_path, talker, decoder)
+    request = _audio()
+    asyncio.run(_run(orchestrator, request))
+    assert [t.request_id for t in decoder.tasks] == ["req-1-s2"]
+    assert request.result.payload["waveform"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+def test_failed_chunk_stops_the_talker_and_fails_the_request_naming_code2wav(tmp_path):
+    talker = FrameTalker()
+    orchestrator = _streaming_orchestrator(tmp_path, talker, ChunkDecoder(talker, fail=True))
+    request = _streamed_audio()
+    asyncio.run(asyncio.wait_for(_run(orchestrator, request), 30))
+    assert request.result.error == "stage 2 (code2wav): decoder broke"
+    assert talker.cancelled  # its task was stopped mid-way
+    assert orchestrator.store.keys() == [] and orchestrator.admission.in_flight == {1: 0, 2: 0}
+    assert orchestrator._inflight == {}

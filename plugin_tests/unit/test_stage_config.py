@@ -90,6 +90,13 @@ def test_qwen3_omni_config_loads():
         cfg.stage(9)
 
 
+def test_qwen3_omni_code2wav_streams_chunks_of_the_talker():
+    cfg = load_pipeline_config(REPO / "stage_configs" / "qwen3_omni_moe.yaml")
+    streaming = cfg.stage(2).streaming
+    assert (streaming.chunk_size, streaming.left_context) == (25, 25)
+    assert cfg.stage(1).streaming is None
+
+
 def test_qwen3_omni_pd_config_loads():
     cfg = load_pipeline_config(REPO / "stage_configs" / "qwen3_omni_moe_pd.yaml")
     assert cfg.entry_stage.name == "thinker" and cfg.entry_stage.pd.role == "decode"
@@ -203,6 +210,18 @@ def test_topological_order_of_a_diamond(tmp_path):
      "required"),
     (mutate(s1={"imputs": [0]}), "stage 1 ('talker')", "imputs", "did you mean 'inputs'"),
     (mutate(s1={"stage_id": None}), "stages[1]", "stage_id", "Field required"),
+    (mutate(s2={"streaming": {"chunk_size": 0}}), "stage 2 ('code2wav')",
+     "streaming.chunk_size", "greater than or equal to 1"),
+    (mutate(s2={"streaming": {"chunk_size": 25, "left_context": -1}}),
+     "stage 2 ('code2wav')", "streaming.left_context", "greater than or equal to 0"),
+    (mutate(s2={"streaming": {"chunk_size": 25, "overlap": 2}}), "stage 2 ('code2wav')",
+     "streaming.overlap", "unknown field; allowed: chunk_size, left_context"),
+    (mutate(s1={"streaming": {"chunk_size": 25}}), "stage 1 ('talker')", "streaming",
+     "only a final-output stage"),
+    (mutate(s2={"inputs": [0, 1], "streaming": {"chunk_size": 25}}), "stage 2 ('code2wav')",
+     "streaming", "exactly one input stage (inputs: [0, 1])"),
+    (mutate(s2={"inputs": [0], "streaming": {"chunk_size": 25}}), "stage 2 ('code2wav')",
+     "streaming", "its input stage 0 is the entry stage"),
 ])
 def test_validation_errors_name_file_stage_field(tmp_path, data, stage, field, fragment):
     err = load_error(tmp_path, data)

@@ -31,7 +31,7 @@ class ScriptedReplica(Replica):
         self.queue_length = queue_length
         self.ran: list[str] = []
 
-    async def run(self, task: StageTask) -> StageRun:
+    async def run(self, task: StageTask, on_rows=None) -> StageRun:
         self.ran.append(task.request_id)
         await asyncio.sleep(0)
         if self.outcome != "ok":
@@ -143,7 +143,7 @@ def test_resubmission_goes_to_the_restarted_incarnation_of_the_same_replica():
         replica.status = "up"
         original_run = replica.run
 
-        async def run_then_restart(task):
+        async def run_then_restart(task, on_rows=None):
             try:
                 return await original_run(task)
             finally:

@@ -10,10 +10,12 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from vllm_omni_plugin.config.schema import (
+    PDConfig,
     PipelineConfig,
     RuntimeConfig,
     StageConfig,
     StageConfigError,
+    StreamingConfig,
     suggest,
 )
 from vllm_omni_plugin.logger import init_logger
@@ -104,6 +106,11 @@ def _parse_yaml(text: str, path: str) -> Any:
         raise StageConfigError(f"malformed YAML: {e}", path=path) from None
 
 
+#: The models of a stage's nested blocks, by field (for their unknown-field errors).
+_NESTED: dict[str, type[BaseModel]] = {
+    "runtime": RuntimeConfig, "pd": PDConfig, "streaming": StreamingConfig}
+
+
 def _convert(err: dict[str, Any], data: Mapping, path: str | None) -> StageConfigError:
     """Map one pydantic error dict to a StageConfigError naming stage and field."""
     loc = err["loc"]
@@ -119,7 +126,7 @@ def _convert(err: dict[str, Any], data: Mapping, path: str | None) -> StageConfi
     if err["type"] == "extra_forbidden":
         model: type[BaseModel] = (
             PipelineConfig if idx is None
-            else RuntimeConfig if rest[:1] == ("runtime",) else StageConfig)
+            else _NESTED.get(rest[0], StageConfig) if len(rest) > 1 else StageConfig)
         msg = (f"unknown field{suggest(str(rest[-1]), model.model_fields)}; "
                f"allowed: {', '.join(model.model_fields)}")
     else:

@@ -157,6 +157,24 @@ class PDConfig(BaseModel):
         return self.transfer_timeout_s or heartbeat_timeout
 
 
+class StreamingConfig(BaseModel):
+    """Stage-to-stage streaming into a stage: for a request the client streams, the stage
+    runs on chunks of its input stage's output while that stage still generates, and each
+    chunk's output goes to the client as it is ready.
+
+    A chunk is ``chunk_size`` rows of the input stage's payload (dim 0 of its tensors, which
+    must all have one row per output position: the talker's ``codes``, codec frames at
+    12.5 per second of speech), preceded by up to
+    ``left_context`` earlier rows the stage sees as context only (its model drops their
+    output; the processor is told through ``UpstreamOutput.context_rows``). Requests not
+    streamed run the stage once on the whole output.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    chunk_size: int = Field(ge=1)
+    left_context: int = Field(default=0, ge=0)
+
+
 class StageConfig(BaseModel):
     """One stage: an engine plus how its input is built from upstream outputs."""
 
@@ -172,6 +190,7 @@ class StageConfig(BaseModel):
     default_sampling_params: dict[str, Any] = Field(default_factory=dict)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     pd: PDConfig | None = None
+    streaming: StreamingConfig | None = None
 
     @property
     def is_prefill(self) -> bool:
@@ -212,6 +231,13 @@ class StageConfig(BaseModel):
             raise self._error("final_output_type", "set but 'final_output' is false")
         if self.pd is not None:
             self._check_pd()
+        if self.streaming is not None:
+            if len(self.inputs) != 1:
+                raise self._error("streaming", "a streamed stage reads exactly one input "
+                                  f"stage (inputs: {self.inputs})")
+            if not self.final_output:
+                raise self._error("streaming", "only a final-output stage can be streamed "
+                                  "(its chunks go to the client)")
         return self
 
     def _check_pd(self) -> None:
@@ -271,6 +297,10 @@ class PipelineConfig(BaseModel):
             raise by_id[cycle[0]]._error(
                 "inputs", "inputs form a cycle: " + " -> ".join(map(str, cycle)))
         _check_pd_pairs(self.stages, by_id)
+        for s in self.stages:
+            if s.streaming is not None and not by_id[s.inputs[0]].inputs:
+                raise s._error("streaming", f"its input stage {s.inputs[0]} is the entry "
+                               "stage, whose output is not streamed to other stages")
         entries = [s for s in self.stages if not s.inputs and not s.is_prefill]
         if len(entries) != 1:
             listed = ", ".join(f"{s.stage_id} ({s.name!r})" for s in entries)

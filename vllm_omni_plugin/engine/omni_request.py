@@ -11,6 +11,7 @@ cannot write into it: it never travels in a request body or in
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -63,11 +64,16 @@ class OmniRequest:
         voice: talker speaker name, None for the checkpoint's default.
         result: set by the orchestrator: the pipeline's output, or a failure
             (also set for a text-only request whose stage failed).
+        partials: set by the API layer for a request it streams to the client: the
+            orchestrator puts each chunk of a streamed final stage's output here as it
+            is ready (a payload ``{name: tensor}``, rows on dim 0; the chunks' rows in
+            order are those of ``result.payload``). None: not streamed.
     """
 
     modalities: tuple[str, ...] = (TEXT,)
     voice: str | None = None
     result: StageResult | None = None
+    partials: asyncio.Queue | None = None
 
     @property
     def text_only(self) -> bool:

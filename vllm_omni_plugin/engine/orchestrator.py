@@ -21,6 +21,11 @@ sampling parameters plus the parameters that make it pull that KV cache (the pre
 replica says where from). The prefill stage publishes the prompt's rows, the entry
 stage the generated ones; the downstream stages see them joined, as without PD.
 Client ``kv_transfer_params`` never reach an engine.
+
+A final stage with ``streaming`` (code2wav) runs, for a request the client streams, on
+chunks of its input stage's output while that stage (the talker) still generates: each
+chunk of rows, after some rows of left context, is one task of the stage, and its output
+goes to the API layer (:attr:`OmniRequest.partials`) as soon as it is ready.
 """
 
 from __future__ import annotations
@@ -279,26 +284,29 @@ class Orchestrator:
     async def _run_downstream(self, request: OmniRequest, request_id, outputs, extra,
                               admission) -> StageResult | None:
         """Run every downstream stage, giving its admission slot back as the
-        request leaves it; None when the request was aborted meanwhile."""
+        request leaves it; None when the request was aborted meanwhile. A stage with
+        ``streaming`` runs on chunks of its input stage's output while that stage runs,
+        for a request the client streams (:attr:`OmniRequest.partials`)."""
         from vllm_omni_plugin.processors.hookspecs import UpstreamOutput
 
         last = None
         extras = {**extra, xargs.SPEAKER: request.voice, "hf_config": self.hf_config}
         for stage in self._downstream:
-            try:
-                upstream = [outputs[s] for s in stage.inputs]
-                stage_input = self.processors[stage.stage_id](upstream, stage, dict(extras))
-            except ValueError as exc:  # processors raise ValueError for bad requests
-                raise StageError(stage.stage_id, stage.name,
-                                 f"input processor {stage.input_processor!r}: {exc}",
-                                 status=400) from exc
-            except Exception as exc:
-                raise StageError(stage.stage_id, stage.name,
-                                 f"input processor {stage.input_processor!r}: {exc}") from exc
+            if stage.stage_id in outputs:  # streamed, with its input stage
+                admission.release(stage.stage_id)
+                last = stage
+                continue
+            stage_input = self._stage_input(stage, [outputs[s] for s in stage.inputs],
+                                            extras)
             if request_id in self._aborted:
                 return None
+            streamed = self._streamed_from(stage) if request.partials is not None else None
             try:
-                run = await self._run_stage(request_id, stage, stage_input)
+                if streamed is None:
+                    run = await self._run_stage(request_id, stage, stage_input)
+                else:
+                    run = await self._run_streaming(request, request_id, stage, stage_input,
+                                                    streamed, outputs, extras)
             finally:
                 admission.release(stage.stage_id)
             if run is None or request_id in self._aborted:
@@ -317,20 +325,101 @@ class Orchestrator:
                            stage_outputs={s: o for s, o in outputs.items()
                                           if s != self.entry.stage_id})
 
-    async def _run_stage(self, request_id, stage, stage_input):
-        """Run ``stage`` for the request on one of its replicas; None when aborted."""
+    def _stage_input(self, stage, upstream: list, extras: dict):
+        """``stage``'s input processor on ``upstream``.
+
+        Raises:
+            StageError: the processor failed (400 for a ``ValueError``: a bad request).
+        """
+        try:
+            return self.processors[stage.stage_id](upstream, stage, dict(extras))
+        except ValueError as exc:  # processors raise ValueError for bad requests
+            raise StageError(stage.stage_id, stage.name,
+                             f"input processor {stage.input_processor!r}: {exc}",
+                             status=400) from exc
+        except Exception as exc:
+            raise StageError(stage.stage_id, stage.name,
+                             f"input processor {stage.input_processor!r}: {exc}") from exc
+
+    def _streamed_from(self, stage):
+        """The downstream stage that streams ``stage``'s output (``streaming``), or None."""
+        return next((s for s in self._downstream
+                     if s.streaming is not None and s.inputs == [stage.stage_id]), None)
+
+    async def _run_streaming(self, request: OmniRequest, request_id, stage, stage_input,
+                             consumer, outputs, extras):
+        """Run ``stage`` and, while it runs, ``consumer`` (its ``streaming`` stage) on
+        each chunk of its output: ``chunk_size`` rows after up to ``left_context`` rows of
+        context, one consumer task per chunk, in order; each chunk's output goes into
+        :attr:`OmniRequest.partials`, and their rows joined into ``outputs`` as the
+        consumer's. Returns ``stage``'s run; None when aborted.
+
+        Raises:
+            StageError: either stage failed (the other's task is stopped).
+        """
+        from vllm_omni_plugin.processors.hookspecs import UpstreamOutput
+
+        config = consumer.streaming
+        rows = _Rows()
+        producer = asyncio.ensure_future(self._run_stage(request_id, stage, stage_input,
+                                                         on_rows=rows))
+        pieces: list[dict] = []
+        start = 0
+        try:
+            while True:
+                finished = producer.done()
+                if finished:
+                    run = producer.result()
+                    if run is None:
+                        return None
+                    rows.replace(run.payload)  # a remote replica reports its rows here
+                available = rows.count - start
+                if available < config.chunk_size and not (finished and available > 0):
+                    if finished:
+                        break
+                    rows.wanted = start + config.chunk_size
+                    await rows.wait_for_more(producer)
+                    continue
+                end = start + min(config.chunk_size, available)
+                context = min(config.left_context, start)
+                upstream = UpstreamOutput(
+                    stage_id=stage.stage_id, prompt_token_ids=[], output_token_ids=[],
+                    payload=rows.slice(start - context, end), context_rows=context)
+                chunk_input = self._stage_input(consumer, [upstream], extras)
+                piece = await self._run_stage(request_id, consumer, chunk_input,
+                                              part=len(pieces))
+                if piece is None or request_id in self._aborted:
+                    return None
+                pieces.append(piece.payload)
+                request.partials.put_nowait(piece.payload)
+                start = end
+        finally:
+            if not producer.done():
+                producer.cancel()
+                await asyncio.wait({producer})
+        if pieces:
+            outputs[consumer.stage_id] = UpstreamOutput(
+                stage_id=consumer.stage_id, prompt_token_ids=[], output_token_ids=[],
+                payload=_join_rows(*pieces))
+        return run
+
+    async def _run_stage(self, request_id, stage, stage_input, on_rows=None,
+                         part: int | None = None):
+        """Run ``stage`` for the request on one of its replicas; None when aborted.
+        ``part``: the index of a chunk of a streamed request (its own sub-request)."""
         from vllm_omni_plugin.replicas.task import StageTask
 
+        suffix = "" if part is None else f"-c{part}"
         task = StageTask(
-            request_id=f"{request_id}-s{stage.stage_id}",
+            request_id=f"{request_id}-s{stage.stage_id}{suffix}",
             prompt_token_ids=list(stage_input.prompt_token_ids),
             sampling={**stage.default_sampling_params, **stage_input.sampling_overrides},
             payload=stage_input.payload)
-        return await self._run_task(request_id, stage, task)
+        return await self._run_task(request_id, stage, task, on_rows)
 
-    async def _run_task(self, request_id, stage, task):
+    async def _run_task(self, request_id, stage, task, on_rows=None):
         """Run ``task`` (a ``StageTask``) on one of ``stage``'s replicas; None when
-        aborted."""
+        aborted. ``on_rows``: see ``StagePool.run``."""
         from vllm_omni_plugin.replicas.pool import NoReplicaAvailable, ReplicaFailed
         from vllm_omni_plugin.replicas.task import TaskAborted, TaskError
 
@@ -339,7 +428,7 @@ class Orchestrator:
         self._inflight.setdefault(request_id, set()).add((stage.stage_id, sub_id))
         self._stage_of[request_id] = stage.stage_id
         try:
-            return await pool.run(task)
+            return await pool.run(task, on_rows)
         except asyncio.CancelledError:
             raise
         except TaskAborted:
@@ -402,16 +491,61 @@ def _decode_extra(prefilled: _Prefilled | None) -> dict:
     return {KV_TRANSFER_PARAMS: prefilled.decode_params} if prefilled else {}
 
 
-def _join_rows(prefill: dict, decode: dict) -> dict:
-    """The entry stage's payload with PD: the prefill stage's rows (the prompt's positions,
-    and its once-per-request tensors) followed by the decode stage's (the generated
-    positions); a tensor both published is concatenated along dim 0."""
+def _join_rows(*payloads: dict) -> dict:
+    """Payloads published in parts, joined: a tensor in several is concatenated along dim 0,
+    in order. With PD, the prefill stage's rows (the prompt's positions, and its
+    once-per-request tensors) followed by the decode stage's (the generated positions); with
+    streaming, a stage's chunks."""
     import torch
 
-    joined = dict(prefill)
-    for name, tensor in decode.items():
-        joined[name] = torch.cat([joined[name], tensor]) if name in joined else tensor
+    joined: dict = {}
+    for payload in payloads:
+        for name, tensor in payload.items():
+            joined[name] = torch.cat([joined[name], tensor]) if name in joined else tensor
     return joined
+
+
+class _Rows:
+    """The output rows a streamed stage's task has published so far (see
+    :meth:`Orchestrator._run_streaming`); a ``replicas.task.RowsSink``."""
+
+    def __init__(self) -> None:
+        self._chunks: list[dict] = []
+        self._joined: dict | None = {}
+        self.count = 0
+        self.wanted = 0  # see replicas.task.RowsSink
+        self._more = asyncio.Event()
+
+    def add(self, chunks: list[dict]) -> None:
+        self._chunks.extend(chunks)
+        self._joined = None
+        self.count += _num_rows(chunks)
+        self._more.set()
+
+    def replace(self, payload: dict) -> None:
+        """The task's whole payload, once it ended (the chunks so far are its first rows)."""
+        self._chunks, self._joined, self.count = [payload], payload, _num_rows([payload])
+
+    def slice(self, begin: int, end: int) -> dict:
+        """Rows ``[begin, end)`` of every tensor."""
+        if self._joined is None:
+            self._joined = _join_rows(*self._chunks)
+            self._chunks = [self._joined]
+        return {name: tensor[begin:end] for name, tensor in self._joined.items()}
+
+    async def wait_for_more(self, task: asyncio.Future) -> None:
+        """Until more rows come or ``task`` ends."""
+        self._more.clear()
+        waiter = asyncio.ensure_future(self._more.wait())
+        try:
+            await asyncio.wait({waiter, task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+
+
+def _num_rows(chunks: list[dict]) -> int:
+    """Rows (dim 0) of payload chunks: each chunk's tensors share dim 0."""
+    return sum(next(iter(c.values())).shape[0] for c in chunks if c)
 
 
 def prompt_token_ids_of(prompt) -> list[int] | None:

@@ -68,7 +68,9 @@ from vllm_omni_plugin.entrypoints.speech import (
     SpeechRequest,
     parse_speech_request,
     speech_chat_body,
-    sse_events,
+    sse_delta,
+    sse_done,
+    sse_error,
 )
 from vllm_omni_plugin.processors import Voices, list_voices
 
@@ -305,10 +307,17 @@ class OmniAudioMiddleware:
         asked = asked or AudioRequest((TEXT,))
         request = OmniRequest(modalities=asked.modalities, voice=asked.voice)
         if body.get("stream"):
-            if not request.text_only:
-                send = _AudioStream(send, request, asked.format)
+            if request.text_only:
+                with omni_request_scope(request):
+                    return await self.app(scope, _replay(forwarded, receive), send)
+            request.partials = asyncio.Queue()
+            stream = _AudioStream(send, request, asked.format)
             with omni_request_scope(request):
-                return await self.app(scope, _replay(forwarded, receive), send)
+                pump = asyncio.create_task(stream.pump())
+                try:
+                    return await self.app(scope, _replay(forwarded, receive), stream)
+                finally:
+                    pump.cancel()
         captured = await self._captured(scope, receive, forwarded, request)
         result = request.result
         if result is not None and result.error:
@@ -334,12 +343,40 @@ class OmniAudioMiddleware:
 
     async def _speech(self, scope, receive, send, speech: SpeechRequest) -> None:
         """``POST /v1/audio/speech``: the chat completion of :func:`speech_chat_body`,
-        answered as audio bytes or as OpenAI's speech events."""
-        request = OmniRequest(modalities=(TEXT, AUDIO), voice=speech.voice)
+        answered as audio bytes or as OpenAI's speech events; ``pcm`` chunk by chunk as
+        the pipeline produces them (see :mod:`.speech`)."""
+        streamed = speech.format == STREAM_FORMAT
+        request = OmniRequest(modalities=(TEXT, AUDIO), voice=speech.voice,
+                              partials=asyncio.Queue() if streamed else None)
         chat_scope = {**scope, "path": CHAT_PATH, "raw_path": CHAT_PATH.encode()}
-        captured = await self._captured(chat_scope, receive,
-                                        json.dumps(speech_chat_body(speech)).encode(), request)
+        chat = asyncio.ensure_future(self._captured(
+            chat_scope, receive, json.dumps(speech_chat_body(speech)).encode(), request))
+        try:
+            sent = await self._speech_chunks(send, speech, request, chat) if streamed else None
+            captured = await chat
+        finally:
+            if not chat.done():  # the client went away mid-stream
+                chat.cancel()
         result = request.result
+        kind = b"text/event-stream" if speech.stream_format == "sse" else \
+            AUDIO_FORMATS[speech.format].media_type.encode()
+        if sent is not None:  # the response started: finish it
+            if result is None or result.error:
+                if speech.stream_format == "sse":
+                    status = result.status if result is not None else 500
+                    error = result.error if result is not None else "no speech was produced"
+                    await send({"type": "http.response.body", "more_body": False,
+                                "body": sse_error(_error_body(error, status))})
+                else:  # raw audio cannot carry an error: the client sees it cut short
+                    await send({"type": "http.response.body", "body": b"",
+                                "more_body": False})
+                return
+            rest = encode_audio(result.payload["waveform"][sent:].numpy(),
+                                result.sample_rate, speech.format)
+            body = rest if speech.stream_format == "audio" else (
+                sse_delta(rest) + sse_done(json.loads(captured.body).get("usage")))
+            return await send({"type": "http.response.body", "body": body,
+                               "more_body": False})
         if result is not None and result.error:
             return await _send_failure(send, result)
         if captured.status != 200 or result is None:
@@ -348,12 +385,38 @@ class OmniAudioMiddleware:
                                speech.format)
         if speech.stream_format == "sse":
             usage = json.loads(captured.body).get("usage")
-            body, kind = sse_events(encoded, usage), b"text/event-stream"
+            body = sse_delta(encoded) + sse_done(usage)
         else:
-            body, kind = encoded, AUDIO_FORMATS[speech.format].media_type.encode()
+            body = encoded
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", kind), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
+
+    async def _speech_chunks(self, send, speech: SpeechRequest, request: OmniRequest,
+                             chat: asyncio.Future) -> int | None:
+        """Send each chunk of speech the orchestrator produces while ``chat`` runs (the
+        response starts with the first); the samples sent, or None when none came."""
+        partials, sent = request.partials, None
+        kind = b"text/event-stream" if speech.stream_format == "sse" else \
+            AUDIO_FORMATS[speech.format].media_type.encode()
+        while True:
+            getter = asyncio.ensure_future(partials.get())
+            await asyncio.wait({getter, chat}, return_when=asyncio.FIRST_COMPLETED)
+            if not getter.done():
+                getter.cancel()
+                return sent  # the rest of the waveform is in the result
+            payload = getter.result()
+            if sent is None:
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": [(b"content-type", kind)]})
+                sent = 0
+            samples = payload["waveform"]
+            encoded = encode_audio(samples.numpy(), _rate_of(payload), speech.format)
+            sent += samples.shape[0]
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": encoded if speech.stream_format == "audio"
+                        else sse_delta(encoded)})
+            partials.task_done()
 
 
 def _replay(body: bytes, receive):
@@ -374,11 +437,13 @@ def _replay(body: bytes, receive):
 class _AudioStream:
     """The ASGI ``send`` of a streamed chat completion with audio.
 
-    vLLM's SSE events pass through; the request's audio goes out as one
-    ``chat.completion.chunk`` whose ``choices[0].delta.audio`` is ``{"id", "data" (base64
-    little-endian 16-bit PCM, mono, at the pipeline's sample rate), "transcript" (the
-    streamed text), "expires_at"}``, after all the text and before ``finish_reason``
-    (the orchestrator holds vLLM's last output back until the last stage ran).
+    vLLM's SSE events pass through. The audio goes out as chunks whose
+    ``choices[0].delta.audio`` is ``{"id" (one per answer), "data" (base64 little-endian
+    16-bit PCM, mono, at the pipeline's sample rate), "transcript" (the text streamed since
+    the previous audio chunk)}``: each chunk of a streamed final stage as soon as the
+    orchestrator has it (:meth:`pump`), and the rest of the waveform, with ``expires_at``,
+    before the chunk carrying ``finish_reason`` (the orchestrator holds vLLM's last output
+    back until the last stage ran; that chunk's text, if any, goes out first on its own).
     A pipeline failure recorded before vLLM's first event answers with its own status;
     a later one goes out as an ``{"error": ...}`` event, which the OpenAI SDK raises.
     Anything but a ``200 text/event-stream`` response (vLLM's own errors) passes
@@ -391,10 +456,15 @@ class _AudioStream:
         self._format = fmt
         self._start: dict | None = None
         self._sse: bool | None = None  # decided by the response start
+        self._started = asyncio.Event()  # the response start went out
+        self._lock = asyncio.Lock()  # one event at a time from vLLM's sends and pump()
         self._buffer = b""
         self._transcript: list[str] = []
+        self._transcript_sent = 0  # pieces of _transcript sent with audio
+        self._samples_sent = 0
+        self._audio_id = f"audio_{uuid.uuid4().hex}"
         self._chunk: dict = {}  # id, created, model of vLLM's chunks
-        self._done = False  # audio or error sent
+        self._done = False  # all audio or the error sent
         self._closed = False
 
     async def __call__(self, message) -> None:
@@ -410,23 +480,47 @@ class _AudioStream:
             return
         if message["type"] != "http.response.body" or not self._sse:
             return await self._send(message)
-        if self._start is not None:
-            result = self._request.result
-            if result is not None and result.error:  # failed before anything was streamed
-                self._closed = True
-                return await _send_failure(self._send, result)
-            await self._send(self._start)
-            self._start = None
-        self._buffer += message.get("body", b"")
-        out = []
-        while b"\n\n" in self._buffer:
-            event, self._buffer = self._buffer.split(b"\n\n", 1)
-            out.extend(self._rewrite(event + b"\n\n"))
-        more = message.get("more_body", False)
-        if not more:
-            out.append(self._buffer)
-        await self._send({"type": "http.response.body", "body": b"".join(out),
-                          "more_body": more})
+        async with self._lock:
+            if self._start is not None:
+                result = self._request.result
+                if result is not None and result.error:  # failed before anything streamed
+                    self._closed = True
+                    return await _send_failure(self._send, result)
+                await self._send(self._start)
+                self._start = None
+                self._started.set()
+            self._buffer += message.get("body", b"")
+            out = []
+            while b"\n\n" in self._buffer:
+                event, self._buffer = self._buffer.split(b"\n\n", 1)
+                out.extend(self._rewrite(event + b"\n\n"))
+            more = message.get("more_body", False)
+            if not more:
+                out.append(self._buffer)
+            await self._send({"type": "http.response.body", "body": b"".join(out),
+                              "more_body": more})
+
+    async def pump(self) -> None:
+        """Send each chunk the orchestrator puts into the request's ``partials`` as an
+        audio chunk, between vLLM's events, once the response has started. Ends when the
+        answer is done; stops at a send that fails (the client went away: vLLM's
+        handler sees the disconnect itself)."""
+        partials = self._request.partials
+        while True:
+            payload = await partials.get()
+            await self._started.wait()
+            async with self._lock:
+                if self._done or self._closed:
+                    return
+                samples = payload["waveform"]
+                event = self._audio_event(samples, _rate_of(payload))
+                self._samples_sent += samples.shape[0]
+                try:
+                    await self._send({"type": "http.response.body", "body": event,
+                                      "more_body": True})
+                except Exception:
+                    return
+            partials.task_done()
 
     def _rewrite(self, event: bytes) -> list[bytes]:
         """vLLM's ``event`` and what goes with it: the audio (or the error) before the
@@ -457,15 +551,35 @@ class _AudioStream:
         return [*events, *self._audio_or_error(), event]
 
     def _audio_or_error(self) -> list[bytes]:
+        """The last audio chunk (the waveform's samples not sent yet, ``expires_at``), or
+        the error event."""
         result = self._request.result
         if self._done or result is None:
             return []
         self._done = True
         if result.error:
             return [b"data: " + _error_body(result.error, result.status) + b"\n\n"]
-        audio = audio_object(result, self._format, "".join(self._transcript))
-        return [_sse({**self._chunk, "object": "chat.completion.chunk", "choices": [
-            {"index": 0, "delta": {"audio": audio}, "logprobs": None, "finish_reason": None}]})]
+        rest = result.payload["waveform"][self._samples_sent:]
+        return [self._audio_event(rest, result.sample_rate,
+                                  expires_at=int(time.time()) + AUDIO_EXPIRY_S)]
+
+    def _audio_event(self, samples, sample_rate: int, expires_at: int | None = None) -> bytes:
+        """One ``delta.audio`` chunk of ``samples`` (``[n]`` float) as ``pcm16``."""
+        transcript = "".join(self._transcript[self._transcript_sent:])
+        self._transcript_sent = len(self._transcript)
+        audio = {"id": self._audio_id,
+                 "data": base64.b64encode(encode_audio(samples.numpy(), sample_rate,
+                                                       self._format)).decode("ascii"),
+                 "transcript": transcript}
+        if expires_at is not None:
+            audio["expires_at"] = expires_at
+        return _sse({**self._chunk, "object": "chat.completion.chunk", "choices": [
+            {"index": 0, "delta": {"audio": audio}, "logprobs": None, "finish_reason": None}]})
+
+
+def _rate_of(payload: dict) -> int:
+    """The sample rate (Hz) in a final stage's output payload (``sample_rate`` ``[k]``)."""
+    return int(payload["sample_rate"].reshape(-1)[0])
 
 
 def _sse(chunk: dict) -> bytes:

@@ -11,6 +11,10 @@ characters), ``voice`` (one of ``GET /v1/audio/voices``; default: the checkpoint
 ``response_format`` (:data:`SPEECH_FORMATS`, default ``mp3``), ``stream_format``
 (``audio``: the encoded bytes as the body; ``sse``: ``speech.audio.delta`` and
 ``speech.audio.done`` events), ``instructions`` and ``speed`` (1.0 only).
+
+``pcm`` is streamed: each chunk of speech a streamed final stage produces goes out as
+soon as it is ready (body bytes, or one ``speech.audio.delta`` each); the other formats
+are containers, encoded once the whole speech exists.
 """
 
 from __future__ import annotations
@@ -107,14 +111,26 @@ def speech_chat_body(speech: SpeechRequest) -> dict:
     }
 
 
-def sse_events(encoded: bytes, usage: dict | None) -> bytes:
-    """OpenAI's speech stream: one ``speech.audio.delta`` event (``audio``: base64 of
-    ``encoded``) and the ``speech.audio.done`` event with ``usage``
-    (``input_tokens``, ``output_tokens``, ``total_tokens``: the entry stage's)."""
+def sse_delta(encoded: bytes) -> bytes:
+    """OpenAI's ``speech.audio.delta`` event (``audio``: base64 of ``encoded``)."""
+    return _sse({"type": "speech.audio.delta",
+                 "audio": base64.b64encode(encoded).decode("ascii")})
+
+
+def sse_done(usage: dict | None) -> bytes:
+    """OpenAI's ``speech.audio.done`` event with ``usage`` (``input_tokens``,
+    ``output_tokens``, ``total_tokens``: the entry stage's, from a chat ``usage``)."""
     usage = usage or {}
-    done = {"type": "speech.audio.done", "usage": {
+    return _sse({"type": "speech.audio.done", "usage": {
         "input_tokens": usage.get("prompt_tokens", 0),
         "output_tokens": usage.get("completion_tokens", 0),
-        "total_tokens": usage.get("total_tokens", 0)}}
-    delta = {"type": "speech.audio.delta", "audio": base64.b64encode(encoded).decode("ascii")}
-    return b"".join(b"data: " + json.dumps(event).encode() + b"\n\n" for event in (delta, done))
+        "total_tokens": usage.get("total_tokens", 0)}})
+
+
+def sse_error(error: bytes) -> bytes:
+    """An ``error`` event carrying an OpenAI error body (``{"error": {...}}``)."""
+    return _sse({"type": "error", **json.loads(error)})
+
+
+def _sse(event: dict) -> bytes:
+    return b"data: " + json.dumps(event).encode() + b"\n\n"

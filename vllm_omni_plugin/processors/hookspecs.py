@@ -35,12 +35,18 @@ class UpstreamOutput:
         output_token_ids: token ids that stage generated.
         payload: tensors the stage's worker published for this request
             (e.g. ``{"hidden_states": ...}``); may be empty.
+        context_rows: for one chunk of a streamed stage's input (stage field
+            ``streaming``): the payload holds the chunk's rows (dim 0) preceded by this
+            many earlier rows, which the consuming stage sees as left context only; the
+            processor passes it on to the stage's model, which drops their output. 0
+            otherwise.
     """
 
     stage_id: int
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     payload: dict[str, torch.Tensor] = field(default_factory=dict)
+    context_rows: int = 0
 
 
 @dataclass

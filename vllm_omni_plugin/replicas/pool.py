@@ -25,7 +25,7 @@ from vllm_omni_plugin.coordinator.load_balancer import LoadBalancer
 from vllm_omni_plugin.logger import init_logger
 
 from .replica import Replica
-from .task import ReplicaLost, StageRun, StageTask
+from .task import ReplicaLost, RowsSink, StageRun, StageTask
 
 logger = init_logger(__name__)
 
@@ -156,8 +156,8 @@ class StagePool:
                 pass
 
     # -- running --------------------------------------------------------------
-    async def run(self, task: StageTask) -> StageRun:
-        """Run ``task`` on a replica of this stage.
+    async def run(self, task: StageTask, on_rows: RowsSink | None = None) -> StageRun:
+        """Run ``task`` on a replica of this stage (``on_rows``: see :meth:`Replica.run`).
 
         Raises:
             NoReplicaAvailable: none became available within ``wait_timeout``.
@@ -168,7 +168,7 @@ class StagePool:
         while True:
             replica = await self._wait_for_replica(task, frozenset(tried))
             try:
-                return await replica.run(task)
+                return await replica.run(task, on_rows)
             except ReplicaLost as exc:
                 if exc.produced_output:
                     self.failures += 1

@@ -32,7 +32,15 @@ from .protocol import (
     pack_tensors,
     unpack_tensors,
 )
-from .task import ReplicaLost, StageRun, StageTask, TaskAborted, TaskError, run_on_engine
+from .task import (
+    ReplicaLost,
+    RowsSink,
+    StageRun,
+    StageTask,
+    TaskAborted,
+    TaskError,
+    run_on_engine,
+)
 
 logger = init_logger(__name__)
 
@@ -72,8 +80,10 @@ class Replica:
         """Not attached now but expected back without anyone's action."""
         return self.status == "starting"
 
-    async def run(self, task: StageTask) -> StageRun:
-        """Run ``task``.
+    async def run(self, task: StageTask, on_rows: RowsSink | None = None) -> StageRun:
+        """Run ``task``. ``on_rows`` receives its output payload chunks as the engine
+        publishes them (see :func:`~.task.run_on_engine`) where the replica can tell
+        (local replicas); a remote replica hands over the whole payload at the end.
 
         Raises:
             TaskError: the task failed on a healthy replica.
@@ -116,7 +126,7 @@ class LocalReplica(Replica):
         self.restart_eta = None
         self.status = "up"
 
-    async def run(self, task: StageTask) -> StageRun:
+    async def run(self, task: StageTask, on_rows: RowsSink | None = None) -> StageRun:
         self.requests_total += 1
         self.running.add(task.request_id)
         engine = self.engine
@@ -133,7 +143,7 @@ class LocalReplica(Replica):
         self._lost[task.request_id] = lost
         runner = asyncio.ensure_future(run_on_engine(
             engine, self.store, task, on_progress=on_progress,
-            aborted=lambda: task.request_id in self._aborted))
+            aborted=lambda: task.request_id in self._aborted, on_rows=on_rows))
         try:
             await asyncio.wait({runner, lost}, return_when=asyncio.FIRST_COMPLETED)
             if not runner.done():
@@ -236,7 +246,7 @@ class RemoteReplica(Replica):
         tasks in flight there when higher (heartbeats lag)."""
         return max(self.reported_queue_length, len(self.running))
 
-    async def run(self, task: StageTask) -> StageRun:
+    async def run(self, task: StageTask, on_rows: RowsSink | None = None) -> StageRun:
         if not self.attached:
             raise ReplicaLost(f"{self.name} is not attached", produced_output=False)
         self.requests_total += 1

@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -91,10 +91,23 @@ def engine_is_dead(exc: BaseException) -> bool:
     return isinstance(exc, EngineDeadError)
 
 
+class RowsSink(Protocol):
+    """Takes the output payload chunks a stage engine publishes for a task while it runs
+    (each ``{name: tensor}``, rows on dim 0, in order; together they are the run's
+    payload)."""
+
+    #: Output tokens the task has to have before the next read is worth it (a stage
+    #: publishes at most about one row per output token: the talker one frame per code 0).
+    wanted: int
+
+    def add(self, chunks: list[dict[str, torch.Tensor]]) -> None: ...
+
+
 async def run_on_engine(engine, store: PayloadStore, task: StageTask,
                         on_progress: Callable[[int], None] | None = None,
                         aborted: Callable[[], bool] | None = None,
-                        host: str = "127.0.0.1") -> StageRun:
+                        host: str = "127.0.0.1",
+                        on_rows: RowsSink | None = None) -> StageRun:
     """Run ``task`` on ``engine`` (an ``AsyncLLM`` of the stage).
 
     ``on_progress(num_tokens)`` is called once, when the engine first reports
@@ -102,6 +115,10 @@ async def run_on_engine(engine, store: PayloadStore, task: StageTask,
     abort that reached the replica before its engine knew the request stops
     it there. ``host``: the address other engines reach this one at (a prefill
     engine's bootstrap server, see :attr:`StageRun.prefill_engine`).
+    ``on_rows``: gets the payload chunks the worker published since the previous read
+    (the worker appends a step's rows before the engine reports the step), read after
+    an engine output with at least ``on_rows.wanted`` output tokens, for a task that
+    publishes.
 
     Raises:
         TaskError: bad sampling parameters, engine error or missing output.
@@ -125,6 +142,7 @@ async def run_on_engine(engine, store: PayloadStore, task: StageTask,
     params.extra_args = {**xargs.without_reserved(params.extra_args), xargs.PAYLOAD: keys}
     produced = False
     final = None
+    seen = 0  # payload chunks handed to on_rows
     try:
         if task.payload:
             await asyncio.to_thread(store.put, in_key, task.payload)
@@ -141,6 +159,12 @@ async def run_on_engine(engine, store: PayloadStore, task: StageTask,
                         produced = True
                         if on_progress is not None:
                             on_progress(len(out.outputs[0].token_ids))
+                    if on_rows is not None and task.publish and out.outputs and len(
+                            out.outputs[0].token_ids) >= on_rows.wanted:
+                        chunks = await asyncio.to_thread(store.chunks, out_key, seen)
+                        if chunks:
+                            seen += len(chunks)
+                            on_rows.add(chunks)
         except asyncio.CancelledError:
             raise
         except Exception as exc:

@@ -16,14 +16,16 @@ Input: a JSON spec as ``argv[1]`` (or on stdin when no argument is given)::
           "name": "default",
           "engine_args": {...},                 # extra vllm.LLM(...) kwargs
           "batches": [[[id, ...], ...], ...],   # llm.generate() calls, in order: prompts
+                                                # (or {"ids": [...], "left_context": c}: a
+                                                # chunk of a streamed request)
           "probe": true                         # optional: see probe_model
         }
       ]
     }
 
 Each prompt ``i`` of batch ``b`` publishes under the payload key ``"{name}.b{b}.p{i}"``
-(created here, as the orchestrator does; its failure key is that key plus ``".err"``);
-``max_tokens=1``.
+(created here, as the orchestrator does; its failure key is that key plus ``".err"``; a
+chunk's input payload goes under that key plus ``".in"``); ``max_tokens=1``.
 
 Output: the last stdout line is ``{"engines": {name: result}}`` where ``result`` is
 ``{"batches": [{"keys": [...], "token_ids": [[...], ...], "finished": [...]}, ...],
@@ -98,6 +100,9 @@ def probe_model(model) -> dict:
         def requests(self):
             return self.rows
 
+        def inputs(self, req_id):
+            return {}
+
         def failed(self, req_id):
             return req_id in self.failures
 
@@ -126,12 +131,16 @@ def probe_model(model) -> dict:
 
 
 def run(model: str, payload_dir: str, spec: dict) -> dict:
+    import torch
     from transformers import AutoConfig
     from vllm import LLM, SamplingParams
 
     from vllm_omni_plugin.config.settings import OmniSettings
     from vllm_omni_plugin.extra_args import PAYLOAD
-    from vllm_omni_plugin.models.qwen3_omni.code2wav import Qwen3OmniCode2WavStage
+    from vllm_omni_plugin.models.qwen3_omni.code2wav import (
+        LEFT_CONTEXT_INPUT,
+        Qwen3OmniCode2WavStage,
+    )
     from vllm_omni_plugin.payload_store import PayloadStore
 
     if STEPS is not None:
@@ -153,13 +162,18 @@ def run(model: str, payload_dir: str, spec: dict) -> dict:
     batches = []
     for b, prompts in enumerate(spec["batches"]):
         keys = [f"{spec['name']}.b{b}.p{i}" for i in range(len(prompts))]
-        for key in keys:
+        params = []
+        for key, prompt in zip(keys, prompts, strict=True):
             store.create(key)  # the consumer opens keys; the worker only writes
-        params = [SamplingParams(temperature=0.0, max_tokens=1, detokenize=False,
-                                 extra_args={PAYLOAD: {"out": key, "err": f"{key}.err"}})
-                  for key in keys]
-        outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params,
-                            use_tqdm=False)
+            slots = {"out": key, "err": f"{key}.err"}
+            if isinstance(prompt, dict):
+                store.put(f"{key}.in", {LEFT_CONTEXT_INPUT: torch.tensor(
+                    [prompt["left_context"]], dtype=torch.long)})
+                slots["in"] = f"{key}.in"
+            params.append(SamplingParams(temperature=0.0, max_tokens=1, detokenize=False,
+                                         extra_args={PAYLOAD: slots}))
+        outs = llm.generate([{"prompt_token_ids": list(p["ids"] if isinstance(p, dict) else p)}
+                             for p in prompts], params, use_tqdm=False)
         batches.append({
             "keys": keys,
             "token_ids": [list(o.outputs[0].token_ids) for o in outs],

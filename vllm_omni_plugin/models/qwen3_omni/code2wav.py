@@ -14,7 +14,13 @@ model runner (the plugin's ``OmniWorker``), batched across requests like any mod
   to ``model.stage_step``), the waveform HF ``Qwen3OmniMoeCode2Wav.chunked_decode(codes,
   chunk_size=300, left_context_size=25)`` returns, computed here: the step's chunks of all
   requests in one right-padded batch (code2wav is causal, so padding after a chunk does
-  not change its samples), each request's chunks then cut and joined as HF does.
+  not change its samples), each request's chunks then cut and joined as HF does. A request
+  whose input payload has ``left_context`` ``c`` (one chunk of a streamed request) starts
+  that loop at frame ``c``: it returns the samples of its frames after the first ``c``,
+  computed with up to 25 of those as left context, as HF's loop does for a chunk, plus the
+  context's last samples that a decode ending there drops (HF's loop leaves that gap,
+  555 samples at 24 kHz, at each chunk boundary): a request's chunks, joined, have the
+  samples of the whole request decoded at once.
 * **Output.** :meth:`Qwen3OmniCode2WavStage.stage_output_requests` gives each request's
   ``waveform`` ``[num_samples]`` float32 in ``[-1, 1]`` and ``sample_rate`` ``[1]`` int64
   (Hz, :func:`sample_rate`); the worker publishes them. The token vLLM samples (logits are
@@ -77,6 +83,10 @@ MAX_FRAMES = 4096
 
 #: Prefix of this stage's weights in a Qwen3-Omni checkpoint.
 WEIGHT_PREFIX = "code2wav."
+
+#: Input payload of a request that is one chunk of a streamed request: ``[1]`` int64, its
+#: leading frames that are left context only (decoded, their samples dropped).
+LEFT_CONTEXT_INPUT = "left_context"
 
 
 def sample_rate(hf_config) -> int:
@@ -160,22 +170,31 @@ def codes_from_prompt_ids(ids: torch.Tensor, config) -> torch.Tensor:
 @dataclass(frozen=True)
 class _Segment:
     """One forward of HF ``chunked_decode``: frames ``[begin, end)`` of a request, of
-    which the first ``context`` are left context whose samples are dropped."""
+    which the first ``context`` are left context whose samples are dropped. ``refill``: keep
+    the context's last samples that a decode ending at ``begin + context`` cannot compute
+    (its convolutions drop them; see :meth:`Qwen3OmniCode2Wav.num_samples`), so that the
+    chunks of a streamed request tile the waveform without gaps."""
 
     begin: int
     end: int
     context: int
+    refill: bool = False
 
 
 def chunk_schedule(num_frames: int, chunk_size: int = HF_CODE2WAV_CHUNK_SIZE,
-                   left_context: int = HF_CODE2WAV_LEFT_CONTEXT) -> list[_Segment]:
+                   left_context: int = HF_CODE2WAV_LEFT_CONTEXT,
+                   first: int = 0) -> list[_Segment]:
     """The forwards HF ``Qwen3OmniMoeCode2Wav.chunked_decode`` runs on ``num_frames``
-    frames, in order (its loop, without the model)."""
-    segments, start = [], 0
+    frames, in order (its loop, without the model), starting at frame ``first``: the
+    frames before it are context only (a chunk of a streamed request, see
+    :data:`LEFT_CONTEXT_INPUT`), and the first forward refills what the previous chunk's
+    decode dropped."""
+    segments, start = [], first
     while start < num_frames:
         end = min(start + chunk_size, num_frames)
         context = left_context if start - left_context > 0 else start
-        segments.append(_Segment(start - context, end, context))
+        segments.append(_Segment(start - context, end, context,
+                                 refill=start == first and first > 0))
         start = end
     return segments
 
@@ -411,6 +430,21 @@ class _Job:
     req_id: str
     codes: torch.Tensor  # [T, num_quantizers]
     pieces: dict[int, torch.Tensor] | None  # segment index -> samples kept; None: failed
+    context: int = 0  # leading frames that are left context only
+
+
+def _left_context(step, req_id: str, codes: torch.Tensor) -> int:
+    """The request's leading context frames (input payload :data:`LEFT_CONTEXT_INPUT`).
+
+    Raises:
+        ValueError: not fewer than the request's frames.
+    """
+    value = step.inputs(req_id).get(LEFT_CONTEXT_INPUT)
+    context = int(value.reshape(-1)[0]) if value is not None else 0
+    if not 0 <= context < codes.shape[0]:
+        raise ValueError(f"{LEFT_CONTEXT_INPUT} {context} is not in [0, {codes.shape[0]}) "
+                         "(the request's frames)")
+    return context
 
 
 class Qwen3OmniCode2WavStage(nn.Module, SupportsMRoPE):
@@ -502,7 +536,7 @@ class Qwen3OmniCode2WavStage(nn.Module, SupportsMRoPE):
                         "max_num_batched_tokens >= max_model_len) in this stage's engine_args")
                 codes = codes_from_prompt_ids(input_ids[r.start:r.start + r.num_tokens],
                                               self.config)
-                jobs.append(_Job(r.req_id, codes, {}))
+                jobs.append(_Job(r.req_id, codes, {}, _left_context(step, r.req_id, codes)))
             except Exception as exc:
                 step.fail(r.req_id, exc)
         if jobs:
@@ -526,7 +560,8 @@ class Qwen3OmniCode2WavStage(nn.Module, SupportsMRoPE):
         """Every job's waveform into :attr:`_outputs`; a job that fails is failed alone."""
         model = self.code2wav
         work = [(job, i, seg) for job in jobs
-                for i, seg in enumerate(chunk_schedule(job.codes.shape[0]))]
+                for i, seg in enumerate(chunk_schedule(job.codes.shape[0],
+                                                       first=job.context))]
         if model.right_padding_is_exact:
             # longest first, so each padded call holds chunks of similar lengths
             work.sort(key=lambda item: item[2].end - item[2].begin, reverse=True)
@@ -575,8 +610,12 @@ class Qwen3OmniCode2WavStage(nn.Module, SupportsMRoPE):
             batch[row, :seg.end - seg.begin] = job.codes[seg.begin:seg.end]
         wav = model(batch)
         for row, (job, index, seg) in enumerate(group):
-            end = model.num_samples(seg.end - seg.begin)
-            job.pieces[index] = wav[row, seg.context * model.total_upsample:end]
+            frames = seg.end - seg.begin
+            end = model.num_samples(frames)
+            begin = seg.context * model.total_upsample
+            if seg.refill:  # the samples a decode ending at the context's end drops
+                begin -= frames * model.total_upsample - end
+            job.pieces[index] = wav[row, begin:end]
 
     def _fail(self, job: _Job, exc: Exception) -> None:
         if job.pieces is not None:
