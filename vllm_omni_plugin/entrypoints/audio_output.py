@@ -358,8 +358,6 @@ class OmniAudioMiddleware:
             if not chat.done():  # the client went away mid-stream
                 chat.cancel()
         result = request.result
-        kind = b"text/event-stream" if speech.stream_format == "sse" else \
-            AUDIO_FORMATS[speech.format].media_type.encode()
         if sent is not None:  # the response started: finish it
             if result is None or result.error:
                 if speech.stream_format == "sse":
@@ -389,7 +387,8 @@ class OmniAudioMiddleware:
         else:
             body = encoded
         await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", kind), (b"content-length", str(len(body)).encode())]})
+            (b"content-type", _media_type(speech)),
+            (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
 
     async def _speech_chunks(self, send, speech: SpeechRequest, request: OmniRequest,
@@ -397,8 +396,6 @@ class OmniAudioMiddleware:
         """Send each chunk of speech the orchestrator produces while ``chat`` runs (the
         response starts with the first); the samples sent, or None when none came."""
         partials, sent = request.partials, None
-        kind = b"text/event-stream" if speech.stream_format == "sse" else \
-            AUDIO_FORMATS[speech.format].media_type.encode()
         while True:
             getter = asyncio.ensure_future(partials.get())
             await asyncio.wait({getter, chat}, return_when=asyncio.FIRST_COMPLETED)
@@ -408,7 +405,7 @@ class OmniAudioMiddleware:
             payload = getter.result()
             if sent is None:
                 await send({"type": "http.response.start", "status": 200,
-                            "headers": [(b"content-type", kind)]})
+                            "headers": [(b"content-type", _media_type(speech))]})
                 sent = 0
             samples = payload["waveform"]
             encoded = encode_audio(samples.numpy(), _rate_of(payload), speech.format)
@@ -575,6 +572,12 @@ class _AudioStream:
             audio["expires_at"] = expires_at
         return _sse({**self._chunk, "object": "chat.completion.chunk", "choices": [
             {"index": 0, "delta": {"audio": audio}, "logprobs": None, "finish_reason": None}]})
+
+
+def _media_type(speech: SpeechRequest) -> bytes:
+    """The content type of a speech answer: SSE, or the audio format's media type."""
+    return b"text/event-stream" if speech.stream_format == "sse" else \
+        AUDIO_FORMATS[speech.format].media_type.encode()
 
 
 def _rate_of(payload: dict) -> int:
