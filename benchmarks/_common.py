@@ -271,10 +271,12 @@ def wav_seconds(b64: str) -> float:
 
 
 def write_short_talker_yaml(src: Path, dst: Path, max_tokens: int,
-                            streaming: dict | None = None) -> Path:
+                            streaming: dict | None = None,
+                            stream_input: bool | None = None) -> Path:
     """Copy the pipeline YAML ``src`` to ``dst`` with the talker's (stage 1)
-    ``max_tokens`` (codec frames) set to ``max_tokens``, and code2wav's (stage 2)
-    ``streaming`` fields updated from ``streaming``."""
+    ``max_tokens`` (codec frames) set to ``max_tokens`` (and its ``stream_input`` to
+    ``stream_input`` unless None), and code2wav's (stage 2) ``streaming`` fields updated
+    from ``streaming``."""
     import yaml
 
     data = yaml.safe_load(src.read_text())
@@ -282,11 +284,14 @@ def write_short_talker_yaml(src: Path, dst: Path, max_tokens: int,
     if 1 not in stages:
         raise SystemExit(f"{src}: no stage 1 to apply --talker-max-tokens to")
     stages[1].setdefault("default_sampling_params", {})["max_tokens"] = max_tokens
+    if stream_input is not None:
+        stages[1]["stream_input"] = stream_input
     if streaming:
         stages[2].setdefault("streaming", {}).update(streaming)
     dst.write_text(
-        f"# benchmark copy of {src} with stage 1 max_tokens={max_tokens}, stage 2 "
-        f"streaming {streaming or 'as is'}\n" + yaml.safe_dump(data, sort_keys=False)
+        f"# benchmark copy of {src} with stage 1 max_tokens={max_tokens}, stream_input "
+        f"{'as is' if stream_input is None else stream_input}, stage 2 streaming "
+        f"{streaming or 'as is'}\n" + yaml.safe_dump(data, sort_keys=False)
     )
     return dst
 
@@ -351,8 +356,10 @@ def audio_pipeline_serve(args, tmp: Path) -> tuple[Path, list[str], dict, str]:
     streaming = {k: v for k, v in (("chunk_size", getattr(args, "stream_chunk", None)),
                                    ("left_context", getattr(args, "stream_left_context",
                                                             None))) if v is not None}
+    after = getattr(args, "talker_after_thinker", False)
     yaml_path = write_short_talker_yaml(REPO / "stage_configs" / "qwen3_omni_moe.yaml",
-                                        tmp / "pipeline.yaml", args.talker_frames, streaming)
+                                        tmp / "pipeline.yaml", args.talker_frames, streaming,
+                                        stream_input=False if after else None)
     port = free_port()
     argv = [venv_bin("vllm"), "serve", str(ckpt), "--max-model-len", "2048", "--dtype",
             "float32", "--gpu-memory-utilization", "0.3", "--host", "127.0.0.1",

@@ -6,7 +6,9 @@ One ``vllm serve CKPT --stage-configs-path stage_configs/qwen3_omni_moe.yaml`` o
 tiny Qwen3-Omni checkpoint, the talker's codec-frame budget set to ``--talker-frames``
 and code2wav's ``streaming`` as in the YAML unless ``--stream-chunk`` /
 ``--stream-left-context`` say otherwise (streamed requests decode the talker's frames
-in those chunks while the talker runs; the others decode them once, at the end).
+in those chunks while the talker runs; the others decode them once, at the end). The
+talker of a streamed request is fed the thinker's output while the thinker runs (the
+YAML's ``stream_input``) unless ``--talker-after-thinker``.
 Every chat asks for text and ``pcm16`` audio (greedy, ``--max-tokens`` thinker tokens,
 prompts differing per request). Per request:
 
@@ -117,6 +119,10 @@ def main() -> int:
                         help="code2wav streaming chunk_size, frames (default: the YAML's)")
     parser.add_argument("--stream-left-context", type=int,
                         help="code2wav streaming left_context, frames (default: the YAML's)")
+    parser.add_argument("--talker-after-thinker", action="store_true",
+                        help="start the talker of a streamed chat when the thinker has "
+                             "finished (stream_input: false) instead of feeding it while "
+                             "the thinker runs")
     args = parser.parse_args()
     install_sigterm_as_interrupt()
     tmp = Path(tempfile.mkdtemp(prefix="speech-stream-bench-"))

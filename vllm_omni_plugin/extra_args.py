@@ -23,15 +23,19 @@ from vllm_omni_plugin.payload_store import is_payload_key
 
 #: Every key of the plugin in ``extra_args`` (and so in a client's ``vllm_xargs``).
 RESERVED_PREFIX = "omni_plugin_"
-#: ``{"in": key, "out": key, "err": key, "prefilled": true}`` payload-store keys of one
-#: stage request (orchestrator -> worker), each optional; ``prefilled``: the prompt's KV
-#: cache comes from a prefill stage, which published the prompt's rows.
+#: ``{"in": key, "out": key, "err": key, "prefilled": true, "input_grows": true}``
+#: payload-store keys of one stage request (orchestrator -> worker), each optional;
+#: ``prefilled``: the prompt's KV cache comes from a prefill stage, which published the
+#: prompt's rows; ``input_grows``: the orchestrator appends rows to the input payload
+#: while the request runs (a resumable request fed in chunks).
 PAYLOAD = "omni_plugin_payload"
 #: Voice (talker speaker name) in the ``extras`` a stage input processor receives.
 SPEAKER = "omni_plugin_speaker"
 
 _SLOTS = ("in", "out", "err")
 _PREFILLED = "prefilled"
+_INPUT_GROWS = "input_grows"
+_FLAGS = (_PREFILLED, _INPUT_GROWS)
 
 
 def _is_reserved(key: Any) -> bool:
@@ -61,12 +65,15 @@ class PayloadKeys:
             key (a text-only request), or None.
         prefilled: the prompt's KV cache was computed by a prefill stage (the request
             starts past the prompt, whose rows the prefill stage published).
+        input_grows: more chunks are appended to the input payload while the request
+            runs, each before the request's next input chunk reaches the engine.
     """
 
     input: str | None = None
     output: str | None = None
     error: str | None = None
     prefilled: bool = False
+    input_grows: bool = False
 
     @property
     def failure_key(self) -> str | None:
@@ -78,21 +85,23 @@ def payload_keys(extra: dict[str, Any] | None) -> PayloadKeys:
     """Read and validate ``extra[PAYLOAD]``.
 
     Raises:
-        ValueError: the value is not ``{"in"|"out"|"err": "<key>", "prefilled": bool}``
-            with keys matching ``[A-Za-z0-9._-]{1,200}``; the message names the field.
+        ValueError: the value is not ``{"in"|"out"|"err": "<key>",
+            "prefilled"|"input_grows": bool}`` with keys matching
+            ``[A-Za-z0-9._-]{1,200}``; the message names the field.
     """
     value = (extra or {}).get(PAYLOAD)
     if value is None:
         return PayloadKeys()
     if not isinstance(value, dict):
         raise ValueError(f"extra_args[{PAYLOAD!r}] must be a mapping, got {type(value).__name__}")
-    unknown = sorted(map(str, set(value) - {*_SLOTS, _PREFILLED}))
+    unknown = sorted(map(str, set(value) - {*_SLOTS, *_FLAGS}))
     if unknown:
         raise ValueError(f"extra_args[{PAYLOAD!r}] has unknown slot(s) {unknown}")
     for slot, key in value.items():
-        if slot != _PREFILLED and not is_payload_key(key):
+        if slot not in _FLAGS and not is_payload_key(key):
             raise ValueError(f"extra_args[{PAYLOAD!r}][{slot!r}] is not a payload key")
-    prefilled = value.get(_PREFILLED, False)
-    if not isinstance(prefilled, bool):
-        raise ValueError(f"extra_args[{PAYLOAD!r}][{_PREFILLED!r}] must be true or false")
-    return PayloadKeys(value.get("in"), value.get("out"), value.get("err"), prefilled)
+    for flag in _FLAGS:
+        if not isinstance(value.get(flag, False), bool):
+            raise ValueError(f"extra_args[{PAYLOAD!r}][{flag!r}] must be true or false")
+    return PayloadKeys(value.get("in"), value.get("out"), value.get("err"),
+                       value.get(_PREFILLED, False), value.get(_INPUT_GROWS, False))

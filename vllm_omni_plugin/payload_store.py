@@ -34,6 +34,10 @@ _KEY_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 _ERROR_FILE = "error.json"
 
 
+#: name prefix of a key's directory while it is being deleted (not a key)
+_DELETED = ".deleted."
+
+
 class PayloadError(RuntimeError):
     """The producing worker recorded a failure for this key instead of tensors."""
 
@@ -145,8 +149,10 @@ class PayloadStore:
         try:
             save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp)
             os.rename(tmp, os.path.join(d, f"{seq:08d}.st"))
-        except FileNotFoundError:  # deleted meanwhile by the consumer
-            return False
+        except Exception:
+            if os.path.isdir(d):
+                raise
+            return False  # deleted meanwhile by the consumer
         return True
 
     def put(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
@@ -169,7 +175,7 @@ class PayloadStore:
     def keys(self) -> list[str]:
         """The keys that exist now (created and not yet deleted)."""
         try:
-            return sorted(os.listdir(self.root))
+            return sorted(n for n in os.listdir(self.root) if not n.startswith(_DELETED))
         except FileNotFoundError:
             return []
 
@@ -211,7 +217,15 @@ class PayloadStore:
         return {k: torch.cat(v, dim=0) for k, v in merged.items()}
 
     def delete(self, key: str) -> None:
-        shutil.rmtree(self._dir(key), ignore_errors=True)
+        """Remove ``key``, also while a producer still appends to it: the key's directory
+        is first renamed away, so a chunk being written lands in the renamed directory
+        (and is removed with it) or fails (and is dropped)."""
+        gone = os.path.join(self.root, f"{_DELETED}{uuid.uuid4().hex}")
+        try:
+            os.rename(self._dir(key), gone)
+        except FileNotFoundError:
+            return
+        shutil.rmtree(gone, ignore_errors=True)
 
     def close(self) -> None:
         """Remove the whole run directory."""

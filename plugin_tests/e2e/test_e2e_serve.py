@@ -11,6 +11,7 @@ import base64
 import io
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -185,8 +186,9 @@ def test_streamed_chat_audio_deltas_equal_the_unstreamed_answer(server):
         model=body["model"], messages=body["messages"], max_tokens=body["max_tokens"],
         temperature=0, modalities=["text", "audio"],
         audio={"voice": "ethan", "format": "pcm16"}, stream=True)
-    text, pcm, audio_deltas, finish = [], [], [], None
+    text, pcm, audio_deltas, finish, request_id = [], [], [], None, None
     for chunk in stream:
+        request_id = chunk.id
         if not chunk.choices:
             continue
         delta = chunk.choices[0].delta
@@ -209,6 +211,10 @@ def test_streamed_chat_audio_deltas_equal_the_unstreamed_answer(server):
     reference = _pcm16(expected).astype(np.int32)
     assert streamed.shape == reference.shape
     assert np.abs(streamed - reference).max() <= 1
+    # the talker (stream_input) started while the thinker still generated
+    started = re.search(rf"request {re.escape(request_id)}\S*: stage 1 \(talker\) starts "
+                        r"after (\d+) tokens of stage 0", server.log())
+    assert started and int(started[1]) < body["max_tokens"], request_id
 
 
 def test_streamed_chat_failure_is_an_error_event(server):

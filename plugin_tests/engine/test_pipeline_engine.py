@@ -133,6 +133,29 @@ def test_codes_and_waveform_match_hf_alone_and_batched(tiny_qwen3_omni, tmp_path
     _assert_served_equal_hf(report, served, reference)
 
 
+def test_streamed_requests_feed_the_talker_while_the_thinker_runs(tiny_qwen3_omni, tmp_path):
+    """Requests the API layer streams: the talker starts on the thinker's first rows and
+    is fed the rest as one resumable vLLM request (``stream_input``), code2wav decodes in
+    chunks; codes still equal HF's, alone and 8 at once, and the joined waveform is HF's
+    within the chunked decode's tolerance."""
+    from plugin_tests.engine.test_code2wav_engine import ATOL_STREAM
+
+    report = _run(tiny_qwen3_omni, _yaml(tmp_path, TALKER_MAX_TOKENS), tmp_path, "streamed")
+    assert report["talker_fed"] and all(report["talker_fed"].values()), report["talker_fed"]
+    served = np.load(tmp_path / "streamed.npz")
+    reference = _hf_reference(tiny_qwen3_omni, report["prompt_ids"])
+    n = len(reference)
+    for kind, count in (("solo", n), ("concurrent", 8)):
+        for i in range(count):
+            tokens, hf_codes, hf_wav = reference[i % n]
+            assert report["streamed_thinker_tokens"][f"{kind}_{i}"] == tokens, (kind, i)
+            codes, wav = served[f"{kind}_codes_{i}"], served[f"{kind}_waveform_{i}"]
+            diff = np.argwhere(codes != hf_codes) if codes.shape == hf_codes.shape else None
+            assert diff is not None and diff.size == 0, (kind, i, codes.shape, diff)
+            assert wav.shape == hf_wav.shape, (kind, i)
+            assert float(np.abs(wav - hf_wav).max()) <= ATOL_STREAM, (kind, i)
+
+
 def test_prefill_decode_disaggregation_keeps_parity(tiny_qwen3_omni, tmp_path):
     """The PD pipeline (stage_configs/qwen3_omni_moe_pd.yaml: the thinker's prefill on its
     own engine, KV cache pulled by the entry engine through OmniMooncakeConnector over

@@ -611,3 +611,109 @@ def test_failed_chunk_stops_the_talker_and_fails_the_request_naming_code2wav(tmp
     assert talker.cancelled  # its task was stopped mid-way
     assert orchestrator.store.keys() == [] and orchestrator.admission.in_flight == {1: 0, 2: 0}
     assert orchestrator._inflight == {}
+
+
+# -- a stage fed while the entry stage runs (stream_input) ------------------------------
+class GrowingEntry:
+    """The entry stage publishing one row per position as a worker does (the prompt's,
+    then one per fed token) over 4 outputs; after the second it waits until the talker's
+    task has started (``talker_started``): a talker that only starts at the end would
+    deadlock."""
+
+    def __init__(self, store: PayloadStore, talker_started: asyncio.Event) -> None:
+        self.store = store
+        self.talker_started = talker_started
+
+    async def __call__(self, prompt, params, request_id):
+        out_key = xargs.payload_keys(params.extra_args).output
+        self.store.append(out_key, {"hidden": torch.arange(3.0).reshape(3, 1)})
+        tokens = []
+        for i in range(4):
+            tokens.append(20 + i)
+            if i:  # the previous token was fed
+                self.store.append(out_key, {"hidden": torch.tensor([[10.0 + i]])})
+            yield SimpleNamespace(finished=False, prompt_token_ids=PROMPT,
+                                  outputs=[SimpleNamespace(token_ids=list(tokens))])
+            if i == 1 and self.talker_started is not None:
+                await asyncio.wait_for(self.talker_started.wait(), 10)
+            await asyncio.sleep(0)
+        yield SimpleNamespace(finished=True, prompt_token_ids=PROMPT, outputs=[
+            SimpleNamespace(token_ids=list(tokens), finish_reason="length")])
+
+
+def _fed_processor(upstream, stage, extras):
+    """Ready for one output token per generated row (none before the first); a tensor
+    given once (``once``) and the rows so far."""
+    (up,) = upstream
+    rows = up.payload["hidden"]
+    return StageInput(prompt_token_ids=[1], payload={"rows": rows, "once": torch.ones(1)},
+                      ready=None if up.finished else rows.shape[0] - len(PROMPT))
+
+
+class GrowingTalker(Pool):
+    """Takes its input's growth as it comes, then returns."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.started = asyncio.Event()
+        self.grown = []
+
+    async def run(self, task, on_rows=None):
+        self.tasks.append(task)
+        self.started.set()
+        if self.outcome == "fail":
+            raise TaskError("worker failed: boom", 500)
+        if task.growth is not None:
+            async for more in task.growth:
+                self.grown.append(more)
+        return StageRun(list(task.prompt_token_ids), [7], {"codes": torch.zeros(1, 1)})
+
+
+def _fed_orchestrator(tmp_path, streamed: bool):
+    pipeline = _pipeline(fan_out=False)
+    pipeline.stage(1).stream_input = True
+    store = PayloadStore(str(tmp_path / "run"))
+    talker = GrowingTalker()
+    orchestrator = Orchestrator(
+        GrowingEntry(store, talker.started if streamed else None), SimpleNamespace(),
+        pipeline, store, {1: talker, 2: Pool(2)}, AdmissionGate({1: 4, 2: 4}, 1.0),
+        {1: _fed_processor, 2: _recording_processor([])})
+    return orchestrator, talker
+
+
+def test_stream_input_stage_starts_once_ready_and_gets_only_new_rows(tmp_path):
+    orchestrator, talker = _fed_orchestrator(tmp_path, streamed=True)
+    request = _streamed_audio()
+    asyncio.run(asyncio.wait_for(_run(orchestrator, request), 30))
+    assert request.result is not None and request.result.error is None
+    (task,) = talker.tasks
+    # started on the second output (the first made it ready for 0 tokens)
+    assert task.ready == 1 and task.payload["rows"][:, 0].tolist() == [0, 1, 2, 11]
+    readies = [more.ready for more in talker.grown]
+    assert readies[-1] is None and readies[:-1] == sorted(set(readies[:-1]))
+    assert all(r > 1 for r in readies[:-1])
+    assert all("once" not in more.payload for more in talker.grown)
+    rows = torch.cat([task.payload["rows"]] + [m.payload["rows"] for m in talker.grown
+                                               if "rows" in m.payload])
+    assert rows[:, 0].tolist() == [0, 1, 2, 11, 12, 13]
+    assert orchestrator.store.keys() == [] and orchestrator.admission.in_flight == {1: 0, 2: 0}
+    assert orchestrator._inflight == {}
+
+
+def test_request_not_streamed_gives_a_stream_input_stage_its_whole_input(tmp_path):
+    orchestrator, talker = _fed_orchestrator(tmp_path, streamed=False)
+    request = _audio()
+    asyncio.run(asyncio.wait_for(_run(orchestrator, request), 30))
+    (task,) = talker.tasks
+    assert task.growth is None and task.ready is None and not talker.grown
+    assert task.payload["rows"][:, 0].tolist() == [0, 1, 2, 11, 12, 13]
+
+
+def test_a_fed_stage_failing_while_the_entry_runs_fails_the_request(tmp_path):
+    orchestrator, talker = _fed_orchestrator(tmp_path, streamed=True)
+    talker.outcome = "fail"
+    request = _streamed_audio()
+    asyncio.run(asyncio.wait_for(_run(orchestrator, request), 30))
+    assert request.result.error == "stage 1 (talker): worker failed: boom"
+    assert orchestrator.store.keys() == [] and orchestrator.admission.in_flight == {1: 0, 2: 0}
+    assert orchestrator._inflight == {}

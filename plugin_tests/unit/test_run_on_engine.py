@@ -73,3 +73,76 @@ def test_a_sink_wanting_more_tokens_than_made_gets_nothing_and_the_run_all_rows(
     run, _ = _run(tmp_path, sink)
     assert sink.deliveries == []
     assert run.payload["codes"][:, 0].tolist() == list(range(STEPS - 1))
+
+
+# -- a task whose input grows: one resumable request fed in chunks -----------------------
+class SessionEngine:
+    """Runs a request fed by an async generator of ``StreamingInput`` as vLLM does: each
+    chunk generates its ``max_tokens`` tokens (100, 101, ... over the whole request; one
+    equal to ``stop_at`` stops it), reported as deltas, the chunk's last with a finish
+    reason but not finished. Records each chunk's prompt ids, ``max_tokens`` and the input
+    rows in the store when it started."""
+
+    def __init__(self, store: PayloadStore, stop_at: int | None = None) -> None:
+        self.store = store
+        self.stop_at = stop_at
+        self.chunks: list[tuple[list[int], int, list[int]]] = []
+
+    async def generate(self, inputs, params, request_id):
+        in_key = xargs.payload_keys(params.extra_args).input
+        assert xargs.payload_keys(params.extra_args).input_grows
+        count = 0
+        async for chunk in inputs:
+            limit = chunk.sampling_params.max_tokens
+            rows = self.store.get(in_key)["rows"][:, 0].tolist()
+            self.chunks.append((list(chunk.prompt["prompt_token_ids"]), limit, rows))
+            for k in range(limit):
+                token = 100 + count
+                count += 1
+                stop = token == self.stop_at
+                reason = "stop" if stop else "length" if k == limit - 1 else None
+                yield SimpleNamespace(finished=False, prompt_token_ids=[1], outputs=[
+                    SimpleNamespace(token_ids=[token], finish_reason=reason)])
+                if stop:
+                    break
+
+    async def abort(self, request_id):
+        raise AssertionError("not aborted in these tests")
+
+
+def _growing_task(readies):
+    from vllm_omni_plugin.replicas.task import InputGrowth
+
+    async def growth():
+        for i, ready in enumerate(readies):
+            yield InputGrowth({"rows": torch.tensor([[10 + i]])}, ready)
+
+    return StageTask(request_id="r-2", prompt_token_ids=[1, 2], sampling={"max_tokens": 6},
+                     payload={"rows": torch.tensor([[0]])}, ready=1, growth=growth())
+
+
+def test_a_growing_input_feeds_one_request_chunk_by_chunk(tmp_path):
+    store = PayloadStore(str(tmp_path / "run"))
+    engine = SessionEngine(store)
+    run = asyncio.run(run_on_engine(engine, store, _growing_task([3, None])))
+    # each chunk: the token sampled last fed back first, as many new tokens as the input
+    # is ready for (max_tokens in all at the end), its rows appended before it starts
+    assert engine.chunks == [([1, 2], 1, [0]), ([100], 2, [0, 10]), ([102], 3, [0, 10, 11])]
+    assert run.output_token_ids == list(range(100, 106)) and run.finish_reason == "length"
+    assert store.keys() == []
+
+
+def test_a_stop_token_ends_a_growing_request_without_more_input(tmp_path):
+    store = PayloadStore(str(tmp_path / "run"))
+    engine = SessionEngine(store, stop_at=101)
+    run = asyncio.run(run_on_engine(engine, store, _growing_task([3, 5, None])))
+    assert [c[:2] for c in engine.chunks] == [([1, 2], 1), ([100], 2)]
+    assert run.output_token_ids == [100, 101] and run.finish_reason == "stop"
+
+
+def test_completed_joins_a_growing_input_for_a_replica_that_takes_it_whole():
+    from vllm_omni_plugin.replicas.task import completed
+
+    task = asyncio.run(completed(_growing_task([3, None])))
+    assert task.growth is None and task.ready is None
+    assert task.payload["rows"][:, 0].tolist() == [0, 10, 11]

@@ -95,6 +95,8 @@ def test_qwen3_omni_code2wav_streams_chunks_of_the_talker():
     streaming = cfg.stage(2).streaming
     assert (streaming.chunk_size, streaming.left_context) == (25, 25)
     assert cfg.stage(1).streaming is None
+    # and the talker is fed the thinker's output while the thinker runs
+    assert cfg.stage(1).stream_input and not cfg.stage(2).stream_input
 
 
 def test_qwen3_omni_pd_config_loads():
@@ -104,10 +106,13 @@ def test_qwen3_omni_pd_config_loads():
     assert prefill.name == "thinker_prefill" and prefill.pd.protocol == "tcp"
     assert cfg.prefill_stage_for(1) is None
     assert [s.name for s in cfg.topological_order()] == ["thinker", "talker", "code2wav"]
-    # the same stages as without PD, apart from the pd blocks and the prefill stage
+    # the same stages as without PD, apart from the pd blocks, the prefill stage and the
+    # talker fed while the thinker runs (only without PD)
     plain = load_pipeline_config(REPO / "stage_configs" / "qwen3_omni_moe.yaml")
-    assert [s.model_dump(exclude={"pd"}) for s in cfg.stages if not s.is_prefill] == [
-        s.model_dump(exclude={"pd"}) for s in plain.stages]
+    assert plain.stage(1).stream_input and not cfg.stage(1).stream_input
+    drop = {"pd", "stream_input"}
+    assert [s.model_dump(exclude=drop) for s in cfg.stages if not s.is_prefill] == [
+        s.model_dump(exclude=drop) for s in plain.stages]
 
 
 def test_prefill_stage_takes_the_transfer_timeout_of_its_decode_stage():
@@ -130,6 +135,13 @@ def _pd(prefill=None, decode=None, extra=()):
 
 
 _PREFILL = "stage 3 ('thinker_prefill')"
+
+
+def _pd_fed_talker():
+    """PD on the thinker and a talker fed while the thinker runs."""
+    d = _pd()
+    d["stages"][1]["stream_input"] = True
+    return d
 
 
 @pytest.mark.parametrize("data, stage, field, fragment", [
@@ -155,6 +167,8 @@ _PREFILL = "stage 3 ('thinker_prefill')"
      _PREFILL, "pd.transfer_timeout_s", "set it on decode stage 0"),
     (_pd(decode={"decode_stage": 3}), "stage 0 ('thinker')", "pd.decode_stage",
      "only a prefill stage"),
+    (_pd_fed_talker(), "stage 1 ('talker')", "stream_input",
+     "is a decode stage (pd); a stage is fed while it runs only without PD"),
     (mutate(s0={"pd": {"role": "decode"}, "engine_args": {"enable_prefix_caching": False}}),
      "stage 0 ('thinker')", "pd.role", "exactly one prefill stage"),
     (mutate(s0={"pd": {"role": "decode"}}), "stage 0 ('thinker')",
@@ -222,6 +236,12 @@ def test_topological_order_of_a_diamond(tmp_path):
      "streaming", "exactly one input stage (inputs: [0, 1])"),
     (mutate(s2={"inputs": [0], "streaming": {"chunk_size": 25}}), "stage 2 ('code2wav')",
      "streaming", "its input stage 0 is the entry stage"),
+    (mutate(s2={"stream_input": True}), "stage 2 ('code2wav')", "stream_input",
+     "its input stage 1 is not the entry stage 0"),
+    (mutate(s2={"inputs": [0, 1], "stream_input": True}), "stage 2 ('code2wav')",
+     "stream_input", "exactly one input stage (inputs: [0, 1])"),
+    (mutate(s1={"stream_input": "soon"}), "stage 1 ('talker')", "stream_input",
+     "valid boolean"),
 ])
 def test_validation_errors_name_file_stage_field(tmp_path, data, stage, field, fragment):
     err = load_error(tmp_path, data)

@@ -232,3 +232,24 @@ def test_per_request_outputs_are_published_with_the_requests_rows(store):
     io.publish(PerRequest(), ["a", "b"], step)
     assert store.get("ka")["codes"].tolist() == [[1, 2]]
     assert store.get("kb") == {} and store.error("kb") is None
+
+
+def test_a_growing_input_takes_the_chunks_appended_before_each_step(store):
+    store.put("in-g", {"x": torch.arange(2), "once": torch.ones(1)})
+    io = StageIO(1, store)
+    keys = {PAYLOAD: {"in": "in-g", "input_grows": True, **_out(store, "out-g")[PAYLOAD]}}
+    io.begin_step(_step(new=[_new("g", keys)], scheduled={"g": 4}), always=True)
+    assert io.tracked("g").inputs["x"].tolist() == [0, 1]
+    store.append("in-g", {"x": torch.tensor([2, 3])})
+    io.begin_step(_step(cached=[("g", 4)], scheduled={"g": 1}), always=True)
+    io.begin_step(_step(cached=[("g", 5)], scheduled={"g": 1}), always=True)  # nothing new
+    inputs = io.tracked("g").inputs
+    assert inputs["x"].tolist() == [0, 1, 2, 3] and inputs["once"].tolist() == [1.0]
+    assert not io.tracked("g").failed
+
+
+def test_a_missing_growing_input_fails_its_request(store):
+    io = StageIO(1, store)
+    keys = {PAYLOAD: {"in": "nothing", "input_grows": True, **_out(store, "out-m")[PAYLOAD]}}
+    io.begin_step(_step(new=[_new("m", keys)], scheduled={"m": 4}), always=True)
+    assert io.tracked("m").failed and "missing or empty" in store.error("out-m")

@@ -191,6 +191,10 @@ class StageConfig(BaseModel):
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     pd: PDConfig | None = None
     streaming: StreamingConfig | None = None
+    #: For a request the client streams, start the stage on the entry stage's output so
+    #: far, as soon as its input processor says it is enough (``StageInput.ready``), and
+    #: feed it the rest as the entry stage generates (one resumable vLLM request).
+    stream_input: bool = False
 
     @property
     def is_prefill(self) -> bool:
@@ -238,6 +242,9 @@ class StageConfig(BaseModel):
             if not self.final_output:
                 raise self._error("streaming", "only a final-output stage can be streamed "
                                   "(its chunks go to the client)")
+        if self.stream_input and len(self.inputs) != 1:
+            raise self._error("stream_input", "a stage fed while its input stage runs reads "
+                              f"exactly one input stage (inputs: {self.inputs})")
         return self
 
     def _check_pd(self) -> None:
@@ -306,6 +313,16 @@ class PipelineConfig(BaseModel):
             listed = ", ".join(f"{s.stage_id} ({s.name!r})" for s in entries)
             raise entries[-1]._error(
                 "inputs", f"exactly one entry stage (empty 'inputs') is allowed; found {listed}")
+        for s in self.stages:
+            if not s.stream_input:
+                continue
+            if s.inputs[0] != entries[0].stage_id:
+                raise s._error("stream_input", f"its input stage {s.inputs[0]} is not the "
+                               f"entry stage {entries[0].stage_id}, the only stage whose "
+                               "output is fed to another while it runs")
+            if any(p.is_prefill and p.pd.decode_stage == s.inputs[0] for p in self.stages):
+                raise s._error("stream_input", f"its input stage {s.inputs[0]} is a decode "
+                               "stage (pd); a stage is fed while it runs only without PD")
         if entries[0].runtime.num_replicas != 1:
             raise entries[0]._error(
                 "runtime.num_replicas", "the entry stage runs once in the head (got "

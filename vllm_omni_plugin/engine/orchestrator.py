@@ -25,7 +25,11 @@ Client ``kv_transfer_params`` never reach an engine.
 A final stage with ``streaming`` (code2wav) runs, for a request the client streams, on
 chunks of its input stage's output while that stage (the talker) still generates: each
 chunk of rows, after some rows of left context, is one task of the stage, and its output
-goes to the API layer (:attr:`OmniRequest.partials`) as soon as it is ready.
+goes to the API layer (:attr:`OmniRequest.partials`) as soon as it is ready. A stage
+with ``stream_input`` (the talker) starts, for such a request, while the entry stage still
+generates: its input processor is called on the entry stage's output so far until it says
+the input is enough (``StageInput.ready``), and the stage's one request is fed the rest
+as the entry stage produces it (a resumable vLLM request, see ``replicas.task``).
 """
 
 from __future__ import annotations
@@ -100,6 +104,8 @@ class Orchestrator:
         self.entry = pipeline.entry_stage
         self._downstream = [s for s in pipeline.topological_order()
                             if s.stage_id != self.entry.stage_id]
+        #: the stage fed the entry stage's output while it runs, if any
+        self._fed = next((s for s in self._downstream if s.stream_input), None)
         for stage in self._downstream:
             for what, table in (("stage pool", pools), ("input processor", processors)):
                 if stage.stage_id not in table:
@@ -143,6 +149,11 @@ class Orchestrator:
         self.store.create(entry_out_key)
         self._inflight[request_id] = set()
         final = None
+        # a stage fed while the entry stage runs: for requests the client streams
+        feed = _EntryFeed(self.store, entry_out_key, self.entry.stage_id) \
+            if self._fed is not None and request.partials is not None else None
+        downstream = None
+        outputs: dict = {}
         try:
             prefilled = await self._remote_prefill(request_id, prompt, params, publish=True)
             if prefilled is _ABORTED:
@@ -156,6 +167,12 @@ class Orchestrator:
             async for out in self.entry_generate(prompt, params, request_id, *args, **kwargs):
                 if deltas is not None and out.outputs:
                     deltas.extend(out.outputs[0].token_ids)
+                if feed is not None and out.outputs:
+                    feed.update(out.prompt_token_ids,
+                                deltas if deltas is not None else out.outputs[0].token_ids)
+                    if downstream is None:
+                        downstream = asyncio.ensure_future(self._run_downstream(
+                            request, request_id, outputs, extra, admission, feed))
                 if out.finished:
                     final = out
                 else:
@@ -166,10 +183,14 @@ class Orchestrator:
             payload = await self._payload(self.entry, entry_out_key)
             if prefilled:
                 payload = _join_rows(prefilled.payload, payload)
-            outputs = {self.entry.stage_id: _stage_output(self.entry.stage_id, final, payload,
-                                                          deltas)}
-            result = await self._run_downstream(request, request_id, outputs, extra,
-                                                admission)
+            outputs[self.entry.stage_id] = _stage_output(self.entry.stage_id, final, payload,
+                                                         deltas)
+            if downstream is None:
+                result = await self._run_downstream(request, request_id, outputs, extra,
+                                                    admission)
+            else:
+                feed.finish(outputs[self.entry.stage_id])
+                result = await downstream
             if result is None:  # aborted between stages
                 return
             request.result = result
@@ -179,11 +200,17 @@ class Orchestrator:
         except StageError as exc:
             _record_failure(request, request_id, exc)
         finally:
+            if downstream is not None:
+                downstream.cancel()  # a no-op once it is done
             admission.release_all()
-            await asyncio.to_thread(self._delete, keys)
             self._inflight.pop(request_id, None)
             self._stage_of.pop(request_id, None)
             self._aborted.discard(request_id)
+            # shielded: a client that goes away can cancel this generator again while it
+            # cleans up, and a deletion not started yet would then never run
+            await asyncio.shield(asyncio.ensure_future(asyncio.to_thread(self._delete, keys)))
+            if downstream is not None:
+                await asyncio.wait({downstream})
         if final is not None:
             yield final
 
@@ -282,11 +309,14 @@ class Orchestrator:
             status=503)
 
     async def _run_downstream(self, request: OmniRequest, request_id, outputs, extra,
-                              admission) -> StageResult | None:
+                              admission, feed: _EntryFeed | None = None
+                              ) -> StageResult | None:
         """Run every downstream stage, giving its admission slot back as the
         request leaves it; None when the request was aborted meanwhile. A stage with
         ``streaming`` runs on chunks of its input stage's output while that stage runs,
-        for a request the client streams (:attr:`OmniRequest.partials`)."""
+        for a request the client streams (:attr:`OmniRequest.partials`). With ``feed``
+        this starts while the entry stage runs: the stage with ``stream_input`` is fed
+        from it, and a stage reading the entry stage's output otherwise waits for it."""
         from vllm_omni_plugin.processors.hookspecs import UpstreamOutput
 
         last = None
@@ -296,16 +326,25 @@ class Orchestrator:
                 admission.release(stage.stage_id)
                 last = stage
                 continue
-            stage_input = self._stage_input(stage, [outputs[s] for s in stage.inputs],
-                                            extras)
+            if feed is not None and stage is self._fed:
+                def produce(on_rows, stage=stage):
+                    return self._run_fed(request_id, stage, feed, extras, on_rows)
+            else:
+                if feed is not None and self.entry.stage_id in stage.inputs:
+                    await feed.complete()
+                stage_input = self._stage_input(stage, [outputs[s] for s in stage.inputs],
+                                                extras)
+
+                def produce(on_rows, stage=stage, stage_input=stage_input):
+                    return self._run_stage(request_id, stage, stage_input, on_rows=on_rows)
             if request_id in self._aborted:
                 return None
             streamed = self._streamed_from(stage) if request.partials is not None else None
             try:
                 if streamed is None:
-                    run = await self._run_stage(request_id, stage, stage_input)
+                    run = await produce(None)
                 else:
-                    run = await self._run_streaming(request, request_id, stage, stage_input,
+                    run = await self._run_streaming(request, request_id, stage, produce,
                                                     streamed, outputs, extras)
             finally:
                 admission.release(stage.stage_id)
@@ -346,11 +385,12 @@ class Orchestrator:
         return next((s for s in self._downstream
                      if s.streaming is not None and s.inputs == [stage.stage_id]), None)
 
-    async def _run_streaming(self, request: OmniRequest, request_id, stage, stage_input,
+    async def _run_streaming(self, request: OmniRequest, request_id, stage, produce,
                              consumer, outputs, extras):
-        """Run ``stage`` and, while it runs, ``consumer`` (its ``streaming`` stage) on
-        each chunk of its output: ``chunk_size`` rows after up to ``left_context`` rows of
-        context, one consumer task per chunk, in order; each chunk's output goes into
+        """Run ``stage`` (``produce(on_rows)``: its run) and, while it runs, ``consumer``
+        (its ``streaming`` stage) on each chunk of its output: ``chunk_size`` rows after
+        up to ``left_context`` rows of context, one consumer task per chunk, in order;
+        each chunk's output goes into
         :attr:`OmniRequest.partials`, and their rows joined into ``outputs`` as the
         consumer's. Returns ``stage``'s run; None when aborted.
 
@@ -361,8 +401,7 @@ class Orchestrator:
 
         config = consumer.streaming
         rows = _Rows()
-        producer = asyncio.ensure_future(self._run_stage(request_id, stage, stage_input,
-                                                         on_rows=rows))
+        producer = asyncio.ensure_future(produce(rows))
         pieces: list[dict] = []
         start = 0
         try:
@@ -404,9 +443,10 @@ class Orchestrator:
         return run
 
     async def _run_stage(self, request_id, stage, stage_input, on_rows=None,
-                         part: int | None = None):
+                         part: int | None = None, growth=None):
         """Run ``stage`` for the request on one of its replicas; None when aborted.
-        ``part``: the index of a chunk of a streamed request (its own sub-request)."""
+        ``part``: the index of a chunk of a streamed request (its own sub-request);
+        ``growth``: the rest of an input not complete yet (``StageTask.growth``)."""
         from vllm_omni_plugin.replicas.task import StageTask
 
         suffix = "" if part is None else f"-c{part}"
@@ -414,8 +454,46 @@ class Orchestrator:
             request_id=f"{request_id}-s{stage.stage_id}{suffix}",
             prompt_token_ids=list(stage_input.prompt_token_ids),
             sampling={**stage.default_sampling_params, **stage_input.sampling_overrides},
-            payload=stage_input.payload)
+            payload=stage_input.payload, ready=stage_input.ready, growth=growth)
         return await self._run_task(request_id, stage, task, on_rows)
+
+    async def _run_fed(self, request_id, stage, feed: _EntryFeed, extras, on_rows=None):
+        """Run ``stage`` (``stream_input``) on the entry stage's output as it comes: once
+        its input processor finds the output so far enough (``ready`` > 0, or the entry
+        stage finished), the stage's request starts; each time it has generated what its
+        input is ready for, the processor is called again on the newer output and the
+        payload rows added since are appended. None when aborted.
+
+        Raises:
+            StageError: the processor or the stage failed.
+        """
+        from vllm_omni_plugin.replicas.task import InputGrowth
+
+        upstream = await feed.next()
+        first = self._stage_input(stage, [upstream], extras)
+        while first.ready == 0:
+            upstream = await feed.next()
+            first = self._stage_input(stage, [upstream], extras)
+        if first.ready is not None:
+            logger.info("request %s: stage %d (%s) starts after %d tokens of stage %d, "
+                        "fed the rest as they come", request_id, stage.stage_id, stage.name,
+                        len(upstream.output_token_ids), upstream.stage_id)
+        sent = {name: t.shape[0] for name, t in first.payload.items()}
+
+        async def growth():
+            ready = first.ready
+            while ready is not None:
+                more = self._stage_input(stage, [await feed.next()], extras)
+                if more.ready is not None and more.ready <= ready:
+                    continue
+                rows = {name: t[sent.get(name, 0):] for name, t in more.payload.items()
+                        if t.shape[0] > sent.get(name, 0)}
+                sent.update((name, more.payload[name].shape[0]) for name in rows)
+                ready = more.ready
+                yield InputGrowth(rows, ready)
+
+        return await self._run_stage(request_id, stage, first, on_rows,
+                                     growth=None if first.ready is None else growth())
 
     async def _run_task(self, request_id, stage, task, on_rows=None):
         """Run ``task`` (a ``StageTask``) on one of ``stage``'s replicas; None when
@@ -541,6 +619,58 @@ class _Rows:
             await asyncio.wait({waiter, task}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             waiter.cancel()
+
+
+class _EntryFeed:
+    """The entry stage's output while it runs, for the stage fed from it (see
+    :meth:`Orchestrator._run_fed`): its token ids from its outputs, its rows read from the
+    payload store when the fed stage asks for more."""
+
+    def __init__(self, store: PayloadStore, key: str, stage_id: int) -> None:
+        self._store, self._key, self._stage_id = store, key, stage_id
+        self._prompt: list[int] = []
+        self._tokens: list[int] = []
+        self._rows: dict = {}
+        self._chunks = 0  # chunks of ``key`` read into _rows
+        self._final = None
+        self._changed = asyncio.Event()
+        self._finished = asyncio.Event()
+
+    def update(self, prompt_token_ids, output_token_ids) -> None:
+        """The entry stage's outputs so far (``output_token_ids`` may be a list that
+        keeps growing)."""
+        if prompt_token_ids and not self._prompt:
+            self._prompt = list(prompt_token_ids)
+        self._tokens = output_token_ids
+        self._changed.set()
+
+    def finish(self, output) -> None:
+        """The entry stage's finished :class:`UpstreamOutput`."""
+        self._final = output
+        self._changed.set()
+        self._finished.set()
+
+    async def complete(self):
+        """The finished output, once there."""
+        await self._finished.wait()
+        return self._final
+
+    async def next(self):
+        """The entry stage's output once it changed since the previous call: the
+        finished one, or the output so far (``finished`` False)."""
+        from vllm_omni_plugin.processors.hookspecs import UpstreamOutput
+
+        await self._changed.wait()
+        self._changed.clear()
+        if self._final is not None:
+            return self._final
+        chunks = await asyncio.to_thread(self._store.chunks, self._key, self._chunks)
+        if chunks:
+            self._chunks += len(chunks)
+            self._rows = _join_rows(self._rows, *chunks)
+        return UpstreamOutput(stage_id=self._stage_id, prompt_token_ids=list(self._prompt),
+                              output_token_ids=list(self._tokens), payload=dict(self._rows),
+                              finished=False)
 
 
 def _num_rows(chunks: list[dict]) -> int:

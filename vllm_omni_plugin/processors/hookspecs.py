@@ -40,6 +40,9 @@ class UpstreamOutput:
             many earlier rows, which the consuming stage sees as left context only; the
             processor passes it on to the stage's model, which drops their output. 0
             otherwise.
+        finished: False while the upstream stage still runs (a stage with
+            ``stream_input`` gets its input processor called on the output so far): the
+            payload holds the rows published so far, the token ids those generated so far.
     """
 
     stage_id: int
@@ -47,6 +50,7 @@ class UpstreamOutput:
     output_token_ids: list[int]
     payload: dict[str, torch.Tensor] = field(default_factory=dict)
     context_rows: int = 0
+    finished: bool = True
 
 
 @dataclass
@@ -60,11 +64,17 @@ class StageInput:
         payload: tensors the next stage's worker fetches by request id.
         sampling_overrides: ``vllm.SamplingParams`` fields merged over the
             stage's ``default_sampling_params``.
+        ready: for an upstream output that is not finished, how many output tokens the
+            stage may generate in all on this input (0: not enough to start). A later
+            call on more of the upstream output may only add rows (dim 0) to payload
+            tensors; the prompt and every other tensor stay as they were. None for a
+            finished upstream output.
     """
 
     prompt_token_ids: list[int]
     payload: dict[str, torch.Tensor] = field(default_factory=dict)
     sampling_overrides: dict[str, Any] = field(default_factory=dict)
+    ready: int | None = None
 
 
 #: Calling convention of a processor:

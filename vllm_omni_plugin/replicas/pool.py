@@ -170,7 +170,8 @@ class StagePool:
             try:
                 return await replica.run(task, on_rows)
             except ReplicaLost as exc:
-                if exc.produced_output:
+                # a growing input was (partly) handed to the lost replica
+                if exc.produced_output or task.growth is not None:
                     self.failures += 1
                     raise ReplicaFailed(
                         f"replica {replica.replica_id} of stage {self.stage_id} failed "

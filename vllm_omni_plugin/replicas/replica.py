@@ -39,6 +39,7 @@ from .task import (
     StageTask,
     TaskAborted,
     TaskError,
+    completed,
     run_on_engine,
 )
 
@@ -249,6 +250,8 @@ class RemoteReplica(Replica):
     async def run(self, task: StageTask, on_rows: RowsSink | None = None) -> StageRun:
         if not self.attached:
             raise ReplicaLost(f"{self.name} is not attached", produced_output=False)
+        # a headless replica takes a task whole: a growing input is waited for here
+        task = await completed(task)
         self.requests_total += 1
         pending = _Pending(asyncio.get_running_loop().create_future())
         self._pending[task.request_id] = pending

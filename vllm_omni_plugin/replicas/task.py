@@ -9,9 +9,9 @@ tensors to the replica's payload store, run the request on the stage's
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -33,6 +33,10 @@ class StageTask:
             the companion is routed to the parent's replica.
         publish: Whether the engine publishes output tensors (False: the run's
             payload is empty, and only a failure is recorded).
+        ready: for an input that is not complete yet, the output tokens it lets the
+            stage generate in all; None when ``payload`` is the whole input.
+        growth: for an input that is not complete yet, the rest of it, pulled as the
+            stage needs it (see :class:`InputGrowth`); the last item has ``ready`` None.
     """
 
     request_id: str
@@ -41,6 +45,42 @@ class StageTask:
     payload: dict[str, torch.Tensor] = field(default_factory=dict)
     parent_request_id: str | None = None
     publish: bool = True
+    ready: int | None = None
+    growth: AsyncIterator[InputGrowth] | None = None
+
+
+@dataclass
+class InputGrowth:
+    """More of a task's input: ``payload`` rows appended to its input payload (dim 0 of
+    each tensor), after which the stage may have generated ``ready`` output tokens in all
+    (None: the input is complete, only the sampling's ``max_tokens`` bounds it)."""
+
+    payload: dict[str, torch.Tensor]
+    ready: int | None
+
+
+async def completed(task: StageTask) -> StageTask:
+    """``task`` with its whole input: waits for the rest of a growing input and joins it
+    into the payload (for a replica that cannot feed a request in chunks)."""
+    if task.growth is None:
+        return task
+    merged = {k: [v] for k, v in task.payload.items()}
+    async with aclosing(task.growth) as growth:
+        async for more in growth:
+            for name, t in more.payload.items():
+                merged.setdefault(name, []).append(t)
+    return replace(task, payload={k: torch.cat(v, dim=0) for k, v in merged.items()},
+                   ready=None, growth=None)
+
+
+def streaming_input_class():
+    """vLLM's ``StreamingInput`` (resumable requests fed by an async generator), or None
+    for a vLLM without it (then a growing input is waited for, see :func:`completed`)."""
+    try:
+        from vllm.engine.protocol import StreamingInput
+    except ImportError:
+        return None
+    return StreamingInput
 
 
 @dataclass
@@ -147,9 +187,17 @@ async def run_on_engine(engine, store: PayloadStore, task: StageTask,
         if task.payload:
             await asyncio.to_thread(store.put, in_key, task.payload)
         store.create(out_key)
-        prompt = TokensPrompt(prompt_token_ids=list(task.prompt_token_ids))
+        if task.growth is not None and (streaming_input := streaming_input_class()):
+            params.extra_args[xargs.PAYLOAD]["input_grows"] = True
+            outputs = _fed(engine, store, in_key, task, params, streaming_input)
+        else:
+            if task.growth is not None:  # a vLLM without resumable requests
+                task = await completed(task)
+                await asyncio.to_thread(store.put, in_key, task.payload)
+            outputs = engine.generate(TokensPrompt(prompt_token_ids=list(task.prompt_token_ids)),
+                                      params, task.request_id)
         try:
-            async with aclosing(engine.generate(prompt, params, task.request_id)) as stream:
+            async with aclosing(outputs) as stream:
                 async for out in stream:
                     final = out
                     if aborted is not None and aborted():
@@ -191,6 +239,70 @@ async def run_on_engine(engine, store: PayloadStore, task: StageTask,
                             getattr(engine, "vllm_config", None), host))
     finally:
         await asyncio.to_thread(_delete, store, (in_key, out_key))
+
+
+async def _fed(engine, store: PayloadStore, in_key: str, task: StageTask, params,
+               streaming_input):
+    """Run a task whose input grows as one resumable vLLM request fed by an async generator
+    of ``StreamingInput`` chunks; yields its outputs with cumulative token ids and, after
+    the input stream closes, the last one again as the final output.
+
+    A chunk lets the request generate up to the tokens its input is ready for (see
+    :class:`InputGrowth`); the request then pauses (vLLM's ``WAITING_FOR_STREAMING_REQ``)
+    holding its KV cache. vLLM keeps only the tokens fed back, so the next chunk's prompt
+    is the token sampled last, after the rows the chunk needs are appended to the input
+    payload. A stop token or ``max_tokens`` in all ends the stream.
+    """
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    limit = params.max_tokens
+    params.output_kind = RequestOutputKind.DELTA
+    tokens: list[int] = []
+    chunk_ended = asyncio.Event()
+    reason: list[str | None] = [None]
+
+    def chunk(prompt_ids: list[int], ready: int | None):
+        sampling = params.clone()
+        sampling.max_tokens = (limit if ready is None else min(ready, limit)) - len(tokens)
+        return streaming_input(prompt=TokensPrompt(prompt_token_ids=prompt_ids),
+                               sampling_params=sampling)
+
+    async def inputs():
+        ready = task.ready
+        yield chunk(list(task.prompt_token_ids), ready)
+        async with aclosing(task.growth) as growth:
+            while True:
+                await chunk_ended.wait()
+                chunk_ended.clear()
+                if reason[0] != "length" or len(tokens) >= limit:
+                    return
+                while ready is not None and ready <= len(tokens):
+                    more = await anext(growth, None)
+                    if more is None:
+                        ready = None
+                        break
+                    if more.payload:
+                        await asyncio.to_thread(store.append, in_key, more.payload)
+                    ready = more.ready
+                yield chunk([tokens[-1]], ready)
+
+    last = None
+    async with aclosing(engine.generate(inputs(), params, task.request_id)) as stream:
+        async for out in stream:
+            if out.outputs:
+                completion = out.outputs[0]
+                tokens.extend(completion.token_ids)
+                completion.token_ids = list(tokens)
+                if completion.finish_reason is not None:
+                    reason[0] = completion.finish_reason
+                    chunk_ended.set()
+            out.finished = False
+            last = out
+            yield out
+    if last is not None:
+        last.finished = True
+        yield last
 
 
 def _delete(store: PayloadStore, keys) -> None:

@@ -3,8 +3,10 @@
 A request sent by the orchestrator names payload keys in its
 ``SamplingParams.extra_args`` (:func:`vllm_omni_plugin.extra_args.payload_keys`).
 
-* **Input.** A request with an input key gets its input payload loaded once, when it is
-  first scheduled; a stage model that declares ``uses_stage_step = True`` reads it, and
+* **Input.** A request with an input key gets its input payload loaded when it is first
+  scheduled; one whose input grows (``input_grows``: a resumable request the orchestrator
+  feeds in chunks) also gets the chunks appended since, whenever it is scheduled. A stage
+  model that declares ``uses_stage_step = True`` reads it, and
   the step's row-to-request map, through the :class:`StageStep` the worker hands it for
   each engine step.
 * **Output.** For a request with an output key, every engine step appends to the payload
@@ -47,6 +49,9 @@ class _Tracked:
     params: Any = None
     #: the input payload (tensors from the orchestrator), empty when none
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: for an input that grows: its key and the chunks of it read so far
+    growing_key: str | None = None
+    input_chunks: int = 0
 
 
 @dataclass(frozen=True)
@@ -171,6 +176,10 @@ class StageIO:
             self._requests.pop(req_id, None)
         for new in scheduler_output.scheduled_new_reqs:
             self._add(new)
+        for req_id in scheduler_output.num_scheduled_tokens:
+            tracked = self._requests.get(req_id)
+            if tracked is not None and tracked.growing_key and not tracked.failed:
+                self._read_input(req_id, tracked)
         if not always and (not self._requests or not any(
                 (t := self._requests.get(r)) is not None and t.out_key and not t.failed
                 for r in scheduler_output.num_scheduled_tokens)):
@@ -212,6 +221,8 @@ class StageIO:
                 f"stage {self.stage_id}: a request carrying payloads hit the prefix cache "
                 f"({new.num_computed_tokens} tokens); set enable_prefix_caching: false in "
                 "this stage's engine_args"))
+        elif keys.input and keys.input_grows:
+            tracked.growing_key = keys.input  # read by begin_step, as it is scheduled
         elif keys.input:
             try:
                 tracked.inputs = self.store.get(keys.input)
@@ -220,6 +231,23 @@ class StageIO:
                                        f"{keys.input!r} is missing or empty")
             except Exception as exc:
                 self.fail(new.req_id, tracked, exc)
+
+    def _read_input(self, req_id: str, tracked: _Tracked) -> None:
+        """Append the chunks of a growing input payload written since the last read
+        (tensors concatenated on dim 0, as :meth:`PayloadStore.get` joins them)."""
+        try:
+            chunks = self.store.chunks(tracked.growing_key, tracked.input_chunks)
+            if not chunks and not tracked.inputs:
+                raise RuntimeError(f"stage {self.stage_id}: the input payload "
+                                   f"{tracked.growing_key!r} is missing or empty")
+        except Exception as exc:
+            self.fail(req_id, tracked, exc)
+            return
+        tracked.input_chunks += len(chunks)
+        for chunk in chunks:
+            for name, t in chunk.items():
+                old = tracked.inputs.get(name)
+                tracked.inputs[name] = t if old is None else torch.cat((old, t), dim=0)
 
     # -- after the forward --------------------------------------------------------
     def publish(self, model, batch_req_ids: list[str], scheduler_output) -> None:

@@ -5,7 +5,10 @@ Usage: python omni_pipeline.py CKPT YAML OUT_DIR SCENARIO [SCENARIO ...]
 Scenarios: parity (each of :data:`PROMPTS` alone, with audio and text-only, then
 :data:`CONCURRENT` requests
 cycling through them at once; codes and waveforms saved to OUT_DIR/served.npz as
-``{solo,concurrent}_{codes,waveform}_{i}``), media (one request per file in
+``{solo,concurrent}_{codes,waveform}_{i}``), streamed (the parity requests as the
+API layer streams them: the talker fed while the thinker runs, code2wav in chunks;
+saved as ``streamed_{solo,concurrent}_...`` alike, and per talker task whether it got a
+growing input), media (one request per file in
 OUT_DIR/media: ``image.png``, ``audio.wav``; the user turn is the medium then
 :data:`MEDIA_TEXT`; codes and waveforms saved to OUT_DIR/media.npz as
 ``{image,audio}_{codes,waveform}``), cancel (client disconnect while the talker
@@ -66,10 +69,13 @@ async def main(ckpt, yaml_path, out_dir, scenarios):
 
     results = {}
 
-    async def run(request_id, prompt_ids=prompts[0], prompt=None, modalities=("text", "audio")):
+    async def run(request_id, prompt_ids=prompts[0], prompt=None, modalities=("text", "audio"),
+                  streamed=False):
         """The final output; the pipeline's result lands in ``results[request_id]``."""
         final = None
         request = OmniRequest(modalities=modalities)
+        if streamed:  # as the API layer marks a request it streams to the client
+            request.partials = asyncio.Queue()
         prompt = prompt or TokensPrompt(prompt_token_ids=prompt_ids)
         try:
             with omni_request_scope(request):
@@ -82,28 +88,49 @@ async def main(ckpt, yaml_path, out_dir, scenarios):
                 results[request_id] = request.result
         return final
 
+    async def served_alone_and_batched(streamed: bool) -> None:
+        """The parity requests alone, then :data:`CONCURRENT` at once; codes and
+        waveforms into ``served.npz`` (``streamed.npz``)."""
+        prefix = "streamed_" if streamed else ""
+        served, tokens = {}, report.setdefault(f"{prefix}thinker_tokens", {})
+
+        def keep(kind, i, final):
+            result = results.pop(f"{prefix}{kind}{i}", None)
+            assert result is not None and result.error is None, result
+            served[f"{kind}_codes_{i}"] = result.stage_outputs[1].payload["codes"].numpy()
+            served[f"{kind}_waveform_{i}"] = result.payload["waveform"].numpy()
+            tokens[f"{kind}_{i}"] = list(final.outputs[0].token_ids)
+            report["sample_rate"] = result.sample_rate
+
+        for i, prompt in enumerate(prompts):
+            keep("solo", i, await run(f"{prefix}solo{i}", prompt, streamed=streamed))
+            if not streamed:
+                text = await run(f"text{i}", prompt, modalities=("text",))
+                tokens[f"text_{i}"] = list(text.outputs[0].token_ids)
+        finals = await asyncio.gather(*(
+            run(f"{prefix}concurrent{i}", prompts[i % len(prompts)], streamed=streamed)
+            for i in range(CONCURRENT)))
+        for i, final in enumerate(finals):
+            keep("concurrent", i, final)
+        np.savez(os.path.join(out_dir, f"{'streamed' if streamed else 'served'}.npz"),
+                 **served)
+
     talker = client.orchestrator.pools[1].replicas[0].engine
     try:
+        if "streamed" in scenarios:
+            report["talker_fed"] = fed = {}
+            pool = client.orchestrator.pools[1]
+            pool_run = pool.run
+
+            async def spy(task, on_rows=None):
+                fed[task.request_id] = task.growth is not None
+                return await pool_run(task, on_rows)
+
+            pool.run = spy
+            await served_alone_and_batched(streamed=True)
+            pool.run = pool_run
         if "parity" in scenarios:
-            served, report["thinker_tokens"] = {}, {}
-
-            def keep(kind, i, final):
-                result = results.pop(f"{kind}{i}", None)
-                assert result is not None and result.error is None, result
-                served[f"{kind}_codes_{i}"] = result.stage_outputs[1].payload["codes"].numpy()
-                served[f"{kind}_waveform_{i}"] = result.payload["waveform"].numpy()
-                report["thinker_tokens"][f"{kind}_{i}"] = list(final.outputs[0].token_ids)
-                report["sample_rate"] = result.sample_rate
-
-            for i, prompt in enumerate(prompts):
-                keep("solo", i, await run(f"solo{i}", prompt))
-                text = await run(f"text{i}", prompt, modalities=("text",))
-                report["thinker_tokens"][f"text_{i}"] = list(text.outputs[0].token_ids)
-            finals = await asyncio.gather(*(run(f"concurrent{i}", prompts[i % len(prompts)])
-                                            for i in range(CONCURRENT)))
-            for i, final in enumerate(finals):
-                keep("concurrent", i, final)
-            np.savez(os.path.join(out_dir, "served.npz"), **served)
+            await served_alone_and_batched(streamed=False)
             prefill = client.orchestrator.prefill
             report["prefill_requests"] = sum(
                 r.requests_total

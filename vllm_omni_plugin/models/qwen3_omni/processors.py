@@ -56,7 +56,15 @@ def thinker2talker(upstream: list[UpstreamOutput], stage, extras: dict[str, Any]
         raise ValueError("the prompt has no '<|im_start|>assistant' turn to speak")
     talker_config = config.talker_config
     speaker = resolve_speaker(talker_config, extras.get(xargs.SPEAKER))
-    sequence = prompt + thinker.output_token_ids
+    generated, ready = thinker.output_token_ids, None
+    if not thinker.finished:
+        # HF's talker prompt ends with the row of generated token 0, and feeding frame s
+        # adds the row of generated token s + 1. With n generated tokens fed (rows of the
+        # thinker), frames 0 .. n - 2 can be fed: code 0 of frames 0 .. n - 1 sampled.
+        # The engine may have published rows of tokens the head has not seen yet.
+        fed = min(thinker.payload["embed"].shape[0] - len(prompt), len(generated) - 1)
+        generated, ready = generated[:fed + 1], max(fed, 0)
+    sequence = prompt + generated
     length = len(user_positions(config, prompt)) + ASSISTANT_PREFIX_LEN
     return StageInput(
         prompt_token_ids=[talker_config.codec_pad_id] * length,
@@ -70,6 +78,7 @@ def thinker2talker(upstream: list[UpstreamOutput], stage, extras: dict[str, Any]
             "prompt_len": torch.tensor([len(prompt)], dtype=torch.long),
         },
         sampling_overrides={"stop_token_ids": [talker_config.codec_eos_token_id]},
+        ready=ready,
     )
 
 

@@ -211,6 +211,8 @@ class _Request:
     prompt: ti.TalkerPrompt
     greedy: bool
     generator: torch.Generator | None
+    #: thinker sequence ids the prompt was built from (more arrive for a growing input)
+    sequence_len: int = 0
     #: frames[s]: the 16 codes fed at position L + s
     frames: list[torch.Tensor] = field(default_factory=list)
     #: talker hidden state at position ``hidden_pos`` (the last one fed)
@@ -368,26 +370,18 @@ class Qwen3OmniTalkerStage(nn.Module, SupportsMRoPE):
 
     def _state(self, step, r) -> _Request:
         state = self._requests.get(r.req_id)
-        if state is not None:
-            return state
         payload = step.inputs(r.req_id)
+        if state is not None:
+            if len(payload.get("sequence_ids", ())) != state.sequence_len:
+                self._extend(state, r.req_id, payload)
+            return state
         for name in ("sequence_ids", "thinker_embed", "tts_embed", "speaker_id"):
             if name not in payload:
                 raise ValueError(f"talker request {r.req_id}: input payload lacks {name!r}")
         speaker_id = int(payload["speaker_id"][0])
         if speaker_id not in self.speakers:
             raise ValueError(f"unknown talker speaker id {speaker_id}")
-        embed = self.get_input_embeddings().weight
-
-        def tensor(name):  # the thinker's float rows, in the talker's device and dtype
-            value = payload.get(name)
-            return None if value is None else value.to(embed.device, embed.dtype)
-
-        prompt = ti.build_talker_prompt(
-            self, self.omni_config, payload["sequence_ids"], tensor("thinker_embed"),
-            tensor("thinker_hidden"), self.speakers[speaker_id],
-            tts_token_embeds=tensor("tts_embed"),
-            prompt_len=int(payload["prompt_len"][0]) if "prompt_len" in payload else None)
+        prompt = self._prompt(payload)
         if prompt.num_prompt_tokens != r.num_prompt_tokens:
             raise ValueError(
                 f"talker request {r.req_id}: the prompt has {r.num_prompt_tokens} ids but "
@@ -395,9 +389,10 @@ class Qwen3OmniTalkerStage(nn.Module, SupportsMRoPE):
         params = step.params(r.req_id)
         greedy = params is None or params.temperature < _GREEDY_TEMPERATURE
         seed = getattr(params, "seed", None)
+        embed = self.get_input_embeddings().weight
         generator = torch.Generator(embed.device).manual_seed(seed) \
             if seed is not None and not greedy else None
-        state = _Request(prompt, greedy, generator)
+        state = _Request(prompt, greedy, generator, sequence_len=len(payload["sequence_ids"]))
         if "thinker_positions" in payload:
             table, delta = ti.talker_mrope_positions(
                 payload["thinker_positions"], prompt.user_index, prompt.num_prompt_tokens)
@@ -405,6 +400,31 @@ class Qwen3OmniTalkerStage(nn.Module, SupportsMRoPE):
                 state.mrope = (table, delta)
         self._requests[r.req_id] = state
         return state
+
+    def _prompt(self, payload: dict[str, torch.Tensor]) -> ti.TalkerPrompt:
+        embed = self.get_input_embeddings().weight
+
+        def tensor(name):  # the thinker's float rows, in the talker's device and dtype
+            value = payload.get(name)
+            return None if value is None else value.to(embed.device, embed.dtype)
+
+        return ti.build_talker_prompt(
+            self, self.omni_config, payload["sequence_ids"], tensor("thinker_embed"),
+            tensor("thinker_hidden"), self.speakers[int(payload["speaker_id"][0])],
+            tts_token_embeds=tensor("tts_embed"),
+            prompt_len=int(payload["prompt_len"][0]) if "prompt_len" in payload else None)
+
+    def _extend(self, state: _Request, req_id: str, payload: dict[str, torch.Tensor]) -> None:
+        """Take the thinker rows appended to a growing input (the request is fed in
+        chunks while the thinker runs): the prompt stays, the trailing text grows. The
+        orchestrator lets the request decode only as far as final trailing rows go."""
+        prompt = self._prompt(payload)
+        if prompt.num_prompt_tokens != state.prompt.num_prompt_tokens:
+            raise ValueError(
+                f"talker request {req_id}: more thinker rows changed the talker prompt from "
+                f"{state.prompt.num_prompt_tokens} to {prompt.num_prompt_tokens} positions")
+        state.prompt = prompt
+        state.sequence_len = len(payload["sequence_ids"])
 
     def _predict_frames(self, pending, input_ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Run the code predictor for the newest decode row of each request in ``pending``."""

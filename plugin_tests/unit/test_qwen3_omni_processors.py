@@ -1,0 +1,59 @@
+"""Qwen3-Omni's ``thinker2talker`` on a thinker output that is still growing (the talker
+fed while the thinker runs): how many talker tokens the rows so far allow. The talker
+built from such inputs equals HF's in ``engine/test_pipeline_engine.py``."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from vllm_omni_plugin.models.qwen3_omni.processors import thinker2talker
+from vllm_omni_plugin.processors.hookspecs import UpstreamOutput
+
+IM_START, ASSISTANT, USER = 1, 2, 3
+#: ``<|im_start|>user x <|im_start|>assistant \\n``: 6 prompt ids
+PROMPT = [IM_START, USER, 9, IM_START, ASSISTANT, 4]
+CONFIG = SimpleNamespace(
+    im_start_token_id=IM_START, assistant_token_id=ASSISTANT, user_token_id=USER,
+    talker_config=SimpleNamespace(codec_pad_id=0, codec_eos_token_id=5,
+                                  speaker_id={"ethan": 7}))
+
+
+def _thinker(rows: int, tokens: int, finished: bool = False) -> UpstreamOutput:
+    """The thinker's output with ``rows`` published rows and ``tokens`` generated ids."""
+    payload = {name: torch.zeros(rows, 2) for name in ("embed", "hidden")}
+    payload.update(positions=torch.zeros(rows, 3, dtype=torch.long), tts_embed=torch.zeros(3, 2))
+    return UpstreamOutput(stage_id=0, prompt_token_ids=PROMPT,
+                          output_token_ids=list(range(50, 50 + tokens)), payload=payload,
+                          finished=finished)
+
+
+def _ready(rows: int, tokens: int) -> tuple[int | None, int]:
+    stage_input = thinker2talker([_thinker(rows, tokens)], None, {"hf_config": CONFIG})
+    return stage_input.ready, len(stage_input.payload["sequence_ids"])
+
+
+def test_a_growing_thinker_output_allows_one_talker_token_per_fed_generated_token():
+    p = len(PROMPT)
+    # the first generated token not fed yet: HF's talker prompt cannot be built
+    assert _ready(rows=p, tokens=1)[0] == 0
+    # n generated tokens fed: code 0 of frames 0 .. n - 1; the sequence ends with the
+    # first token not fed
+    assert _ready(rows=p + 1, tokens=2) == (1, p + 2)
+    assert _ready(rows=p + 4, tokens=5) == (4, p + 5)
+
+
+def test_rows_published_ahead_of_the_tokens_seen_count_only_as_far_as_the_tokens():
+    p = len(PROMPT)
+    assert _ready(rows=p + 4, tokens=3) == (2, p + 3)
+
+
+def test_a_finished_thinker_output_is_the_whole_input():
+    p = len(PROMPT)
+    stage_input = thinker2talker([_thinker(p + 4, 5, finished=True)], None,
+                                 {"hf_config": CONFIG})
+    assert stage_input.ready is None and len(stage_input.payload["sequence_ids"]) == p + 5
+    # the prompt stays as it was for the growing input
+    assert stage_input.prompt_token_ids == thinker2talker(
+        [_thinker(p + 1, 2)], None, {"hf_config": CONFIG}).prompt_token_ids
