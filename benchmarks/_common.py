@@ -353,9 +353,10 @@ def audio_pipeline_serve(args, tmp: Path) -> tuple[Path, list[str], dict, str]:
     ckpt = args.checkpoint or tmp / "ckpt"
     if not (ckpt / "config.json").exists():
         make_checkpoint(ckpt)
-    streaming = {k: v for k, v in (("chunk_size", getattr(args, "stream_chunk", None)),
-                                   ("left_context", getattr(args, "stream_left_context",
-                                                            None))) if v is not None}
+    streaming = {field: getattr(args, option, None) for field, option in (
+        ("chunk_size", "stream_chunk"), ("left_context", "stream_left_context"),
+        ("first_chunk_size", "stream_first_chunk"))}
+    streaming = {k: v for k, v in streaming.items() if v is not None}
     after = getattr(args, "talker_after_thinker", False)
     yaml_path = write_short_talker_yaml(REPO / "stage_configs" / "qwen3_omni_moe.yaml",
                                         tmp / "pipeline.yaml", args.talker_frames, streaming,

@@ -4,9 +4,10 @@ side in one run on one server.
 
 One ``vllm serve CKPT --stage-configs-path stage_configs/qwen3_omni_moe.yaml`` on the
 tiny Qwen3-Omni checkpoint, the talker's codec-frame budget set to ``--talker-frames``
-and code2wav's ``streaming`` as in the YAML unless ``--stream-chunk`` /
-``--stream-left-context`` say otherwise (streamed requests decode the talker's frames
-in those chunks while the talker runs; the others decode them once, at the end). The
+and code2wav's ``streaming`` as in the YAML unless ``--stream-chunk``,
+``--stream-first-chunk`` or ``--stream-left-context`` say otherwise (streamed requests
+decode the talker's frames in chunks while the talker runs; the others decode them once,
+at the end). The
 talker of a streamed request is fed the thinker's output while the thinker runs (the
 YAML's ``stream_input``) unless ``--talker-after-thinker``.
 Every chat asks for text and ``pcm16`` audio (greedy, ``--max-tokens`` thinker tokens,
@@ -17,6 +18,9 @@ prompts differing per request). Per request:
   arrives with it).
 * **latency**: seconds to the end of the answer.
 * **RTF**: latency / seconds of speech returned (below 1 is faster than real time).
+* **stall**: seconds a player that starts at the first audio and plays at 24 kHz would
+  wait for audio before the end (0 when every chunk arrives before the audio before it
+  has played; always 0 when not streamed).
 
 After a warm-up, each of ``--trials`` trials runs ``--requests`` chats per
 (concurrency, mode), in rotating order. Printed per (concurrency, mode): requests/s
@@ -59,11 +63,14 @@ SAMPLE_RATE = 24000  # Qwen3-Omni's code2wav
 MODES = ("non-streamed", "streamed")
 
 
-async def _one(session, url: str, body: dict, stream: bool) -> tuple[float, float, float]:
-    """(TTFP s, latency s, speech s) of one chat."""
+async def _one(session, url: str, body: dict, stream: bool
+               ) -> tuple[float, float, float, float]:
+    """(TTFP s, latency s, speech s, stall s) of one chat."""
     start = time.perf_counter()
     first = None
     pcm = 0
+    stall = 0.0
+    runs_out = 0.0  # when a player that started at the first audio runs out of audio
     async with session.post(f"{url}/v1/chat/completions",
                             json={**body, "stream": stream}) as r:
         if r.status != 200:
@@ -81,19 +88,23 @@ async def _one(session, url: str, body: dict, stream: bool) -> tuple[float, floa
                     raise RuntimeError(f"stream error: {event['error']}")
                 audio = event["choices"][0]["delta"].get("audio")
                 if audio and audio.get("data"):
-                    first = first if first is not None else time.perf_counter() - start
-                    pcm += len(base64.b64decode(audio["data"]))
+                    now = time.perf_counter() - start
+                    first = first if first is not None else now
+                    stall += max(0.0, now - runs_out) if pcm else 0.0
+                    size = len(base64.b64decode(audio["data"]))
+                    runs_out = max(runs_out, now) + size / 2 / SAMPLE_RATE
+                    pcm += size
     if first is None:
         raise RuntimeError("no audio in the answer")
-    return first, time.perf_counter() - start, pcm / 2 / SAMPLE_RATE
+    return first, time.perf_counter() - start, pcm / 2 / SAMPLE_RATE, stall
 
 
 async def _load(url: str, model: str, requests: int, concurrency: int, max_tokens: int,
-                stream: bool) -> tuple[float, list[tuple[float, float, float]]]:
+                stream: bool) -> tuple[float, list[tuple[float, float, float, float]]]:
     import aiohttp  # a vLLM requirement
 
     todo = iter(range(requests))
-    samples: list[tuple[float, float, float]] = []
+    samples: list[tuple[float, float, float, float]] = []
 
     def body(i):
         return {"model": model, "max_tokens": max_tokens, "temperature": 0,
@@ -119,6 +130,9 @@ def main() -> int:
                         help="code2wav streaming chunk_size, frames (default: the YAML's)")
     parser.add_argument("--stream-left-context", type=int,
                         help="code2wav streaming left_context, frames (default: the YAML's)")
+    parser.add_argument("--stream-first-chunk", type=int,
+                        help="code2wav streaming first_chunk_size, frames (default: the "
+                             "YAML's)")
     parser.add_argument("--talker-after-thinker", action="store_true",
                         help="start the talker of a streamed chat when the thinker has "
                              "finished (stream_input: false) instead of feeding it while "
@@ -153,7 +167,8 @@ def main() -> int:
         rows.append([str(c), mode, fmt(median(rates[(c, mode)]), ".3f"),
                      fmt(percentile(ttfp, 0.5), ".3f"), fmt(percentile(ttfp, 0.99), ".3f"),
                      fmt(percentile(rtf, 0.5), ".2f"), fmt(percentile(rtf, 0.99), ".2f"),
-                     fmt(median([s[2] for s in samples[(c, mode)]]), ".2f")])
+                     fmt(median([s[2] for s in samples[(c, mode)]]), ".2f"),
+                     fmt(percentile([s[3] for s in samples[(c, mode)]], 0.99), ".3f")])
     for c in args.concurrency:
         plain = [s[1] for s in samples[(c, "non-streamed")]]
         streamed = [s[0] for s in samples[(c, "streamed")]]
@@ -161,7 +176,7 @@ def main() -> int:
                        fmt(median(rates[(c, "streamed")]) / median(rates[(c, "non-streamed")]),
                            ".3f")])
     print(table(["concurrency", "mode", "req/s", "TTFP p50 s", "TTFP p99 s", "RTF p50",
-                 "RTF p99", "speech s"], rows, left=2,
+                 "RTF p99", "speech s", "stall p99 s"], rows, left=2,
                 title=f"chat with audio, {args.requests} chats x {args.trials} trials per "
                       f"cell, thinker {args.max_tokens} tokens, talker <= "
                       f"{args.talker_frames} frames (log: {tmp / 'serve.log'})"))

@@ -67,7 +67,8 @@ def server(tiny_qwen3_omni, tmp_path_factory):
         pipeline = yaml.safe_load(f)
     pipeline["stages"][1]["default_sampling_params"]["max_tokens"] = TALKER_MAX_TOKENS
     pipeline["stages"][2]["input_processor"] = "faulty_talker2code2wav"
-    pipeline["stages"][2]["streaming"] = {"chunk_size": STREAM_CHUNK, "left_context": 25}
+    pipeline["stages"][2]["streaming"] = {"chunk_size": STREAM_CHUNK, "left_context": 25,
+                                          "first_chunk_size": 2}
     yaml_path = root / "pipeline.yaml"
     yaml_path.write_text(yaml.safe_dump(pipeline))
     env = dict(os.environ)
@@ -171,10 +172,11 @@ def test_each_audio_format_decodes_to_the_wav_sample_count(server, fmt):
 
 def test_streamed_chat_audio_deltas_equal_the_unstreamed_answer(server):
     """OpenAI SDK, ``stream=True`` with audio: text deltas as vLLM streams them, and
-    ``delta.audio`` chunks decoded by code2wav while the talker generates (chunks of
-    :data:`STREAM_CHUNK` frames) whose PCM16, concatenated, is the non-streamed answer's:
-    the same sample count, each sample within 1 LSB (a chunk is decoded apart from the
-    frames after it: float noise); transcripts joined are the text."""
+    ``delta.audio`` chunks decoded by code2wav while the talker generates (2 frames, then
+    chunks growing to :data:`STREAM_CHUNK` frames) whose PCM16, concatenated, is the
+    non-streamed answer's: the same sample count, each sample within 1 LSB (a chunk is
+    decoded apart from the frames after it: float noise); transcripts joined are the
+    text."""
     import openai
 
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="-")
@@ -206,6 +208,8 @@ def test_streamed_chat_audio_deltas_equal_the_unstreamed_answer(server):
     assert audio_deltas[-1]["expires_at"] > 0
     assert len({a["id"] for a in audio_deltas}) == 1
     assert sum(1 for p in pcm if p) >= 2, "the audio came in one piece: no chunk streamed"
+    # the first chunk is first_chunk_size (2) frames of 1920 samples (24 kHz, 12.5 Hz)
+    assert len(next(p for p in pcm if p)) // 2 <= 2 * 1920
     assert "".join(a.get("transcript") or "" for a in audio_deltas) == expected["content"]
     streamed = np.frombuffer(b"".join(pcm), "<i2").astype(np.int32)
     reference = _pcm16(expected).astype(np.int32)

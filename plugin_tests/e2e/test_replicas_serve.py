@@ -12,6 +12,7 @@ leaves.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -190,25 +191,49 @@ def _resubmissions(head) -> float:
                                frozenset({("stage", "1")})), 0.0)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "timing-dependent: the kill must land after the talker replica reported progress and "
-    "before it finished; on 2026-11-24 the request finished within the 1 s wait, and with "
-    "0.3 s the replica had reported no progress yet (resubmitted, 200). Needs a condition "
-    "for 'output produced' instead of the sleep"))
+def _streamed_events(head, content: str):
+    """The JSON events of a streamed chat with text and pcm16 audio (``requests``)."""
+    import requests
+
+    body = {"model": head_model(head), "messages": [{"role": "user", "content": content}],
+            "max_tokens": 6, "temperature": 0, "modalities": ["text", "audio"],
+            "audio": {"format": "pcm16"}, "stream": True}
+    with requests.post(f"{head.url}/v1/chat/completions", json=body, stream=True,
+                       timeout=300) as response:
+        assert response.status_code == 200, response.text
+        for line in response.iter_lines():
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                yield json.loads(line[len(b"data: "):])
+
+
 def test_kill_9_mid_request_fails_it_naming_stage_and_replica(cluster):
+    """A streamed chat: its first audio proves the talker replica produced output and
+    runs still (the replica sends the frames it publishes as it runs, TaskRows). Both
+    replicas are stopped there, the one running the task is killed (SIGKILL), the other
+    continued: the request ends with an error event naming stage 1 and that replica,
+    and the next request runs on the survivor."""
     head, replicas = cluster
-    with ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(_audio, head, "Killed mid-request.")
-        _wait(lambda: sum(_stage1(head, "vllm_omni:replica_requests_running").values()) == 1,
-              120, head, interval=0.05)
-        victim = next(r for r, v in _stage1(head, "vllm_omni:replica_requests_running").items()
-                      if v)
-        time.sleep(1.0)  # the talker has produced codec frames by now
+    events = _streamed_events(head, "Killed mid-request.")
+    for event in events:
+        audio = event["choices"][0]["delta"].get("audio") if event.get("choices") else None
+        if audio and audio.get("data"):
+            break
+    else:
+        raise AssertionError("no audio before the end of the stream")
+    for proc in replicas.values():
+        proc.signal(signal.SIGSTOP)
+    try:
+        running = {r for r, v in _stage1(head, "vllm_omni:replica_requests_running").items()
+                   if v}
+        assert len(running) == 1, f"talker tasks at the first audio: {running}"
+        victim = running.pop()
         replicas[victim].signal(signal.SIGKILL)
-        response = pending.result(timeout=120)
-    assert response.status_code == 500, response.text
-    message = response.json()["error"]["message"]
-    assert "stage 1" in message and f"replica {victim}" in message, message
+    finally:
+        for proc in replicas.values():
+            if proc.proc.poll() is None:
+                proc.signal(signal.SIGCONT)
+    errors = [e["error"]["message"] for e in events if "error" in e]
+    assert errors and "stage 1" in errors[0] and f"replica {victim}" in errors[0], errors
     # the head keeps serving, on the remaining replica
     survivor = 1 - victim
     before = _stage1(head, "vllm_omni:replica_requests_total")[survivor]

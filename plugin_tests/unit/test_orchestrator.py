@@ -497,12 +497,13 @@ def test_pd_prompts_other_than_token_ids_are_prefilled_by_the_entry(tmp_path, pr
 FRAMES = 5
 
 
-def _streaming_orchestrator(tmp_path, talker, code2wav):
+def _streaming_orchestrator(tmp_path, talker, code2wav, first_chunk_size=None):
     """thinker -> talker -> code2wav with ``streaming`` on code2wav (chunks of 2 frames
-    after 1 frame of context); the processor for code2wav passes the chunk's codes and
-    context on as the task's payload."""
+    after 1 frame of context, the first of ``first_chunk_size``); the processor for code2wav
+    passes the chunk's codes and context on as the task's payload."""
     pipeline = _pipeline(fan_out=False)
-    pipeline.stage(2).streaming = StreamingConfig(chunk_size=2, left_context=1)
+    pipeline.stage(2).streaming = StreamingConfig(chunk_size=2, left_context=1,
+                                                  first_chunk_size=first_chunk_size)
     store = PayloadStore(str(tmp_path / "run"))
 
     def to_code2wav(upstream, stage, extras):
@@ -518,24 +519,31 @@ def _streaming_orchestrator(tmp_path, talker, code2wav):
 
 
 class FrameTalker(Pool):
-    """A talker that publishes one frame (``codes`` ``[[i]]``) per step, ``FRAMES`` in all;
-    after the second it waits until code2wav has run a chunk (``live``), or publishes
-    nothing as it goes (``live=False``: a remote replica) and returns them all at the end."""
+    """A talker that publishes ``FRAMES`` frames (``codes`` ``[[i]]``) in batches of
+    ``batches`` frames, waiting before each batch after the first until code2wav has run
+    one more chunk (``live``); or publishes nothing as it goes (``live=False``: a remote
+    replica) and returns them all at the end."""
 
-    def __init__(self, live: bool = True) -> None:
+    def __init__(self, live: bool = True, batches: tuple[int, ...] = (2, 2, 1)) -> None:
         super().__init__(1)
+        assert sum(batches) == FRAMES
         self.live = live
+        self.batches = batches
+        self.chunks_ran = 0
         self.chunk_ran = asyncio.Event()
         self.cancelled = False
 
     async def run(self, task, on_rows=None):
         self.tasks.append(task)
         try:
-            for i in range(FRAMES):
-                if self.live:
-                    on_rows.add([{"codes": torch.tensor([[i]])}])
-                if i == 1 and self.live:
+            first = 0
+            for i, size in enumerate(self.batches):
+                while self.live and self.chunks_ran < i:
+                    self.chunk_ran.clear()
                     await self.chunk_ran.wait()
+                if self.live:
+                    on_rows.add([{"codes": torch.arange(first, first + size).reshape(-1, 1)}])
+                first += size
                 await asyncio.sleep(0)
         except asyncio.CancelledError:
             self.cancelled = True
@@ -556,6 +564,7 @@ class ChunkDecoder(Pool):
         self.tasks.append(task)
         if self.fail:
             raise TaskError("decoder broke", 500)
+        self.talker.chunks_ran += 1
         self.talker.chunk_ran.set()
         context = int(task.payload["context"][0])
         return StageRun([1], [0], {"waveform": task.payload["codes"][context:, 0].float(),
@@ -568,28 +577,62 @@ def _streamed_audio() -> OmniRequest:
     return request
 
 
-@pytest.mark.parametrize("live", [True, False], ids=["local", "remote"])
-def test_streamed_request_decodes_chunks_while_the_talker_runs(tmp_path, live):
-    talker = FrameTalker(live)
+def _pieces(request: OmniRequest) -> list[list[float]]:
+    pieces = []
+    while not request.partials.empty():
+        pieces.append(request.partials.get_nowait()["waveform"].tolist())
+    return pieces
+
+
+def test_streamed_request_decodes_chunks_while_the_talker_runs(tmp_path):
+    talker = FrameTalker()
     decoder = ChunkDecoder(talker)
     orchestrator = _streaming_orchestrator(tmp_path, talker, decoder)
     request = _streamed_audio()
-    # a local talker waits for the first chunk's decode: without streaming this deadlocks
+    # the talker waits for each chunk's decode: without streaming this deadlocks
     asyncio.run(asyncio.wait_for(_run(orchestrator, request), 30))
     assert [t.request_id for t in decoder.tasks] == ["req-1-s2-c0", "req-1-s2-c1",
                                                      "req-1-s2-c2"]
     assert [t.payload["codes"][:, 0].tolist() for t in decoder.tasks] == [
         [0, 1], [1, 2, 3], [3, 4]]
     assert [int(t.payload["context"][0]) for t in decoder.tasks] == [0, 1, 1]
-    pieces = []
-    while not request.partials.empty():
-        pieces.append(request.partials.get_nowait()["waveform"].tolist())
-    assert pieces == [[0.0, 1.0], [2.0, 3.0], [4.0]]
+    assert _pieces(request) == [[0.0, 1.0], [2.0, 3.0], [4.0]]
     result = request.result
     assert result.error is None and result.sample_rate == 24000
     assert result.payload["waveform"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert orchestrator.store.keys() == [] and orchestrator.admission.in_flight == {1: 0, 2: 0}
     assert orchestrator._inflight == {}
+
+
+@pytest.mark.parametrize("live", [True, False], ids=["local", "remote"])
+def test_a_chunk_covers_every_row_there_is_when_it_starts(tmp_path, live):
+    """Rows that came while the previous chunk decoded go into one chunk, even more than
+    ``chunk_size`` (2): fewer chunks re-decode less context. A remote talker's rows all
+    come at its end."""
+    talker = FrameTalker(live, batches=(2, 3))
+    decoder = ChunkDecoder(talker)
+    orchestrator = _streaming_orchestrator(tmp_path, talker, decoder)
+    request = _streamed_audio()
+    asyncio.run(asyncio.wait_for(_run(orchestrator, request), 30))
+    assert [t.payload["codes"][:, 0].tolist() for t in decoder.tasks] == [
+        [0, 1], [1, 2, 3, 4]]
+    assert [int(t.payload["context"][0]) for t in decoder.tasks] == [0, 1]
+    assert _pieces(request) == [[0.0, 1.0], [2.0, 3.0, 4.0]]
+    assert request.result.payload["waveform"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert orchestrator.store.keys() == []
+
+
+def test_first_chunk_size_sets_only_the_first_chunk(tmp_path):
+    talker = FrameTalker(batches=(1, 2, 2))
+    decoder = ChunkDecoder(talker)
+    orchestrator = _streaming_orchestrator(tmp_path, talker, decoder, first_chunk_size=1)
+    request = _streamed_audio()
+    asyncio.run(asyncio.wait_for(_run(orchestrator, request), 30))
+    assert [t.payload["codes"][:, 0].tolist() for t in decoder.tasks] == [
+        [0], [0, 1, 2], [2, 3, 4]]
+    assert [int(t.payload["context"][0]) for t in decoder.tasks] == [0, 1, 1]
+    assert _pieces(request) == [[0.0], [1.0, 2.0], [3.0, 4.0]]
+    assert request.result.payload["waveform"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
 
 
 def test_request_not_streamed_decodes_the_whole_output_once(tmp_path):

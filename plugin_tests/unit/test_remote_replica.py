@@ -1,6 +1,7 @@
 """The head's handle on a headless replica (``RemoteReplica``) over a real ZMQ task
-channel; the headless side is a bare ROUTER socket scripted by the test (a real
-``ReplicaServer`` with engines is in ``plugin_tests/e2e/test_replicas_serve.py``)."""
+channel; the headless side is a bare ROUTER socket scripted by the test, or a real
+``ReplicaServer`` on a scripted engine that publishes into a real payload store (real
+engines are in ``plugin_tests/e2e/test_replicas_serve.py``)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ import asyncio
 import zmq
 import zmq.asyncio
 
+from plugin_tests.unit.test_run_on_engine import STEPS, FrameEngine
+from vllm_omni_plugin.payload_store import PayloadStore
 from vllm_omni_plugin.replicas.protocol import Channel, TaskAbort, TaskSubmit, ToReplica
 from vllm_omni_plugin.replicas.replica import RemoteReplica
+from vllm_omni_plugin.replicas.server import ReplicaServer
 from vllm_omni_plugin.replicas.task import StageTask
 
 WAIT_S = 10
@@ -33,7 +37,8 @@ def test_cancelled_task_is_aborted_on_the_replica():
         try:
             run = asyncio.ensure_future(replica.run(StageTask(
                 request_id="r-1", prompt_token_ids=[1, 2], sampling={"max_tokens": 2})))
-            assert isinstance(await _received(router, channel), TaskSubmit)
+            submit = await _received(router, channel)
+            assert isinstance(submit, TaskSubmit) and not submit.rows  # no one reads rows
             run.cancel()
             abort = await _received(router, channel)
             assert isinstance(abort, TaskAbort) and abort.request_id == "r-1"
@@ -41,5 +46,55 @@ def test_cancelled_task_is_aborted_on_the_replica():
         finally:
             replica.close()
             router.close(linger=0)
+
+    asyncio.run(main())
+
+
+class _Engine(FrameEngine):
+    def shutdown(self) -> None:
+        pass
+
+
+class _Sink:
+    """Records the rows delivered and whether the run had ended at each delivery."""
+
+    wanted = 0
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+        self.run: asyncio.Future | None = None
+        self.after_end = False
+
+    def add(self, chunks):
+        self.after_end |= self.run.done()
+        self.rows.extend(int(r) for c in chunks for r in c["codes"][:, 0])
+
+
+def test_rows_published_while_a_task_runs_reach_the_head_before_its_result(tmp_path):
+    """A headless replica sends a task's rows as its engine publishes them (TaskRows),
+    in order and before TaskDone, when the head reads them (a streamed stage's input):
+    with rows only in TaskDone, streaming from a headless talker would start at its
+    end."""
+    async def main():
+        store = PayloadStore(str(tmp_path / "run"))
+        server = ReplicaServer(1, 0, _Engine(store), str(tmp_path / "run"),
+                               "tcp://127.0.0.1:*", "tcp://127.0.0.1:9", 0)
+        address = server.socket.getsockopt(zmq.LAST_ENDPOINT).decode()
+        serving = asyncio.ensure_future(server.serve())
+        replica = RemoteReplica(1, 0, address)
+        sink = _Sink()
+        try:
+            task = StageTask(request_id="r-1", prompt_token_ids=[1],
+                             sampling={"max_tokens": STEPS})
+            run = asyncio.ensure_future(replica.run(task, on_rows=sink))
+            sink.run = run
+            result = await asyncio.wait_for(run, WAIT_S)
+            assert sink.rows == list(range(STEPS - 1)) and not sink.after_end
+            assert result.payload["codes"][:, 0].tolist() == sink.rows
+            assert store.keys() == []
+        finally:
+            serving.cancel()
+            replica.close()
+            server.close()
 
     asyncio.run(main())

@@ -15,6 +15,7 @@ from vllm_omni_plugin.config import (
     load_pipeline_config,
     parse_pipeline_config,
 )
+from vllm_omni_plugin.config.schema import StreamingConfig
 from vllm_omni_plugin.processors import available_processors, get_plugin_manager, hookimpl
 
 REPO = Path(__file__).resolve().parents[2]
@@ -93,10 +94,18 @@ def test_qwen3_omni_config_loads():
 def test_qwen3_omni_code2wav_streams_chunks_of_the_talker():
     cfg = load_pipeline_config(REPO / "stage_configs" / "qwen3_omni_moe.yaml")
     streaming = cfg.stage(2).streaming
-    assert (streaming.chunk_size, streaming.left_context) == (25, 25)
+    assert (streaming.chunk_size, streaming.left_context, streaming.first_chunk_size) == (
+        25, 25, 5)
     assert cfg.stage(1).streaming is None
     # and the talker is fed the thinker's output while the thinker runs
     assert cfg.stage(1).stream_input and not cfg.stage(2).stream_input
+
+
+def test_streamed_chunks_grow_from_the_first_chunk_size_to_chunk_size():
+    config = StreamingConfig(chunk_size=25, left_context=25, first_chunk_size=5)
+    assert [config.chunk_rows(previous) for previous in (0, 5, 10, 20, 40)] == [
+        5, 10, 20, 25, 25]
+    assert StreamingConfig(chunk_size=25).chunk_rows(0) == 25
 
 
 def test_qwen3_omni_pd_config_loads():
@@ -229,7 +238,10 @@ def test_topological_order_of_a_diamond(tmp_path):
     (mutate(s2={"streaming": {"chunk_size": 25, "left_context": -1}}),
      "stage 2 ('code2wav')", "streaming.left_context", "greater than or equal to 0"),
     (mutate(s2={"streaming": {"chunk_size": 25, "overlap": 2}}), "stage 2 ('code2wav')",
-     "streaming.overlap", "unknown field; allowed: chunk_size, left_context"),
+     "streaming.overlap",
+     "unknown field; allowed: chunk_size, left_context, first_chunk_size"),
+    (mutate(s2={"streaming": {"chunk_size": 25, "first_chunk_size": 0}}),
+     "stage 2 ('code2wav')", "streaming.first_chunk_size", "greater than or equal to 1"),
     (mutate(s1={"streaming": {"chunk_size": 25}}), "stage 1 ('talker')", "streaming",
      "only a final-output stage"),
     (mutate(s2={"inputs": [0, 1], "streaming": {"chunk_size": 25}}), "stage 2 ('code2wav')",

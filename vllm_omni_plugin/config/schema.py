@@ -162,17 +162,29 @@ class StreamingConfig(BaseModel):
     runs on chunks of its input stage's output while that stage still generates, and each
     chunk's output goes to the client as it is ready.
 
-    A chunk is ``chunk_size`` rows of the input stage's payload (dim 0 of its tensors, which
-    must all have one row per output position: the talker's ``codes``, codec frames at
-    12.5 per second of speech), preceded by up to
-    ``left_context`` earlier rows the stage sees as context only (its model drops their
-    output; the processor is told through ``UpstreamOutput.context_rows``). Requests not
-    streamed run the stage once on the whole output.
+    Chunks are rows of the input stage's payload (dim 0 of its tensors, which must all
+    have one row per output position: the talker's ``codes``, codec frames at 12.5 per
+    second of speech), each preceded by up to ``left_context`` earlier rows the stage sees
+    as context only (its model drops their output; the processor is told through
+    ``UpstreamOutput.context_rows``). The first chunk is ``first_chunk_size`` rows
+    (default ``chunk_size``): a small one gets the first output to the client sooner.
+    Each later chunk waits for twice the rows of the one before, at most ``chunk_size``
+    (or for the input stage's end), so that it is due no later than the output already
+    sent runs out (when the input stage is at least twice as fast as real time), and
+    takes every row there is then: rows that came while the previous chunk ran share one
+    left context. Requests not streamed run the stage once on the whole output.
     """
 
     model_config = ConfigDict(extra="forbid")
     chunk_size: int = Field(ge=1)
     left_context: int = Field(default=0, ge=0)
+    first_chunk_size: int | None = Field(default=None, ge=1)
+
+    def chunk_rows(self, previous: int) -> int:
+        """Rows a chunk waits for after a chunk of ``previous`` rows (0: the first)."""
+        if previous == 0:
+            return self.first_chunk_size or self.chunk_size
+        return min(2 * previous, self.chunk_size)
 
 
 class StageConfig(BaseModel):

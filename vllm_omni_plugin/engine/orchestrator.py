@@ -388,9 +388,9 @@ class Orchestrator:
     async def _run_streaming(self, request: OmniRequest, request_id, stage, produce,
                              consumer, outputs, extras):
         """Run ``stage`` (``produce(on_rows)``: its run) and, while it runs, ``consumer``
-        (its ``streaming`` stage) on each chunk of its output: ``chunk_size`` rows after
-        up to ``left_context`` rows of context, one consumer task per chunk, in order;
-        each chunk's output goes into
+        (its ``streaming`` stage) on each chunk of its output (sizes: see
+        ``StreamingConfig``), each after up to ``left_context`` rows of context, one
+        consumer task per chunk, in order; each chunk's output goes into
         :attr:`OmniRequest.partials`, and their rows joined into ``outputs`` as the
         consumer's. Returns ``stage``'s run; None when aborted.
 
@@ -403,7 +403,7 @@ class Orchestrator:
         rows = _Rows()
         producer = asyncio.ensure_future(produce(rows))
         pieces: list[dict] = []
-        start = 0
+        start = previous = 0  # the next chunk's first row, the last chunk's rows
         try:
             while True:
                 finished = producer.done()
@@ -413,13 +413,16 @@ class Orchestrator:
                         return None
                     rows.replace(run.payload)  # a remote replica reports its rows here
                 available = rows.count - start
-                if available < config.chunk_size and not (finished and available > 0):
+                size = config.chunk_rows(previous)
+                if available < size and not (finished and available > 0):
                     if finished:
                         break
-                    rows.wanted = start + config.chunk_size
+                    rows.wanted = start + size
                     await rows.wait_for_more(producer)
                     continue
-                end = start + min(config.chunk_size, available)
+                # the first chunk stays small (time to first output); a later one takes
+                # every row there is, so rows that came meanwhile share one left context
+                end = start + (available if start else min(size, available))
                 context = min(config.left_context, start)
                 upstream = UpstreamOutput(
                     stage_id=stage.stage_id, prompt_token_ids=[], output_token_ids=[],
@@ -431,7 +434,7 @@ class Orchestrator:
                     return None
                 pieces.append(piece.payload)
                 request.partials.put_nowait(piece.payload)
-                start = end
+                start, previous = end, end - start
         finally:
             if not producer.done():
                 producer.cancel()

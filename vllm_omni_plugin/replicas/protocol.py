@@ -10,7 +10,9 @@ Never pickle.
 Head -> replica: :class:`TaskSubmit`, :class:`TaskAbort`.
 Replica -> head: :class:`TaskProgress` (the replica's engine produced output
 for the task: from then on the task cannot be resubmitted elsewhere),
-:class:`TaskDone`, :class:`TaskFailed`.
+:class:`TaskRows` (rows the engine published while the task runs, for a task
+submitted with ``rows``: a streamed stage reads them), :class:`TaskDone`,
+:class:`TaskFailed`.
 
 Tensors travel as one safetensors blob (``payload``), so a replica on another
 host needs no shared file system.
@@ -54,6 +56,8 @@ class TaskSubmit(msgspec.Struct, tag="task_submit", tag_field="type"):
         sampling: ``vllm.SamplingParams`` keyword arguments (JSON-like values).
         payload: Input tensors as a safetensors blob (``b""``: none).
         publish: Whether the engine publishes output tensors.
+        rows: Send the output rows the engine publishes while the task runs
+            (:class:`TaskRows`), before :class:`TaskDone`.
     """
 
     request_id: _Id
@@ -61,6 +65,7 @@ class TaskSubmit(msgspec.Struct, tag="task_submit", tag_field="type"):
     sampling: dict[str, Any]
     payload: bytes = b""
     publish: bool = True
+    rows: bool = False
     protocol_version: int = PROTOCOL_VERSION
 
 
@@ -74,6 +79,16 @@ class TaskProgress(msgspec.Struct, tag="task_progress", tag_field="type"):
 
     request_id: _Id
     num_tokens: int
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class TaskRows(msgspec.Struct, tag="task_rows", tag_field="type"):
+    """The output rows the engine published for the task since the previous
+    :class:`TaskRows`, in order (a safetensors blob of ``{name: [rows, ...]}``); all of
+    them together begin the payload :class:`TaskDone` carries."""
+
+    request_id: _Id
+    payload: bytes
     protocol_version: int = PROTOCOL_VERSION
 
 
@@ -104,7 +119,7 @@ class ToReplica(msgspec.Struct, tag="to_replica", tag_field="type"):
 
 
 class ToHead(msgspec.Struct, tag="to_head", tag_field="type"):
-    msg: TaskProgress | TaskDone | TaskFailed
+    msg: TaskProgress | TaskRows | TaskDone | TaskFailed
     protocol_version: int = PROTOCOL_VERSION
 
 

@@ -26,6 +26,7 @@ from .protocol import (
     TaskDone,
     TaskFailed,
     TaskProgress,
+    TaskRows,
     TaskSubmit,
     ToHead,
     ToReplica,
@@ -203,11 +204,12 @@ def _consume(task: asyncio.Task) -> None:
 
 
 class _Pending:
-    __slots__ = ("future", "produced")
+    __slots__ = ("future", "produced", "rows")
 
-    def __init__(self, future: asyncio.Future) -> None:
+    def __init__(self, future: asyncio.Future, rows: RowsSink | None = None) -> None:
         self.future = future
         self.produced = False
+        self.rows = rows  # gets the replica's TaskRows
 
 
 class RemoteReplica(Replica):
@@ -253,7 +255,7 @@ class RemoteReplica(Replica):
         # a headless replica takes a task whole: a growing input is waited for here
         task = await completed(task)
         self.requests_total += 1
-        pending = _Pending(asyncio.get_running_loop().create_future())
+        pending = _Pending(asyncio.get_running_loop().create_future(), on_rows)
         self._pending[task.request_id] = pending
         self.running.add(task.request_id)
         try:
@@ -261,7 +263,8 @@ class RemoteReplica(Replica):
             submit = TaskSubmit(request_id=task.request_id,
                                 prompt_token_ids=list(task.prompt_token_ids),
                                 sampling=dict(task.sampling), payload=blob,
-                                publish=task.publish)
+                                publish=task.publish,
+                                rows=on_rows is not None and task.publish)
             await self._socket.send_multipart(self._channel.frames(ToReplica(msg=submit)))
             done: TaskDone = await pending.future
             payload = await asyncio.to_thread(unpack_tensors, done.payload)
@@ -302,6 +305,13 @@ class RemoteReplica(Replica):
                 continue  # finished, aborted or failed over meanwhile
             if isinstance(msg, TaskProgress):
                 pending.produced = True
+            elif isinstance(msg, TaskRows):
+                if pending.rows is not None:
+                    try:
+                        pending.rows.add([unpack_tensors(msg.payload)])
+                    except ValueError as exc:
+                        pending.future.set_exception(TaskError(
+                            f"{self.name}: rows of {msg.request_id}: {exc}"))
             elif isinstance(msg, TaskDone):
                 pending.future.set_result(msg)
             elif isinstance(msg, TaskFailed):

@@ -33,6 +33,7 @@ from .protocol import (
     TaskDone,
     TaskFailed,
     TaskProgress,
+    TaskRows,
     TaskSubmit,
     ToHead,
     ToReplica,
@@ -111,11 +112,16 @@ class ReplicaServer:
     async def _run(self, identity: bytes, submit: TaskSubmit) -> None:
         rid = submit.request_id
         loop = asyncio.get_running_loop()
+        rows_sent: list[asyncio.Task] = []  # TaskRows go out before TaskDone
 
-        def progress(num_tokens: int) -> None:
-            sending = loop.create_task(self._reply(identity, TaskProgress(rid, num_tokens)))
+        def send(msg) -> asyncio.Task:
+            sending = loop.create_task(self._reply(identity, msg))
             self._sending.add(sending)  # asyncio keeps only weak references to tasks
             sending.add_done_callback(self._sending.discard)
+            return sending
+
+        def progress(num_tokens: int) -> None:
+            send(TaskProgress(rid, num_tokens))
 
         try:
             try:
@@ -124,10 +130,14 @@ class ReplicaServer:
                 raise TaskError(str(exc), status=400) from exc
             task = StageTask(rid, list(submit.prompt_token_ids), dict(submit.sampling), payload,
                              publish=submit.publish)
+            on_rows = _RowsSender(lambda blob: rows_sent.append(send(TaskRows(rid, blob)))) \
+                if submit.rows else None
             run = await run_on_engine(self.engine, self.store, task, progress,
                                       aborted=lambda: rid in self.aborted,
-                                      host=self.address.split("://", 1)[-1].rsplit(":", 1)[0])
+                                      host=self.address.split("://", 1)[-1].rsplit(":", 1)[0],
+                                      on_rows=on_rows)
             blob = await asyncio.to_thread(pack_tensors, run.payload)
+            await asyncio.gather(*rows_sent)
             await self._reply(identity, TaskDone(rid, run.prompt_token_ids,
                                                  run.output_token_ids, blob,
                                                  run.finish_reason, run.prefill_engine))
@@ -156,6 +166,20 @@ class ReplicaServer:
             self.engine.shutdown()
         finally:
             self.store.close()
+
+
+class _RowsSender:
+    """A ``replicas.task.RowsSink`` that hands each payload chunk of a running task, as a
+    safetensors blob, to ``send`` (which sends it to the head as :class:`TaskRows`)."""
+
+    wanted = 0  # every chunk goes to the head as soon as it is read
+
+    def __init__(self, send) -> None:
+        self._send = send
+
+    def add(self, chunks: list[dict]) -> None:
+        for chunk in chunks:
+            self._send(pack_tensors(chunk))
 
 
 def run_headless_replicas(args) -> None:
