@@ -12,12 +12,15 @@ leaves.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import re
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 import yaml
 
@@ -97,10 +100,13 @@ def _attached(head) -> set[int]:
     return {r for r, v in _stage1(head, "vllm_omni:replica_status", status="up").items() if v}
 
 
+def _audio_body(head, content: str, **extra) -> dict:
+    return {"model": head_model(head), "messages": [{"role": "user", "content": content}],
+            "max_tokens": 6, "temperature": 0, "modalities": ["text", "audio"], **extra}
+
+
 def _audio(head, content="Say hello.", timeout=300):
-    return head.chat({"model": head_model(head), "messages": [{"role": "user",
-                      "content": content}], "max_tokens": 6, "temperature": 0,
-                      "modalities": ["text", "audio"]}, timeout=timeout)
+    return head.chat(_audio_body(head, content), timeout=timeout)
 
 
 def head_model(head) -> str:
@@ -124,6 +130,33 @@ def test_requests_spread_over_headless_replicas_round_robin(cluster):
                 if name == "vllm_omni:replica_requests_total"
                 and ("stage", "2") in labels and ("location", "local") in labels}
     assert code2wav == {"0": 2, "1": 2}
+
+
+def test_streamed_chat_on_headless_talkers_equals_the_unstreamed_answer(cluster):
+    """A streamed chat whose talker is a headless replica: the talker starts while the
+    thinker still generates (fed over the task channel, TaskGrow) and code2wav decodes its
+    frames as they come (TaskRows); the PCM16 joined is the non-streamed answer's (same
+    length, within 1 LSB: chunks are decoded apart)."""
+    head, _ = cluster
+    content = "Streamed from afar."
+    unstreamed = head.chat(_audio_body(head, content, audio={"format": "pcm16"}))
+    assert unstreamed.status_code == 200, unstreamed.text
+    expected = np.frombuffer(base64.b64decode(
+        unstreamed.json()["choices"][0]["message"]["audio"]["data"]), "<i2")
+    pieces, request_id = [], None
+    for event in _streamed_events(head, content):
+        assert "error" not in event, event
+        request_id = event["id"]
+        audio = event["choices"][0]["delta"].get("audio") if event.get("choices") else None
+        if audio and audio.get("data"):
+            pieces.append(base64.b64decode(audio["data"]))
+    assert len(pieces) >= 2, "the audio came in one piece: no chunk streamed"
+    streamed = np.frombuffer(b"".join(pieces), "<i2")
+    assert streamed.shape == expected.shape
+    assert np.abs(streamed.astype(np.int32) - expected.astype(np.int32)).max() <= 1
+    started = re.search(rf"request {re.escape(request_id)}\S*: stage 1 \(talker\) starts "
+                        r"after (\d+) tokens of stage 0", head.log())
+    assert started and int(started[1]) < 6, request_id
 
 
 def test_bad_frames_at_a_replica_are_dropped_and_it_keeps_serving(cluster):
@@ -195,9 +228,7 @@ def _streamed_events(head, content: str):
     """The JSON events of a streamed chat with text and pcm16 audio (``requests``)."""
     import requests
 
-    body = {"model": head_model(head), "messages": [{"role": "user", "content": content}],
-            "max_tokens": 6, "temperature": 0, "modalities": ["text", "audio"],
-            "audio": {"format": "pcm16"}, "stream": True}
+    body = _audio_body(head, content, audio={"format": "pcm16"}, stream=True)
     with requests.post(f"{head.url}/v1/chat/completions", json=body, stream=True,
                        timeout=300) as response:
         assert response.status_code == 200, response.text

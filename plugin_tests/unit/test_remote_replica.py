@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+import torch
 import zmq
 import zmq.asyncio
 
-from plugin_tests.unit.test_run_on_engine import STEPS, FrameEngine
+from plugin_tests.unit.test_run_on_engine import STEPS, FrameEngine, SessionEngine, _growing_task
 from vllm_omni_plugin.payload_store import PayloadStore
 from vllm_omni_plugin.replicas.protocol import Channel, TaskAbort, TaskSubmit, ToReplica
 from vllm_omni_plugin.replicas.replica import RemoteReplica
@@ -50,11 +52,6 @@ def test_cancelled_task_is_aborted_on_the_replica():
     asyncio.run(main())
 
 
-class _Engine(FrameEngine):
-    def shutdown(self) -> None:
-        pass
-
-
 class _Sink:
     """Records the rows delivered and whether the run had ended at each delivery."""
 
@@ -70,31 +67,110 @@ class _Sink:
         self.rows.extend(int(r) for c in chunks for r in c["codes"][:, 0])
 
 
+class _ServedReplica:
+    """A real ``ReplicaServer`` on ``engine`` (its store under ``tmp_path``) and the
+    head's ``RemoteReplica`` connected to it over a real task channel."""
+
+    def __init__(self, tmp_path, engine_class) -> None:
+        self.store = PayloadStore(str(tmp_path / "run"))
+        self.engine = engine_class(self.store)
+        self.engine.shutdown = lambda: None
+        self.server = ReplicaServer(1, 0, self.engine, str(tmp_path / "run"),
+                                    "tcp://127.0.0.1:*", "tcp://127.0.0.1:9", 0)
+        self._serving = asyncio.ensure_future(self.server.serve())
+        address = self.server.socket.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.replica = RemoteReplica(1, 0, address)
+
+    def close(self) -> None:
+        self._serving.cancel()
+        self.replica.close()
+        self.server.close()
+
+
 def test_rows_published_while_a_task_runs_reach_the_head_before_its_result(tmp_path):
     """A headless replica sends a task's rows as its engine publishes them (TaskRows),
     in order and before TaskDone, when the head reads them (a streamed stage's input):
     with rows only in TaskDone, streaming from a headless talker would start at its
     end."""
     async def main():
-        store = PayloadStore(str(tmp_path / "run"))
-        server = ReplicaServer(1, 0, _Engine(store), str(tmp_path / "run"),
-                               "tcp://127.0.0.1:*", "tcp://127.0.0.1:9", 0)
-        address = server.socket.getsockopt(zmq.LAST_ENDPOINT).decode()
-        serving = asyncio.ensure_future(server.serve())
-        replica = RemoteReplica(1, 0, address)
+        served = _ServedReplica(tmp_path, FrameEngine)
         sink = _Sink()
         try:
             task = StageTask(request_id="r-1", prompt_token_ids=[1],
                              sampling={"max_tokens": STEPS})
-            run = asyncio.ensure_future(replica.run(task, on_rows=sink))
+            run = asyncio.ensure_future(served.replica.run(task, on_rows=sink))
             sink.run = run
             result = await asyncio.wait_for(run, WAIT_S)
             assert sink.rows == list(range(STEPS - 1)) and not sink.after_end
             assert result.payload["codes"][:, 0].tolist() == sink.rows
-            assert store.keys() == []
+            assert served.store.keys() == []
         finally:
-            serving.cancel()
-            replica.close()
-            server.close()
+            served.close()
 
     asyncio.run(main())
+
+
+def test_a_growing_input_feeds_one_request_on_a_headless_replica(tmp_path):
+    """A task whose input grows (a talker fed while the thinker runs) runs on a headless
+    replica as one resumable request fed chunk by chunk (TaskGrow frames), as on a local
+    one (``test_run_on_engine``): not after the whole input."""
+    async def main():
+        served = _ServedReplica(tmp_path, SessionEngine)
+        try:
+            run = await asyncio.wait_for(served.replica.run(_growing_task([3, None])), WAIT_S)
+            assert served.engine.chunks == [
+                ([1, 2], 1, [0]), ([100], 2, [0, 10]), ([102], 3, [0, 10, 11])]
+            assert run.output_token_ids == list(range(100, 106))
+            assert served.store.keys() == [] and served.server._growth == {}
+        finally:
+            served.close()
+
+    asyncio.run(main())
+
+
+class _AbortableSessionEngine(SessionEngine):
+    def __init__(self, store) -> None:
+        super().__init__(store)
+        self.aborted: list[str] = []
+
+    async def abort(self, request_id):
+        self.aborted.append(request_id)
+
+
+def test_a_growing_input_that_fails_fails_the_task_and_stops_it_on_the_replica(tmp_path):
+    """The input processor failing on the entry stage's newer output (the growth raises)
+    fails the task with that error, and the replica's engine is told to abort it."""
+    from vllm_omni_plugin.replicas.task import InputGrowth
+
+    class ProcessorBroke(Exception):
+        pass
+
+    async def growth():
+        yield InputGrowth({"rows": torch.tensor([[10]])}, 3)
+        raise ProcessorBroke("stage 1 (talker): input processor 'x': broke")
+
+    async def main():
+        served = _ServedReplica(tmp_path, _AbortableSessionEngine)
+        try:
+            task = StageTask(request_id="r-3", prompt_token_ids=[1, 2],
+                             sampling={"max_tokens": 6}, payload={"rows": torch.tensor([[0]])},
+                             ready=1, growth=growth())
+            with pytest.raises(ProcessorBroke, match="input processor"):
+                await asyncio.wait_for(served.replica.run(task), WAIT_S)
+            assert await _eventually(lambda: served.engine.aborted == ["r-3"])
+            assert await _eventually(lambda: served.server.tasks == {})
+            assert served.server._growth == {}
+        finally:
+            served.close()
+
+    asyncio.run(main())
+
+
+async def _eventually(predicate, timeout: float = WAIT_S) -> bool:
+    """Whether ``predicate()`` holds within ``timeout`` seconds (polled on the loop)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True

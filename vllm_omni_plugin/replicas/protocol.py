@@ -7,7 +7,8 @@ are decoded with a size bound, and are HMAC-signed when a cluster token is set
 (same scheme as the coordinator, :mod:`vllm_omni_plugin.wire.auth`).
 Never pickle.
 
-Head -> replica: :class:`TaskSubmit`, :class:`TaskAbort`.
+Head -> replica: :class:`TaskSubmit`, :class:`TaskGrow` (more of the input of a task
+submitted with ``ready``: a stage fed while the entry stage runs), :class:`TaskAbort`.
 Replica -> head: :class:`TaskProgress` (the replica's engine produced output
 for the task: from then on the task cannot be resubmitted elsewhere),
 :class:`TaskRows` (rows the engine published while the task runs, for a task
@@ -58,6 +59,9 @@ class TaskSubmit(msgspec.Struct, tag="task_submit", tag_field="type"):
         publish: Whether the engine publishes output tensors.
         rows: Send the output rows the engine publishes while the task runs
             (:class:`TaskRows`), before :class:`TaskDone`.
+        ready: For an input that is not complete yet, the output tokens it lets the
+            stage generate in all; the rest comes as :class:`TaskGrow`. None: the
+            payload is the whole input.
     """
 
     request_id: _Id
@@ -66,6 +70,18 @@ class TaskSubmit(msgspec.Struct, tag="task_submit", tag_field="type"):
     payload: bytes = b""
     publish: bool = True
     rows: bool = False
+    ready: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class TaskGrow(msgspec.Struct, tag="task_grow", tag_field="type"):
+    """More of the input of a task submitted with ``ready``, in order: rows appended to its
+    input payload (a safetensors blob), after which the stage may have generated
+    ``ready`` output tokens in all (None: the input is complete; the last one)."""
+
+    request_id: _Id
+    payload: bytes = b""
+    ready: Annotated[int, msgspec.Meta(ge=0)] | None = None
     protocol_version: int = PROTOCOL_VERSION
 
 
@@ -114,7 +130,7 @@ class TaskFailed(msgspec.Struct, tag="task_failed", tag_field="type"):
 
 
 class ToReplica(msgspec.Struct, tag="to_replica", tag_field="type"):
-    msg: TaskSubmit | TaskAbort
+    msg: TaskSubmit | TaskGrow | TaskAbort
     protocol_version: int = PROTOCOL_VERSION
 
 

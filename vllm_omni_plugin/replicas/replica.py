@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from contextlib import aclosing
 
 import zmq
 import zmq.asyncio
@@ -25,6 +26,7 @@ from .protocol import (
     TaskAbort,
     TaskDone,
     TaskFailed,
+    TaskGrow,
     TaskProgress,
     TaskRows,
     TaskSubmit,
@@ -40,7 +42,6 @@ from .task import (
     StageTask,
     TaskAborted,
     TaskError,
-    completed,
     run_on_engine,
 )
 
@@ -252,20 +253,22 @@ class RemoteReplica(Replica):
     async def run(self, task: StageTask, on_rows: RowsSink | None = None) -> StageRun:
         if not self.attached:
             raise ReplicaLost(f"{self.name} is not attached", produced_output=False)
-        # a headless replica takes a task whole: a growing input is waited for here
-        task = await completed(task)
         self.requests_total += 1
         pending = _Pending(asyncio.get_running_loop().create_future(), on_rows)
         self._pending[task.request_id] = pending
         self.running.add(task.request_id)
+        feeder = None
         try:
             blob = await asyncio.to_thread(pack_tensors, task.payload)
             submit = TaskSubmit(request_id=task.request_id,
                                 prompt_token_ids=list(task.prompt_token_ids),
                                 sampling=dict(task.sampling), payload=blob,
                                 publish=task.publish,
-                                rows=on_rows is not None and task.publish)
+                                rows=on_rows is not None and task.publish,
+                                ready=task.ready if task.growth is not None else None)
             await self._socket.send_multipart(self._channel.frames(ToReplica(msg=submit)))
+            if task.growth is not None:
+                feeder = asyncio.ensure_future(self._feed(task, pending))
             done: TaskDone = await pending.future
             payload = await asyncio.to_thread(unpack_tensors, done.payload)
             return StageRun(list(done.prompt_token_ids), list(done.output_token_ids), payload,
@@ -278,8 +281,26 @@ class RemoteReplica(Replica):
                     ToReplica(msg=TaskAbort(request_id=task.request_id))))
             raise
         finally:
+            if feeder is not None:
+                feeder.cancel()
             self._pending.pop(task.request_id, None)
             self.running.discard(task.request_id)
+
+    async def _feed(self, task: StageTask, pending: _Pending) -> None:
+        """Send the rest of ``task``'s growing input as :class:`TaskGrow` frames as it
+        comes; a failure to produce it (the input processor's) fails the task and stops
+        it on the replica."""
+        try:
+            async with aclosing(task.growth) as growth:
+                async for more in growth:
+                    blob = await asyncio.to_thread(pack_tensors, more.payload)
+                    grow = TaskGrow(request_id=task.request_id, payload=blob, ready=more.ready)
+                    await self._socket.send_multipart(self._channel.frames(
+                        ToReplica(msg=grow)))
+        except Exception as exc:
+            if not pending.future.done():
+                pending.future.set_exception(exc)
+            await self.abort(task.request_id)
 
     async def abort(self, request_id: str) -> None:
         pending = self._pending.get(request_id)

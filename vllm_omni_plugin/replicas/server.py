@@ -32,6 +32,7 @@ from .protocol import (
     TaskAbort,
     TaskDone,
     TaskFailed,
+    TaskGrow,
     TaskProgress,
     TaskRows,
     TaskSubmit,
@@ -40,7 +41,7 @@ from .protocol import (
     pack_tensors,
     unpack_tensors,
 )
-from .task import ReplicaLost, StageTask, TaskAborted, TaskError, run_on_engine
+from .task import InputGrowth, ReplicaLost, StageTask, TaskAborted, TaskError, run_on_engine
 
 logger = init_logger(__name__)
 
@@ -65,6 +66,8 @@ class ReplicaServer:
         self.channel = Channel(ToReplica)
         self.tasks: dict[str, asyncio.Task] = {}
         self.aborted: set[str] = set()
+        #: the TaskGrow frames of running tasks whose input grows (None: no more)
+        self._growth: dict[str, asyncio.Queue] = {}
         self._sending: set[asyncio.Task] = set()
         self.rejected_frames = 0
         self._reject_log = RejectLog(
@@ -101,9 +104,16 @@ class ReplicaServer:
                 continue
             if isinstance(msg, TaskSubmit):
                 if msg.request_id not in self.tasks:
+                    if msg.ready is not None:
+                        self._growth[msg.request_id] = asyncio.Queue()
                     self.tasks[msg.request_id] = asyncio.ensure_future(self._run(identity, msg))
+            elif isinstance(msg, TaskGrow):
+                if (queue := self._growth.get(msg.request_id)) is not None:
+                    queue.put_nowait(msg)
             elif isinstance(msg, TaskAbort) and msg.request_id in self.tasks:
                 self.aborted.add(msg.request_id)
+                if (queue := self._growth.get(msg.request_id)) is not None:
+                    queue.put_nowait(None)  # no more input: a paused request must not wait
                 await self.engine.abort(msg.request_id)
 
     async def _reply(self, identity: bytes, msg) -> None:
@@ -128,8 +138,10 @@ class ReplicaServer:
                 payload = await asyncio.to_thread(unpack_tensors, submit.payload)
             except ValueError as exc:
                 raise TaskError(str(exc), status=400) from exc
+            queue = self._growth.get(rid)
             task = StageTask(rid, list(submit.prompt_token_ids), dict(submit.sampling), payload,
-                             publish=submit.publish)
+                             publish=submit.publish, ready=submit.ready,
+                             growth=None if queue is None else _growth(queue))
             on_rows = _RowsSender(lambda blob: rows_sent.append(send(TaskRows(rid, blob)))) \
                 if submit.rows else None
             run = await run_on_engine(self.engine, self.store, task, progress,
@@ -157,6 +169,7 @@ class ReplicaServer:
         finally:
             self.tasks.pop(rid, None)
             self.aborted.discard(rid)
+            self._growth.pop(rid, None)
 
     def close(self) -> None:
         """Report DOWN, close the endpoint, shut the engine down."""
@@ -166,6 +179,23 @@ class ReplicaServer:
             self.engine.shutdown()
         finally:
             self.store.close()
+
+
+async def _growth(queue: asyncio.Queue):
+    """The rest of a task's growing input from its :class:`TaskGrow` frames
+    (``replicas.task.StageTask.growth``).
+
+    Raises:
+        TaskError: a frame's payload is not a safetensors blob (400).
+    """
+    while (msg := await queue.get()) is not None:
+        try:
+            payload = await asyncio.to_thread(unpack_tensors, msg.payload)
+        except ValueError as exc:
+            raise TaskError(str(exc), status=400) from exc
+        yield InputGrowth(payload, msg.ready)
+        if msg.ready is None:
+            return
 
 
 class _RowsSender:

@@ -61,7 +61,7 @@ class InputGrowth:
 
 async def completed(task: StageTask) -> StageTask:
     """``task`` with its whole input: waits for the rest of a growing input and joins it
-    into the payload (for a replica that cannot feed a request in chunks)."""
+    into the payload (for a vLLM without resumable requests)."""
     if task.growth is None:
         return task
     merged = {k: [v] for k, v in task.payload.items()}
