@@ -12,7 +12,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from plugin_tests.unit.test_run_on_engine import STEPS, FrameEngine, SessionEngine, _growing_task
+from plugin_tests.unit.test_run_on_engine import STEPS, FrameEngine, SessionEngine, growing_task
 from vllm_omni_plugin.payload_store import PayloadStore
 from vllm_omni_plugin.replicas.protocol import Channel, TaskAbort, TaskSubmit, ToReplica
 from vllm_omni_plugin.replicas.replica import RemoteReplica
@@ -117,7 +117,7 @@ def test_a_growing_input_feeds_one_request_on_a_headless_replica(tmp_path):
     async def main():
         served = _ServedReplica(tmp_path, SessionEngine)
         try:
-            run = await asyncio.wait_for(served.replica.run(_growing_task([3, None])), WAIT_S)
+            run = await asyncio.wait_for(served.replica.run(growing_task([3, None])), WAIT_S)
             assert served.engine.chunks == [
                 ([1, 2], 1, [0]), ([100], 2, [0, 10]), ([102], 3, [0, 10, 11])]
             assert run.output_token_ids == list(range(100, 106))

@@ -110,7 +110,7 @@ class SessionEngine:
         raise AssertionError("not aborted in these tests")
 
 
-def _growing_task(readies):
+def growing_task(readies):
     from vllm_omni_plugin.replicas.task import InputGrowth
 
     async def growth():
@@ -124,7 +124,7 @@ def _growing_task(readies):
 def test_a_growing_input_feeds_one_request_chunk_by_chunk(tmp_path):
     store = PayloadStore(str(tmp_path / "run"))
     engine = SessionEngine(store)
-    run = asyncio.run(run_on_engine(engine, store, _growing_task([3, None])))
+    run = asyncio.run(run_on_engine(engine, store, growing_task([3, None])))
     # each chunk: the token sampled last fed back first, as many new tokens as the input
     # is ready for (max_tokens in all at the end), its rows appended before it starts
     assert engine.chunks == [([1, 2], 1, [0]), ([100], 2, [0, 10]), ([102], 3, [0, 10, 11])]
@@ -135,7 +135,7 @@ def test_a_growing_input_feeds_one_request_chunk_by_chunk(tmp_path):
 def test_a_stop_token_ends_a_growing_request_without_more_input(tmp_path):
     store = PayloadStore(str(tmp_path / "run"))
     engine = SessionEngine(store, stop_at=101)
-    run = asyncio.run(run_on_engine(engine, store, _growing_task([3, 5, None])))
+    run = asyncio.run(run_on_engine(engine, store, growing_task([3, 5, None])))
     assert [c[:2] for c in engine.chunks] == [([1, 2], 1), ([100], 2)]
     assert run.output_token_ids == [100, 101] and run.finish_reason == "stop"
 
@@ -143,6 +143,6 @@ def test_a_stop_token_ends_a_growing_request_without_more_input(tmp_path):
 def test_completed_joins_a_growing_input_for_a_replica_that_takes_it_whole():
     from vllm_omni_plugin.replicas.task import completed
 
-    task = asyncio.run(completed(_growing_task([3, None])))
+    task = asyncio.run(completed(growing_task([3, None])))
     assert task.growth is None and task.ready is None
     assert task.payload["rows"][:, 0].tolist() == [0, 10, 11]

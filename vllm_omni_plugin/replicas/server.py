@@ -141,7 +141,7 @@ class ReplicaServer:
             queue = self._growth.get(rid)
             task = StageTask(rid, list(submit.prompt_token_ids), dict(submit.sampling), payload,
                              publish=submit.publish, ready=submit.ready,
-                             growth=None if queue is None else _growth(queue))
+                             growth=None if queue is None else _input_growth(queue))
             on_rows = _RowsSender(lambda blob: rows_sent.append(send(TaskRows(rid, blob)))) \
                 if submit.rows else None
             run = await run_on_engine(self.engine, self.store, task, progress,
@@ -181,7 +181,7 @@ class ReplicaServer:
             self.store.close()
 
 
-async def _growth(queue: asyncio.Queue):
+async def _input_growth(queue: asyncio.Queue):
     """The rest of a task's growing input from its :class:`TaskGrow` frames
     (``replicas.task.StageTask.growth``).
 
