@@ -317,24 +317,27 @@ def test_killed_idle_talker_is_restarted_and_serves_again(server):
     assert _engine_pid(server, 1) != pid
 
 
-def test_talker_killed_mid_request_fails_or_resubmits_then_recovers(server):
+def test_talker_killed_mid_request_is_resubmitted_then_recovers(server):
+    """The talker's EngineCore is stopped (SIGSTOP) before the request, so the request
+    surely waits there with no codec frame produced when it is killed (SIGKILL): it is
+    resubmitted to the restarted talker and answered."""
     pid = _engine_pid(server, 1)
+    os.kill(pid, signal.SIGSTOP)
     result: dict[str, requests.Response] = {}
     sender = threading.Thread(target=lambda: result.update(r=server.chat(server.audio_body())))
     sender.start()
-    deadline = time.monotonic() + 60
-    while _metric(server, "vllm_omni:replica_requests_running", stage=1, replica=0,
-                  location="local") != 1:
-        assert time.monotonic() < deadline and sender.is_alive(), "never reached the talker"
-    os.kill(pid, signal.SIGKILL)
+    try:
+        deadline = time.monotonic() + 60
+        while _metric(server, "vllm_omni:replica_requests_running", stage=1, replica=0,
+                      location="local") != 1:
+            assert time.monotonic() < deadline and sender.is_alive(), "never reached the talker"
+    finally:
+        os.kill(pid, signal.SIGKILL)
     sender.join()
     r = result["r"]
-    # killed after its first codec frame: 500 naming the stage; before: resubmitted, 200
-    assert r.status_code in (200, 500), r.text
-    if r.status_code == 500:
-        message = r.json()["error"]["message"]
-        assert message.startswith("stage 1 (talker): replica 0 of stage 1 failed mid-request")
-        _assert_no_stack_trace_hint(message)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["audio"]["data"]
+    assert _metric(server, "vllm_omni:stage_resubmissions_total", stage=1) >= 1
     server.wait_for_log(r"restarted in [0-9.]+ s; up again(?s:.*)restarted in [0-9.]+ s",
                         timeout_s=120)
     _assert_alive(server)

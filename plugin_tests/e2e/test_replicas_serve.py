@@ -238,31 +238,42 @@ def _streamed_events(head, content: str):
 
 
 def test_kill_9_mid_request_fails_it_naming_stage_and_replica(cluster):
-    """A streamed chat: its first audio proves the talker replica produced output and
-    runs still (the replica sends the frames it publishes as it runs, TaskRows). Both
-    replicas are stopped there, the one running the task is killed (SIGKILL), the other
-    continued: the request ends with an error event naming stage 1 and that replica,
-    and the next request runs on the survivor."""
+    """A streamed chat: its first audio proves the talker replica produced output (the
+    replica sends the frames it publishes as it runs, TaskRows). Both replicas are
+    stopped there; if the talker task still runs, the replica running it is killed
+    (SIGKILL) and the other continued: the request ends with an error event naming
+    stage 1 and that replica, and the next request runs on the survivor.
+
+    Whether the talker still runs at the first audio is a race on a loaded host (it
+    may finish its frames while code2wav decodes the first chunk): a chat where it had
+    finished is continued and completes, and the next one tries again."""
     head, replicas = cluster
-    events = _streamed_events(head, "Killed mid-request.")
-    for event in events:
-        audio = event["choices"][0]["delta"].get("audio") if event.get("choices") else None
-        if audio and audio.get("data"):
-            break
-    else:
-        raise AssertionError("no audio before the end of the stream")
-    for proc in replicas.values():
-        proc.signal(signal.SIGSTOP)
-    try:
-        running = {r for r, v in _stage1(head, "vllm_omni:replica_requests_running").items()
-                   if v}
-        assert len(running) == 1, f"talker tasks at the first audio: {running}"
-        victim = running.pop()
-        replicas[victim].signal(signal.SIGKILL)
-    finally:
+    for _attempt in range(5):
+        events = _streamed_events(head, "Killed mid-request.")
+        for event in events:
+            audio = event["choices"][0]["delta"].get("audio") if event.get("choices") else None
+            if audio and audio.get("data"):
+                break
+        else:
+            raise AssertionError("no audio before the end of the stream")
         for proc in replicas.values():
-            if proc.proc.poll() is None:
-                proc.signal(signal.SIGCONT)
+            proc.signal(signal.SIGSTOP)
+        try:
+            running = [r for r, v in _stage1(head, "vllm_omni:replica_requests_running").items()
+                       if v]
+            assert len(running) <= 1, f"talker tasks at the first audio: {running}"
+            if running:
+                victim = running[0]
+                replicas[victim].signal(signal.SIGKILL)
+        finally:
+            for proc in replicas.values():
+                if proc.proc.poll() is None:
+                    proc.signal(signal.SIGCONT)
+        if running:
+            break
+        assert not [e for e in events if "error" in e]  # finished: completes normally
+    else:
+        raise AssertionError("the talker had finished at the first audio in 5 chats")
     errors = [e["error"]["message"] for e in events if "error" in e]
     assert errors and "stage 1" in errors[0] and f"replica {victim}" in errors[0], errors
     # the head keeps serving, on the remaining replica
