@@ -11,12 +11,18 @@ settings: chunked prefill off) serves
   two with left context) and two malformed prompts, all in one ``generate`` call;
 * batches 1-4: each well-formed request alone;
 * batch 5: the 40-frame request as the chunks of a streamed request (:data:`CHUNKS`: 15
-  frames after up to 25 frames of left context, input payload ``left_context``).
+  frames after up to 25 frames of left context, input payload ``left_context``) with no
+  stream state (what a chunk whose previous one ran on another replica gets);
+* batches 6-8: two streams at once (input payload ``stream``): the 40-frame request in
+  :data:`CHUNKS` and the 17-frame one in :data:`CHUNKS_17`, chunk ``i`` of both in batch
+  ``6 + i``, each engine continuing its streams' state.
 
 Checked: every waveform equals HF's, batched equals alone, the batch ran as one engine
 step, each malformed prompt fails only its own request with its error in the store, and
 the streamed chunks, joined, are HF's waveform of the whole request (no gap at the chunk
-boundaries, where HF's own chunked loop drops the samples a decode cannot end with).
+boundaries, where HF's own chunked loop drops the samples a decode cannot end with):
+with the stream's state as exactly as the request decoded at once, without it within
+the left context's reach; the engine holds no stream state after the last chunks.
 vLLM's engine core turns chunked prefill off for a model without KV cache, so a prompt
 never reaches the model split; the model's guard against it is probed inside the engine
 (``probe_model`` in the script): a split prompt fails alone with an error that says so.
@@ -51,9 +57,11 @@ ATOL_BATCH = 1e-6
 #: Chunks of the 40-frame request as the orchestrator sends them for a streamed request
 #: with ``streaming: {chunk_size: 15, left_context: 25}``: (first frame, end, context).
 CHUNKS = ((0, 15, 0), (15, 30, 15), (30, 40, 25))
-#: Streamed chunks see at most 25 earlier frames (the last one not all 30); measured on
-#: the tiny checkpoint: 1.5e-6 from the whole decode.
+#: Streamed chunks without their stream's state see at most 25 earlier frames (the last
+#: one not all 30); measured on the tiny checkpoint: 1.5e-6 from the whole decode.
 ATOL_STREAM = 1e-4
+#: Chunks of the 17-frame request, the second stream of batches 6-8.
+CHUNKS_17 = ((0, 5, 0), (5, 17, 5))
 #: max_model_len and token budget: the longest prompt, and the whole batch in one step.
 MAX_TOKENS_PER_STEP = 16 * 1024
 
@@ -66,6 +74,23 @@ def _codes():
 
     g = torch.Generator().manual_seed(1234)
     return [torch.randint(0, 2048, (t, 16), generator=g) for t in FRAMES]
+
+
+def _chunk(codes, begin: int, end: int, context: int, config, stream: str | None = None,
+           chunks=()) -> dict:
+    """The prompt of a chunk of a streamed request (``codes[begin:end]`` after ``context``
+    frames); with ``stream``, its input payload ``stream`` (the last of ``chunks``?), and
+    other codes as its context frames: an engine that continues the stream's state must
+    not decode them again."""
+    from vllm_omni_plugin.models.qwen3_omni.code2wav import code2wav_prompt_ids, stream_key
+
+    frames = codes[begin - context:end].clone()
+    prompt = {"left_context": context}
+    if stream is not None:
+        frames[:context] = (frames[:context] + 7) % 2048
+        prompt["stream"] = [stream_key(stream), begin, int(end == chunks[-1][1])]
+    prompt["ids"] = code2wav_prompt_ids(frames, config)
+    return prompt
 
 
 def _child_env() -> dict[str, str]:
@@ -118,8 +143,11 @@ def runs(tiny_qwen3_omni, hf_model, tmp_path_factory):
              "engine_args": {"max_model_len": MAX_TOKENS_PER_STEP,
                              "max_num_batched_tokens": MAX_TOKENS_PER_STEP},
              "batches": [prompts] + [[p] for p in good] + [[
-                 {"ids": code2wav_prompt_ids(codes[2][begin - context:end], config),
-                  "left_context": context} for begin, end, context in CHUNKS]],
+                 _chunk(codes[2], *chunk, config) for chunk in CHUNKS]] + [
+                 [_chunk(codes[2], *CHUNKS[i], config, "stream-40", CHUNKS)]
+                 + ([_chunk(codes[1], *CHUNKS_17[i], config, "stream-17", CHUNKS_17)]
+                    if i < len(CHUNKS_17) else [])
+                 for i in range(len(CHUNKS))],
              "probe": True},
         ],
     }
@@ -249,9 +277,10 @@ def test_prompt_ids_round_trip_and_errors(hf_model):
         codes_from_prompt_ids(torch.tensor(ids[:-1]), config)
 
 
-def test_streamed_chunks_join_into_the_whole_waveform(runs):
-    """The chunks of a streamed request (``left_context`` input), joined, have the samples
-    of the request decoded at once: the same count, values within :data:`ATOL_STREAM`."""
+def test_streamed_chunks_without_state_join_into_the_whole_waveform(runs):
+    """The chunks of a streamed request with no stream state (``left_context`` input
+    only), joined, have the samples of the request decoded at once: the same count,
+    values within :data:`ATOL_STREAM`."""
     import torch
 
     pieces = [_waveform(runs, 1 + len(FRAMES), i) for i in range(len(CHUNKS))]
@@ -260,3 +289,23 @@ def test_streamed_chunks_join_into_the_whole_waveform(runs):
     torch.testing.assert_close(joined, whole, atol=ATOL_STREAM, rtol=0)
     # the first chunk has all its history: HF's samples up to float noise
     torch.testing.assert_close(pieces[0], whole[:pieces[0].shape[0]], atol=ATOL_HF, rtol=0)
+
+
+def test_streamed_chunks_continuing_their_state_join_into_the_whole_waveform(runs):
+    """Two streams at once, each chunk continuing its stream's state (its left context
+    frames are other codes, not decoded again): joined, each is its request decoded at
+    once up to float rounding (:data:`ATOL_HF`); the chunks of one step ran as one engine
+    step; no state is left after the last chunks."""
+    import torch
+
+    first = 2 + len(FRAMES)
+    for frames, chunks, row in ((40, CHUNKS, 0), (17, CHUNKS_17, 1)):
+        joined = torch.cat([_waveform(runs, first + i, row) for i in range(len(chunks))])
+        whole = runs["hf"][FRAMES.index(frames)]
+        assert joined.shape == whole.shape, frames
+        torch.testing.assert_close(joined, whole, atol=ATOL_HF, rtol=0,
+                                   msg=lambda m, f=frames: f"{f} frames: {m}")
+    result = _engine(runs)
+    tokens = 16 * sum(end - begin + context for begin, end, context in (CHUNKS[1], CHUNKS_17[1]))
+    assert [2, tokens] in result["steps"], result["steps"]
+    assert result["streams"] == 0

@@ -500,7 +500,8 @@ FRAMES = 5
 def _streaming_orchestrator(tmp_path, talker, code2wav, first_chunk_size=None):
     """thinker -> talker -> code2wav with ``streaming`` on code2wav (chunks of 2 frames
     after 1 frame of context, the first of ``first_chunk_size``); the processor for code2wav
-    passes the chunk's codes and context on as the task's payload."""
+    passes the chunk's codes, context and place in the stream (``chunk``: first row, last;
+    ``stream_id``) on as the task's payload."""
     pipeline = _pipeline(fan_out=False)
     pipeline.stage(2).streaming = StreamingConfig(chunk_size=2, left_context=1,
                                                   first_chunk_size=first_chunk_size)
@@ -508,8 +509,11 @@ def _streaming_orchestrator(tmp_path, talker, code2wav, first_chunk_size=None):
 
     def to_code2wav(upstream, stage, extras):
         (up,) = upstream
-        return StageInput(prompt_token_ids=[1], payload={
-            "codes": up.payload["codes"], "context": torch.tensor([up.context_rows])})
+        payload = {"codes": up.payload["codes"], "context": torch.tensor([up.context_rows])}
+        if up.chunk is not None:
+            payload.update(chunk=torch.tensor([up.chunk.first_row, up.chunk.last]),
+                           stream_id=up.chunk.stream_id)
+        return StageInput(prompt_token_ids=[1], payload=payload)
 
     orchestrator = Orchestrator(
         Entry(store), SimpleNamespace(), pipeline, store, {1: talker, 2: code2wav},
@@ -596,6 +600,10 @@ def test_streamed_request_decodes_chunks_while_the_talker_runs(tmp_path):
     assert [t.payload["codes"][:, 0].tolist() for t in decoder.tasks] == [
         [0, 1], [1, 2, 3], [3, 4]]
     assert [int(t.payload["context"][0]) for t in decoder.tasks] == [0, 1, 1]
+    # one stream: the chunks say where they start, and go to one replica
+    assert [int(t.payload["chunk"][0]) for t in decoder.tasks] == [0, 2, 4]
+    assert {t.payload["stream_id"] for t in decoder.tasks} == {"req-1-s2"}
+    assert [t.parent_request_id for t in decoder.tasks] == ["req-1-s2"] * 3
     assert _pieces(request) == [[0.0, 1.0], [2.0, 3.0], [4.0]]
     result = request.result
     assert result.error is None and result.sample_rate == 24000
@@ -617,6 +625,8 @@ def test_a_chunk_covers_every_row_there_is_when_it_starts(tmp_path, live):
     assert [t.payload["codes"][:, 0].tolist() for t in decoder.tasks] == [
         [0, 1], [1, 2, 3, 4]]
     assert [int(t.payload["context"][0]) for t in decoder.tasks] == [0, 1]
+    if not live:  # the talker had ended when each chunk started: the second is the last
+        assert [t.payload["chunk"].tolist() for t in decoder.tasks] == [[0, 0], [2, 1]]
     assert _pieces(request) == [[0.0, 1.0], [2.0, 3.0, 4.0]]
     assert request.result.payload["waveform"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert orchestrator.store.keys() == []
@@ -642,6 +652,7 @@ def test_request_not_streamed_decodes_the_whole_output_once(tmp_path):
     request = _audio()
     asyncio.run(_run(orchestrator, request))
     assert [t.request_id for t in decoder.tasks] == ["req-1-s2"]
+    assert "chunk" not in decoder.tasks[0].payload  # not a chunk of a stream
     assert request.result.payload["waveform"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
 
 

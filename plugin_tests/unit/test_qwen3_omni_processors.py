@@ -1,6 +1,7 @@
-"""Qwen3-Omni's ``thinker2talker`` on a thinker output that is still growing (the talker
-fed while the thinker runs): how many talker tokens the rows so far allow. The talker
-built from such inputs equals HF's in ``engine/test_pipeline_engine.py``."""
+"""Qwen3-Omni's processors. ``thinker2talker`` on a thinker output that is still growing
+(the talker fed while the thinker runs): how many talker tokens the rows so far allow. The
+talker built from such inputs equals HF's in ``engine/test_pipeline_engine.py``.
+``talker2code2wav`` on one chunk of a streamed request: what code2wav is told of it."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from types import SimpleNamespace
 
 import torch
 
-from vllm_omni_plugin.models.qwen3_omni.processors import thinker2talker
-from vllm_omni_plugin.processors.hookspecs import UpstreamOutput
+from vllm_omni_plugin.models.qwen3_omni.code2wav import stream_key
+from vllm_omni_plugin.models.qwen3_omni.processors import talker2code2wav, thinker2talker
+from vllm_omni_plugin.processors.hookspecs import StreamChunk, UpstreamOutput
 
 IM_START, ASSISTANT, USER = 1, 2, 3
 #: ``<|im_start|>user x <|im_start|>assistant \\n``: 6 prompt ids
@@ -17,7 +19,8 @@ PROMPT = [IM_START, USER, 9, IM_START, ASSISTANT, 4]
 CONFIG = SimpleNamespace(
     im_start_token_id=IM_START, assistant_token_id=ASSISTANT, user_token_id=USER,
     talker_config=SimpleNamespace(codec_pad_id=0, codec_eos_token_id=5,
-                                  speaker_id={"ethan": 7}))
+                                  speaker_id={"ethan": 7}),
+    code2wav_config=SimpleNamespace(num_quantizers=2, codebook_size=8))
 
 
 def _thinker(rows: int, tokens: int, finished: bool = False) -> UpstreamOutput:
@@ -57,3 +60,24 @@ def test_a_finished_thinker_output_is_the_whole_input():
     # the prompt stays as it was for the growing input
     assert stage_input.prompt_token_ids == thinker2talker(
         [_thinker(p + 1, 2)], None, {"hf_config": CONFIG}).prompt_token_ids
+
+
+def _code2wav_input(chunk: StreamChunk | None, context: int):
+    codes = torch.tensor([[1, 2], [3, 4], [5, 6]])
+    talker = UpstreamOutput(stage_id=1, prompt_token_ids=[], output_token_ids=[],
+                            payload={"codes": codes}, context_rows=context, chunk=chunk)
+    return talker2code2wav([talker], None, {"hf_config": CONFIG})
+
+
+def test_a_chunk_tells_code2wav_its_context_and_place_in_the_stream():
+    stage_input = _code2wav_input(StreamChunk("req-1-s2", first_row=7, last=True), context=1)
+    assert stage_input.prompt_token_ids == [1, 8 + 2, 3, 8 + 4, 5, 8 + 6]
+    assert stage_input.payload["left_context"].tolist() == [1]
+    assert stage_input.payload["stream"].tolist() == [stream_key("req-1-s2"), 7, 1]
+    # the key is stable and tells streams apart
+    assert stream_key("req-1-s2") == stream_key("req-1-s2") != stream_key("req-2-s2")
+    assert 0 <= stream_key("req-1-s2") < 2 ** 63
+    # the first chunk has no context; a request not streamed has no input payload
+    first = _code2wav_input(StreamChunk("req-1-s2", first_row=0, last=False), context=0)
+    assert set(first.payload) == {"stream"} and first.payload["stream"].tolist()[1:] == [0, 0]
+    assert _code2wav_input(None, context=0).payload == {}

@@ -72,6 +72,26 @@ def test_affinity_yields_when_the_replica_is_detached():
     assert pool.select(_task("req__cfg", parent="req")) is other
 
 
+def test_tasks_naming_one_parent_go_to_the_first_ones_replica():
+    """The chunks of a streamed request name its stream as their parent: each goes to
+    the first chunk's replica after the one before was forgotten (it finished), the
+    next one after that replica is lost re-pins the parent, and forgetting the parent
+    frees it."""
+    replicas = [ScriptedReplica(i) for i in range(4)]
+    pool = _pool(*replicas, balancer=RoundRobinBalancer())
+    first = pool.select(_task("req-s2-c0", parent="req-s2"))
+    pool.forget("req-s2-c0")
+    for i in range(1, 5):
+        assert pool.select(_task(f"req-s2-c{i}", parent="req-s2")) is first
+        pool.forget(f"req-s2-c{i}")
+    first.lost("missed heartbeats")
+    moved = pool.select(_task("req-s2-c5", parent="req-s2"))
+    assert moved is not first and moved.attached
+    assert pool.select(_task("req-s2-c6", parent="req-s2")) is moved
+    pool.forget("req-s2")
+    assert pool.pinned("req-s2") is None
+
+
 def test_least_queue_length_uses_reported_load():
     pool = _pool(ScriptedReplica(0, queue_length=5), ScriptedReplica(1, queue_length=0),
                  ScriptedReplica(2, queue_length=3), balancer=LeastQueueLengthBalancer(seed=0))

@@ -397,9 +397,10 @@ class Orchestrator:
         Raises:
             StageError: either stage failed (the other's task is stopped).
         """
-        from vllm_omni_plugin.processors.hookspecs import UpstreamOutput
+        from vllm_omni_plugin.processors.hookspecs import StreamChunk, UpstreamOutput
 
         config = consumer.streaming
+        stream_id = f"{request_id}-s{consumer.stage_id}"
         rows = _Rows()
         producer = asyncio.ensure_future(produce(rows))
         pieces: list[dict] = []
@@ -426,16 +427,18 @@ class Orchestrator:
                 context = min(config.left_context, start)
                 upstream = UpstreamOutput(
                     stage_id=stage.stage_id, prompt_token_ids=[], output_token_ids=[],
-                    payload=rows.slice(start - context, end), context_rows=context)
+                    payload=rows.slice(start - context, end), context_rows=context,
+                    chunk=StreamChunk(stream_id, start, finished and end == rows.count))
                 chunk_input = self._stage_input(consumer, [upstream], extras)
                 piece = await self._run_stage(request_id, consumer, chunk_input,
-                                              part=len(pieces))
+                                              part=len(pieces), parent=stream_id)
                 if piece is None or request_id in self._aborted:
                     return None
                 pieces.append(piece.payload)
                 request.partials.put_nowait(piece.payload)
                 start, previous = end, end - start
         finally:
+            self.pools[consumer.stage_id].forget(stream_id)
             if not producer.done():
                 producer.cancel()
                 await asyncio.wait({producer})
@@ -446,10 +449,11 @@ class Orchestrator:
         return run
 
     async def _run_stage(self, request_id, stage, stage_input, on_rows=None,
-                         part: int | None = None, growth=None):
+                         part: int | None = None, growth=None, parent: str | None = None):
         """Run ``stage`` for the request on one of its replicas; None when aborted.
         ``part``: the index of a chunk of a streamed request (its own sub-request);
-        ``growth``: the rest of an input not complete yet (``StageTask.growth``)."""
+        ``growth``: the rest of an input not complete yet (``StageTask.growth``);
+        ``parent``: ``StageTask.parent_request_id``."""
         from vllm_omni_plugin.replicas.task import StageTask
 
         suffix = "" if part is None else f"-c{part}"
@@ -457,7 +461,8 @@ class Orchestrator:
             request_id=f"{request_id}-s{stage.stage_id}{suffix}",
             prompt_token_ids=list(stage_input.prompt_token_ids),
             sampling={**stage.default_sampling_params, **stage_input.sampling_overrides},
-            payload=stage_input.payload, ready=stage_input.ready, growth=growth)
+            payload=stage_input.payload, parent_request_id=parent, ready=stage_input.ready,
+            growth=growth)
         return await self._run_task(request_id, stage, task, on_rows)
 
     async def _run_fed(self, request_id, stage, feed: _EntryFeed, extras, on_rows=None):

@@ -25,6 +25,23 @@ hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 
+@dataclass(frozen=True)
+class StreamChunk:
+    """Where one chunk of a streamed stage's input sits in the request's stream.
+
+    Attributes:
+        stream_id: the same for every chunk of one request's stream into one stage
+            (unique per head): a stage that keeps state between chunks keys it by this.
+            The chunks go to one replica while it is up.
+        first_row: the stream row of the chunk's first row after its ``context_rows``.
+        last: the stream's last chunk (nothing follows it).
+    """
+
+    stream_id: str
+    first_row: int
+    last: bool
+
+
 @dataclass
 class UpstreamOutput:
     """What one upstream stage produced for one request.
@@ -40,6 +57,8 @@ class UpstreamOutput:
             many earlier rows, which the consuming stage sees as left context only; the
             processor passes it on to the stage's model, which drops their output. 0
             otherwise.
+        chunk: for one chunk of a streamed stage's input, where it sits in the stream;
+            None otherwise.
         finished: False while the upstream stage still runs (a stage with
             ``stream_input`` gets its input processor called on the output so far): the
             payload holds the rows published so far, the token ids those generated so far.
@@ -50,6 +69,7 @@ class UpstreamOutput:
     output_token_ids: list[int]
     payload: dict[str, torch.Tensor] = field(default_factory=dict)
     context_rows: int = 0
+    chunk: StreamChunk | None = None
     finished: bool = True
 
 

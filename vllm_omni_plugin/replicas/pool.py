@@ -4,8 +4,9 @@
   engine lives, remote ones the coordinator lists ``UP``); the stage's
   ``--omni-lb-policy`` balancer picks among them.
 * Affinity: a request id keeps its replica for every later task of the same
-  request at this stage, and a CFG companion (``parent_request_id``) goes to
-  its parent's replica, as long as that replica is a candidate.
+  request at this stage, and tasks naming one ``parent_request_id`` (a CFG
+  companion and its parent; the chunks of one streamed request) go to one replica,
+  as long as that replica is a candidate.
 * No candidate: when the stage has replicas and none of them is coming back
   (a local one restarting, a remote one missing heartbeats), fail at once with
   :class:`NoReplicaAvailable` (HTTP 503 with ``Retry-After``); otherwise wait
@@ -116,6 +117,8 @@ class StagePool:
                         return replica
         replica = candidates[self.balancer.select({"request_id": task.request_id}, candidates)]
         self._remember(task.request_id, replica.replica_id)
+        if task.parent_request_id:  # the parent's other tasks follow this one
+            self._remember(task.parent_request_id, replica.replica_id)
         return replica
 
     def _remember(self, request_id: str, replica_id: int) -> None:
@@ -125,7 +128,7 @@ class StagePool:
             self._affinity.popitem(last=False)
 
     def forget(self, request_id: str) -> None:
-        """Drop ``request_id``'s affinity (the request finished)."""
+        """Drop ``request_id``'s affinity (the request, or a parent's tasks, finished)."""
         self._affinity.pop(request_id, None)
 
     def pinned(self, request_id: str) -> Replica | None:

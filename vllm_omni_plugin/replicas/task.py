@@ -29,8 +29,9 @@ class StageTask:
         prompt_token_ids: Stage prompt.
         sampling: ``vllm.SamplingParams`` keyword arguments.
         payload: Input tensors (name -> tensor, any dtype/shape).
-        parent_request_id: For a CFG companion, its parent's ``request_id``:
-            the companion is routed to the parent's replica.
+        parent_request_id: For a CFG companion, its parent's ``request_id``; for a chunk
+            of a streamed request, its stream's id: tasks naming one parent are routed to
+            one replica (the first one's).
         publish: Whether the engine publishes output tensors (False: the run's
             payload is empty, and only a failure is recorded).
         ready: for an input that is not complete yet, the output tokens it lets the

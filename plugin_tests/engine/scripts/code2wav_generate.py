@@ -16,8 +16,9 @@ Input: a JSON spec as ``argv[1]`` (or on stdin when no argument is given)::
           "name": "default",
           "engine_args": {...},                 # extra vllm.LLM(...) kwargs
           "batches": [[[id, ...], ...], ...],   # llm.generate() calls, in order: prompts
-                                                # (or {"ids": [...], "left_context": c}: a
-                                                # chunk of a streamed request)
+                                                # (or {"ids": [...], "left_context": c,
+                                                # "stream": [key, first, last]}: a chunk
+                                                # of a streamed request; "stream" optional)
           "probe": true                         # optional: see probe_model
         }
       ]
@@ -29,7 +30,8 @@ chunk's input payload goes under that key plus ``".in"``); ``max_tokens=1``.
 
 Output: the last stdout line is ``{"engines": {name: result}}`` where ``result`` is
 ``{"batches": [{"keys": [...], "token_ids": [[...], ...], "finished": [...]}, ...],
-"steps": [[num_requests, num_tokens], ...] or None, "init_s": ..., "total_s": ...}``
+"steps": [[num_requests, num_tokens], ...] or None, "streams": ..., "init_s": ...,
+"total_s": ...}`` (``streams``: the stream states the model holds at the end)
 (``steps``: the worker's steps with tokens, only when the engine core runs in this
 process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), or ``{"error": traceback}`` when that
 engine failed (the others still run); with ``"probe"`` it also holds ``"probe"``, what
@@ -139,6 +141,7 @@ def run(model: str, payload_dir: str, spec: dict) -> dict:
     from vllm_omni_plugin.extra_args import PAYLOAD
     from vllm_omni_plugin.models.qwen3_omni.code2wav import (
         LEFT_CONTEXT_INPUT,
+        STREAM_INPUT,
         Qwen3OmniCode2WavStage,
     )
     from vllm_omni_plugin.payload_store import PayloadStore
@@ -167,8 +170,11 @@ def run(model: str, payload_dir: str, spec: dict) -> dict:
             store.create(key)  # the consumer opens keys; the worker only writes
             slots = {"out": key, "err": f"{key}.err"}
             if isinstance(prompt, dict):
-                store.put(f"{key}.in", {LEFT_CONTEXT_INPUT: torch.tensor(
-                    [prompt["left_context"]], dtype=torch.long)})
+                inputs = {LEFT_CONTEXT_INPUT: torch.tensor([prompt["left_context"]],
+                                                           dtype=torch.long)}
+                if "stream" in prompt:
+                    inputs[STREAM_INPUT] = torch.tensor(prompt["stream"], dtype=torch.long)
+                store.put(f"{key}.in", inputs)
                 slots["in"] = f"{key}.in"
             params.append(SamplingParams(temperature=0.0, max_tokens=1, detokenize=False,
                                          extra_args={PAYLOAD: slots}))
@@ -180,7 +186,8 @@ def run(model: str, payload_dir: str, spec: dict) -> dict:
             "finished": [bool(o.finished) for o in outs],
         })
     probe = llm.apply_model(probe_model)[0] if spec.get("probe") else None
-    result = {"batches": batches, "probe": probe,
+    streams = llm.apply_model(lambda model: len(model._streams))[0]
+    result = {"batches": batches, "probe": probe, "streams": streams,
               "steps": list(STEPS) if STEPS is not None else None,
               "init_s": round(init_s, 2), "total_s": round(time.perf_counter() - start, 2)}
     llm.llm_engine.engine_core.shutdown()

@@ -14,21 +14,27 @@ model runner (the plugin's ``OmniWorker``), batched across requests like any mod
   to ``model.stage_step``), the waveform HF ``Qwen3OmniMoeCode2Wav.chunked_decode(codes,
   chunk_size=300, left_context_size=25)`` returns, computed here: the step's chunks of all
   requests in one right-padded batch (code2wav is causal, so padding after a chunk does
-  not change its samples), each request's chunks then cut and joined as HF does. A request
-  whose input payload has ``left_context`` ``c`` (one chunk of a streamed request) starts
-  that loop at frame ``c``: it returns the samples of its frames after the first ``c``,
-  computed with up to 25 of those as left context, as HF's loop does for a chunk, plus the
-  context's last samples that a decode ending there drops (HF's loop leaves that gap,
-  555 samples at 24 kHz, at each chunk boundary): a request's chunks, joined, have the
-  samples of the whole request decoded at once.
+  not change its samples), each request's chunks then cut and joined as HF does.
+* **Streamed requests.** A request that is one chunk of a streamed request (input payload
+  ``stream``, :data:`STREAM_INPUT`; its first ``left_context`` frames are context only)
+  returns the samples of its frames in the whole stream's decode (HF ``forward`` on all
+  its frames at once), so the chunks, joined, are that decode with no gap or overlap.
+  The engine keeps each stream's state between its chunks (least recently used dropped
+  beyond :data:`STREAM_STATE_CAPACITY`): the pre-transformer's keys and values of its
+  sliding window and its last output rows. A chunk then runs its new frames only, and
+  each convolutional block gets only the input samples its output depends on
+  (:meth:`Qwen3OmniCode2Wav.decode`): a stream costs about what its decode at once
+  costs. A chunk whose stream state is not here (its previous chunk ran on another
+  replica) decodes its left context again, with the pre-transformer limited to it.
 * **Output.** :meth:`Qwen3OmniCode2WavStage.stage_output_requests` gives each request's
   ``waveform`` ``[num_samples]`` float32 in ``[-1, 1]`` and ``sample_rate`` ``[1]`` int64
   (Hz, :func:`sample_rate`); the worker publishes them. The token vLLM samples (logits are
   all zero) is a dummy; with ``max_tokens=1`` it ends the request.
 
-The model has no paged attention layer (vLLM sees no KV cache) and no autoregressive
-state. The pre-transformer is built from vLLM's layers (parallel linear layers, RMSNorm,
-rotary embedding, activation) with a causal sliding-window attention computed in one shot
+The model has no paged attention layer (vLLM sees no KV cache); the stream state above
+is the model's own (the convolutional part's context is part of it, which is not KV
+cache). The pre-transformer is built from vLLM's layers (parallel linear layers,
+RMSNorm, rotary embedding, activation) with a causal sliding-window attention computed
 by ``torch.nn.functional.scaled_dot_product_attention``; the convolutional upsampler and
 decoder, which vLLM has no layers for, are transformers' own modules.
 
@@ -42,7 +48,9 @@ without KV cache, whatever the engine args say, so a prompt longer than
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -85,8 +93,27 @@ MAX_FRAMES = 4096
 WEIGHT_PREFIX = "code2wav."
 
 #: Input payload of a request that is one chunk of a streamed request: ``[1]`` int64, its
-#: leading frames that are left context only (decoded, their samples dropped).
+#: leading frames that are left context only (their samples are not returned).
 LEFT_CONTEXT_INPUT = "left_context"
+
+#: Input payload of a chunk of a streamed request: ``[3]`` int64 ``(key, first, last)``:
+#: the stream's key (:func:`stream_key`, the same for all its chunks), the stream frame
+#: that the chunk's first frame after its left context is, and 1 on the stream's last
+#: chunk. An engine that decoded the stream's previous chunk continues from its state
+#: (see :class:`Qwen3OmniCode2WavStage`) instead of decoding the left context again.
+STREAM_INPUT = "stream"
+
+#: Streams whose decoder state one engine keeps at most; the least recently used is
+#: dropped (an aborted stream's state goes that way). A state holds the pre-transformer's
+#: keys and values of ``sliding_window - 1`` frames per layer (Qwen3-Omni: 8 layers x 71
+#: frames x 2 x 1024 values, 2.3 MB in bf16) and a few frames of its output.
+STREAM_STATE_CAPACITY = 128
+
+
+def stream_key(stream_id: str) -> int:
+    """The :data:`STREAM_INPUT` key of a stream id: a stable hash in ``[0, 2**63)``."""
+    digest = hashlib.blake2b(stream_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
 
 
 def sample_rate(hf_config) -> int:
@@ -170,31 +197,22 @@ def codes_from_prompt_ids(ids: torch.Tensor, config) -> torch.Tensor:
 @dataclass(frozen=True)
 class _Segment:
     """One forward of HF ``chunked_decode``: frames ``[begin, end)`` of a request, of
-    which the first ``context`` are left context whose samples are dropped. ``refill``: keep
-    the context's last samples that a decode ending at ``begin + context`` cannot compute
-    (its convolutions drop them; see :meth:`Qwen3OmniCode2Wav.num_samples`), so that the
-    chunks of a streamed request tile the waveform without gaps."""
+    which the first ``context`` are left context whose samples are dropped."""
 
     begin: int
     end: int
     context: int
-    refill: bool = False
 
 
 def chunk_schedule(num_frames: int, chunk_size: int = HF_CODE2WAV_CHUNK_SIZE,
-                   left_context: int = HF_CODE2WAV_LEFT_CONTEXT,
-                   first: int = 0) -> list[_Segment]:
+                   left_context: int = HF_CODE2WAV_LEFT_CONTEXT) -> list[_Segment]:
     """The forwards HF ``Qwen3OmniMoeCode2Wav.chunked_decode`` runs on ``num_frames``
-    frames, in order (its loop, without the model), starting at frame ``first``: the
-    frames before it are context only (a chunk of a streamed request, see
-    :data:`LEFT_CONTEXT_INPUT`), and the first forward refills what the previous chunk's
-    decode dropped."""
-    segments, start = [], first
+    frames, in order (its loop, without the model)."""
+    segments, start = [], 0
     while start < num_frames:
         end = min(start + chunk_size, num_frames)
         context = left_context if start - left_context > 0 else start
-        segments.append(_Segment(start - context, end, context,
-                                 refill=start == first and first > 0))
+        segments.append(_Segment(start - context, end, context))
         start = end
     return segments
 
@@ -230,25 +248,66 @@ class Code2WavAttention(nn.Module):
                                    is_neox_style=True,
                                    rope_parameters=dict(config.rope_parameters))
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: int,
-                mask: torch.Tensor | None) -> torch.Tensor:
+    def _qkv(self, x: torch.Tensor, positions: torch.Tensor):
+        """``[n, hidden]`` rows -> q ``[n, num_heads, head_dim]``, k and v ``[n,
+        num_kv_heads, head_dim]`` (rotary applied at ``positions`` ``[n]``)."""
         qkv, _ = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary_emb(positions, q, k)
-        frames = x.shape[0] // batch
+        return (q.reshape(-1, self.num_heads, self.head_dim),
+                k.reshape(-1, self.num_kv_heads, self.head_dim),
+                v.reshape(-1, self.num_kv_heads, self.head_dim))
 
-        def heads(t: torch.Tensor, n: int) -> torch.Tensor:
-            return t.reshape(batch, frames, n, self.head_dim).transpose(1, 2)
-
-        q, k, v = heads(q, self.num_heads), heads(k, self.num_kv_heads), \
-            heads(v, self.num_kv_heads)
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        """q ``[batch, queries, heads, head_dim]``, k/v ``[batch, keys, kv_heads,
+        head_dim]``, mask ``[queries, keys]`` (True: attend) -> ``[batch * queries,
+        hidden]``."""
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.num_kv_heads != self.num_heads:
             groups = self.num_heads // self.num_kv_heads
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        out = out.transpose(1, 2).reshape(batch * frames, self.q_size)
-        out, _ = self.o_proj(out)
+        out, _ = self.o_proj(out.transpose(1, 2).reshape(-1, self.q_size))
         return out
+
+    def _mask(self, queries: int, keys: int, device) -> torch.Tensor:
+        """``[queries, keys]``: the queries are the last ``queries`` of ``keys`` frames;
+        each attends to itself and the ``sliding_window - 1`` frames before it."""
+        distance = (torch.arange(keys - queries, keys, device=device)[:, None]
+                    - torch.arange(keys, device=device)[None, :])
+        mask = distance >= 0
+        if self.sliding_window is not None:
+            mask &= distance < self.sliding_window
+        return mask
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: int) -> torch.Tensor:
+        q, k, v = self._qkv(x, positions)
+        frames = x.shape[0] // batch
+        q, k, v = (t.reshape(batch, frames, *t.shape[1:]) for t in (q, k, v))
+        return self._attend(q, k, v, self._mask(frames, frames, x.device))
+
+    def forward_cached(self, x: torch.Tensor, positions: torch.Tensor,
+                       past: tuple[torch.Tensor, torch.Tensor] | None):
+        """One sequence's next frames, after frames whose keys and values are cached.
+
+        Args:
+            x: ``[n, hidden]`` rows of the next ``n`` frames.
+            positions: ``[n]`` their rotary positions, following the cached frames'.
+            past: keys and values ``[m, num_kv_heads, head_dim]`` (rotary applied) of the
+                ``m`` frames right before, or None.
+
+        Returns:
+            ``[n, hidden]``, and the keys and values of the last ``sliding_window - 1``
+            frames up to these (all of them without a window): the next call's ``past``.
+        """
+        q, k, v = self._qkv(x, positions)
+        if past is not None:
+            k, v = torch.cat([past[0], k]), torch.cat([past[1], v])
+        keys = k.shape[0]
+        out = self._attend(q[None], k[None], v[None], self._mask(x.shape[0], keys, x.device))
+        keep = keys if self.sliding_window is None else min(keys, self.sliding_window - 1)
+        return out, (k[keys - keep:].clone(), v[keys - keep:].clone())
 
 
 class Code2WavMLP(nn.Module):
@@ -280,10 +339,9 @@ class Code2WavTransformerLayer(nn.Module):
         self.self_attn_layer_scale = hf.Qwen3OmniMoeCode2WavLayerScale(config)
         self.mlp_layer_scale = hf.Qwen3OmniMoeCode2WavLayerScale(config)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: int,
-                mask: torch.Tensor | None) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(x), positions, batch, mask)
-        x = x + self.self_attn_layer_scale(h)
+    def forward(self, x: torch.Tensor, attention) -> torch.Tensor:
+        """``attention``: the normed rows -> this layer's attention output."""
+        x = x + self.self_attn_layer_scale(attention(self.input_layernorm(x)))
         h = self.mlp(self.post_attention_layernorm(x))
         return x + self.mlp_layer_scale(h)
 
@@ -306,52 +364,92 @@ class Code2WavTransformer(nn.Module):
         """``[batch, frames, hidden]`` -> ``[batch, frames, hidden]`` (causal: frame ``t``
         of the output depends on input frames ``<= t`` only)."""
         batch, frames, hidden = x.shape
-        idx = torch.arange(frames, device=x.device)
-        distance = idx[:, None] - idx[None, :]  # query - key
-        mask = (distance >= 0)
-        if self.sliding_window is not None:
-            mask &= distance < self.sliding_window
-        positions = idx.repeat(batch)
+        positions = torch.arange(frames, device=x.device).repeat(batch)
         h = x.reshape(batch * frames, hidden)
         for layer in self.layers:
-            h = layer(h, positions, batch, mask)
+            h = layer(h, lambda a, attn=layer.self_attn: attn(a, positions, batch))
         return self.norm(h).view(batch, frames, hidden)
+
+    def forward_cached(self, x: torch.Tensor, start: int, cache: list | None):
+        """One sequence's next frames, continuing ``cache``.
+
+        Args:
+            x: ``[n, hidden]`` the frames' embeddings.
+            start: the rotary position of the first of them (the frames before it).
+            cache: what the previous call returned, or None (the sequence's first frames).
+
+        Returns:
+            ``[n, hidden]`` (the rows :meth:`forward` gives these frames of the whole
+            sequence), and the cache for the next frames: per layer, the keys and values
+            of its last ``sliding_window - 1`` frames.
+        """
+        positions = torch.arange(start, start + x.shape[0], device=x.device)
+        new_cache = []
+        for i, layer in enumerate(self.layers):
+            def attention(a, attn=layer.self_attn, past=cache[i] if cache else None):
+                out, kv = attn.forward_cached(a, positions, past)
+                new_cache.append(kv)
+                return out
+
+            x = layer(x, attention)
+        return self.norm(x), new_cache
 
 
 # -- the whole codec decoder -----------------------------------------------------------
-def _length_after(module: nn.Module, n: int) -> int:
-    """Time steps out of ``module`` (an HF code2wav block) for ``n`` in."""
-    if isinstance(module, hf.Qwen3OmniMoeCausalTransConvNet):
-        conv = module.conv
-        full = ((n - 1) * conv.stride[0] + conv.dilation[0] * (conv.kernel_size[0] - 1) + 1
-                + conv.output_padding[0])
-        return full - module.left_pad - module.right_pad
-    if isinstance(module, hf.Qwen3OmniMoeCausalConvNet):
-        # HF pads to a whole number of strides: ceil((n - kernel + padding) / stride) + 1
-        return -(-(n - module.kernel_size + module.padding) // module.stride) + 1
-    for child in module.children():  # registered in forward order (residual units keep n)
-        n = _length_after(child, n)
-    return n
+# The convolutional part, as a chain of blocks ("atoms": the decoder blocks expanded into
+# theirs). Every block is causal: its output sample ``p`` depends on input samples
+# ``<= p`` (a transposed convolution: on the inputs ``p`` covers, HF trimming the ones
+# that would need the next input). So a decode of the first frames of a sequence returns
+# the first samples of the whole sequence's decode, and a decode that starts inside a
+# sequence returns its exact samples once each block's reach into the past is covered.
+def _reach(atom: nn.Module) -> int:
+    """Input samples before ``p`` that output sample ``p`` of a stride-1 block depends on.
+
+    Raises:
+        ValueError: a block these rules do not cover.
+    """
+    if isinstance(atom, hf.Qwen3OmniMoeCausalConvNet):
+        if atom.stride != 1:
+            raise ValueError(f"code2wav: a strided causal convolution ({atom.stride}) is "
+                             "not supported")
+        return atom.padding
+    if isinstance(atom, hf.Qwen3OmniMoeConvNeXtBlock):
+        return _reach(atom.dwconv)
+    if isinstance(atom, hf.Qwen3OmniMoeCode2WavDecoderResidualUnit):
+        return _reach(atom.conv1) + _reach(atom.conv2)
+    if isinstance(atom, hf.Qwen3OmniMoeSnakeBeta):
+        return 0
+    raise ValueError(f"code2wav: unknown block {type(atom).__name__} in the decoder")
 
 
-def _right_padding_is_exact(module: nn.Module) -> bool:
-    """True when every convolution is causal, so frames appended after a sequence do not
-    change its outputs: stride-1 causal convs (their right padding is 0) and transposed
-    convs that trim at least ``kernel - stride`` samples on the right (and no other
-    convolution)."""
-    causal = (hf.Qwen3OmniMoeCausalConvNet, hf.Qwen3OmniMoeCausalTransConvNet)
-    wrapped = {id(m.conv) for m in module.modules() if isinstance(m, causal)}
-    if any(isinstance(m, nn.modules.conv._ConvNd) and id(m) not in wrapped
-           for m in module.modules()):
-        return False
-    for m in module.modules():
-        if isinstance(m, hf.Qwen3OmniMoeCausalConvNet) and m.stride != 1:
-            return False
-        if isinstance(m, hf.Qwen3OmniMoeCausalTransConvNet):
-            kernel = m.conv.dilation[0] * (m.conv.kernel_size[0] - 1) + 1
-            if m.right_pad < kernel - m.conv.stride[0]:
-                return False
-    return True
+def _geometry(atom: nn.Module) -> tuple[int, int, int]:
+    """``(stride, kernel, left_pad)``: output sample ``p`` depends on the inputs ``i``
+    with ``i * stride <= p + left_pad < i * stride + kernel``. A transposed convolution's
+    own; ``(1, reach + 1, 0)`` for a stride-1 block.
+
+    Raises:
+        ValueError: a block that is not causal (a transposed convolution trimming fewer
+            than ``kernel - stride`` samples on the right), or an unknown one.
+    """
+    if isinstance(atom, hf.Qwen3OmniMoeCausalTransConvNet):
+        conv = atom.conv
+        stride, kernel = conv.stride[0], conv.dilation[0] * (conv.kernel_size[0] - 1) + 1
+        if atom.right_pad < kernel - stride:
+            raise ValueError("code2wav: a transposed convolution that is not causal")
+        return stride, kernel, atom.left_pad
+    return 1, _reach(atom) + 1, 0
+
+
+def _conv_atoms(model: nn.Module) -> list[nn.Module]:
+    """The convolutional blocks of ``model`` (a :class:`Qwen3OmniCode2Wav`) in forward
+    order, each checked by :func:`_geometry`."""
+    atoms = [block for blocks in model.upsample for block in blocks]
+    for block in model.decoder:
+        atoms.extend(block.block if isinstance(block, hf.Qwen3OmniMoeCode2WavDecoderBlock)
+                     else [block])
+    for atom in atoms:
+        _geometry(atom)
+    return atoms
 
 
 class Qwen3OmniCode2Wav(nn.Module):
@@ -359,6 +457,13 @@ class Qwen3OmniCode2Wav(nn.Module):
 
     Parameter names equal HF's (``qkv_proj`` / ``gate_up_proj`` fuse HF's q/k/v and
     gate/up projections).
+
+    Attributes:
+        conv_context: frames of pre-transformer output before a sequence's frame ``b``
+            that :meth:`decode` needs to return the samples of frames ``>= b`` exactly.
+
+    Raises:
+        ValueError: (init) a convolutional block that is not causal.
     """
 
     def __init__(self, config, prefix: str = ""):
@@ -389,16 +494,65 @@ class Qwen3OmniCode2Wav(nn.Module):
         decoder += [hf.Qwen3OmniMoeSnakeBeta(output_dim),
                     hf.Qwen3OmniMoeCausalConvNet(output_dim, 1, 7)]
         self.decoder = nn.ModuleList(decoder).to(dtype)
-        #: padding a batch on the right leaves each sequence's samples unchanged
-        self.right_padding_is_exact = _right_padding_is_exact(self)
+        self._atoms = _conv_atoms(self)
+        self._starts: dict[int, list[int]] = {}
+        self.conv_context = next(c for c in range(1, 1 << 16) if self._input_starts(c)[0] >= 0)
 
     def num_samples(self, num_frames: int) -> int:
         """Samples HF's ``forward`` returns for ``num_frames`` frames (slightly fewer than
-        ``num_frames * total_upsample``: the transposed convolutions drop a few)."""
+        ``num_frames * total_upsample``: the transposed convolutions drop a few); 0 for 0."""
         n = num_frames
-        for block in (*self.upsample, *self.decoder):
-            n = _length_after(block, n)
+        for atom in self._atoms:
+            if n and isinstance(atom, hf.Qwen3OmniMoeCausalTransConvNet):
+                stride, kernel, left_pad = _geometry(atom)
+                n = (n - 1) * stride + kernel - left_pad - atom.right_pad
         return n
+
+    def _input_starts(self, skip: int) -> list[int]:
+        """Per block, the first input sample (counted from the decode's first frame, in
+        that block's input rate) that samples ``>= num_samples(skip)`` of the output
+        depend on; negative: before the decode's first frame."""
+        starts = self._starts.get(skip)
+        if starts is None:
+            start, starts = self.num_samples(skip), []
+            for atom in reversed(self._atoms):
+                stride, kernel, left_pad = _geometry(atom)
+                start = -(-(start + left_pad - kernel + 1) // stride)  # ceil
+                starts.append(start)
+            starts = self._starts[skip] = starts[::-1]
+        return starts
+
+    def embed(self, codes: torch.Tensor) -> torch.Tensor:
+        """``[batch, frames, num_quantizers]`` int64 codes -> ``[batch, frames, hidden]``:
+        the mean of each frame's code embeddings (HF)."""
+        batch, frames, nq = codes.shape
+        rows = (codes + self.code_offset).reshape(-1)
+        return self.code_embedding(rows).view(batch, frames, nq, -1).mean(2)
+
+    def decode(self, hidden: torch.Tensor, skip: int = 0) -> torch.Tensor:
+        """The convolutional part: pre-transformer output -> waveform.
+
+        Args:
+            hidden: ``[batch, frames, hidden]`` pre-transformer output of frames ``[a, a +
+                frames)`` of each sequence (right-padded: a row's samples do not depend
+                on frames after its end).
+            skip: leading frames whose samples are not returned (context only).
+
+        Returns:
+            ``[batch, num_samples(frames) - num_samples(skip)]`` in ``[-1, 1]`` (model
+            dtype): samples ``[num_samples(a + skip), num_samples(a + frames))`` of each
+            sequence's whole decode, exact when ``a == 0`` (the sequence's start) or
+            ``skip >= conv_context``. Each block gets only the input those depend on.
+        """
+        x = hidden.permute(0, 2, 1)
+        offset = 0  # x's first sample, counted as in _input_starts
+        starts = self._input_starts(skip) if skip else [0] * len(self._atoms)
+        for atom, start in zip(self._atoms, starts, strict=True):
+            if start > offset:
+                x, offset = x[..., start - offset:], start
+            x = atom(x)
+            offset *= _geometry(atom)[0]
+        return x[..., self.num_samples(skip) - offset:].clamp(min=-1, max=1).squeeze(1)
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
         """HF ``Qwen3OmniMoeCode2Wav.forward`` on a batch of equal-length sequences.
@@ -410,17 +564,26 @@ class Qwen3OmniCode2Wav(nn.Module):
         Returns:
             ``[batch, num_samples(frames)]`` waveforms in ``[-1, 1]`` (model dtype).
         """
-        batch, frames, nq = codes.shape
-        rows = (codes + self.code_offset).reshape(-1)
-        hidden = self.code_embedding(rows).view(batch, frames, nq, -1).mean(2)
-        hidden = self.pre_transformer(hidden).permute(0, 2, 1)
-        for blocks in self.upsample:
-            for block in blocks:
-                hidden = block(hidden)
-        wav = hidden
-        for block in self.decoder:
-            wav = block(wav)
-        return wav.clamp(min=-1, max=1).squeeze(1)
+        return self.decode(self.pre_transformer(self.embed(codes)))
+
+
+@dataclass
+class _Chunk:
+    """A request that is one chunk of a streamed request."""
+
+    key: int | None  # the stream's key (STREAM_INPUT); None: left context only, no state
+    first: int  # the stream frame of its first frame after the left context
+    last: bool  # the stream's last chunk
+
+
+@dataclass
+class _StreamState:
+    """What an engine keeps of a stream between its chunks."""
+
+    next_frame: int  # the stream frame the next chunk starts at
+    position: int  # the pre-transformer's rotary position of that frame
+    cache: list  # the pre-transformer's (Code2WavTransformer.forward_cached)
+    hidden: torch.Tensor  # [<= conv_context, hidden] its output for the frames before
 
 
 @dataclass
@@ -431,20 +594,43 @@ class _Job:
     codes: torch.Tensor  # [T, num_quantizers]
     pieces: dict[int, torch.Tensor] | None  # segment index -> samples kept; None: failed
     context: int = 0  # leading frames that are left context only
+    chunk: _Chunk | None = None
 
 
-def _left_context(step, req_id: str, codes: torch.Tensor) -> int:
-    """The request's leading context frames (input payload :data:`LEFT_CONTEXT_INPUT`).
+def _chunk_inputs(step, req_id: str, codes: torch.Tensor) -> tuple[int, _Chunk | None]:
+    """The request's leading context frames (:data:`LEFT_CONTEXT_INPUT`) and, for a chunk
+    of a streamed request (:data:`STREAM_INPUT`, or a left context), its :class:`_Chunk`.
 
     Raises:
-        ValueError: not fewer than the request's frames.
+        ValueError: a context not fewer than the request's frames, or a malformed
+            :data:`STREAM_INPUT`.
     """
-    value = step.inputs(req_id).get(LEFT_CONTEXT_INPUT)
+    inputs = step.inputs(req_id)
+    value = inputs.get(LEFT_CONTEXT_INPUT)
     context = int(value.reshape(-1)[0]) if value is not None else 0
     if not 0 <= context < codes.shape[0]:
         raise ValueError(f"{LEFT_CONTEXT_INPUT} {context} is not in [0, {codes.shape[0]}) "
                          "(the request's frames)")
-    return context
+    stream = inputs.get(STREAM_INPUT)
+    if stream is None:
+        return context, _Chunk(None, context, True) if context else None
+    values = stream.reshape(-1).tolist()
+    if len(values) != 3 or values[1] < context or values[2] not in (0, 1):
+        raise ValueError(f"{STREAM_INPUT} must be [key, first frame >= {LEFT_CONTEXT_INPUT} "
+                         f"({context}), last 0 or 1], got {values}")
+    return context, _Chunk(int(values[0]), int(values[1]), bool(values[2]))
+
+
+def _batches(items: list, frames, bound: int) -> list[list]:
+    """``items`` in padded calls of at most ``bound`` ``batch * frames``, longest first
+    (each call holds items of similar lengths); ``frames(item)``: its length."""
+    groups: list[list] = [[]]
+    for item in sorted(items, key=frames, reverse=True):
+        group = groups[-1]
+        if group and frames(group[0]) * (len(group) + 1) > bound:
+            groups.append(group := [])
+        group.append(item)
+    return groups if items else []
 
 
 class Qwen3OmniCode2WavStage(nn.Module, SupportsMRoPE):
@@ -473,6 +659,8 @@ class Qwen3OmniCode2WavStage(nn.Module, SupportsMRoPE):
         #: the step being executed (bound by the worker), or None
         self.stage_step = None
         self._outputs: dict[str, dict[str, torch.Tensor]] = {}
+        #: streamed requests' decoder state by stream key, least recently used first
+        self._streams: OrderedDict[int, _StreamState] = OrderedDict()
 
     # -- engine configuration ---------------------------------------------------------
     @classmethod
@@ -536,7 +724,7 @@ class Qwen3OmniCode2WavStage(nn.Module, SupportsMRoPE):
                         "max_num_batched_tokens >= max_model_len) in this stage's engine_args")
                 codes = codes_from_prompt_ids(input_ids[r.start:r.start + r.num_tokens],
                                               self.config)
-                jobs.append(_Job(r.req_id, codes, {}, _left_context(step, r.req_id, codes)))
+                jobs.append(_Job(r.req_id, codes, {}, *_chunk_inputs(step, r.req_id, codes)))
             except Exception as exc:
                 step.fail(r.req_id, exc)
         if jobs:
@@ -557,26 +745,39 @@ class Qwen3OmniCode2WavStage(nn.Module, SupportsMRoPE):
 
     # -- decoding -----------------------------------------------------------------------
     def _decode(self, jobs: list[_Job]) -> None:
-        """Every job's waveform into :attr:`_outputs`; a job that fails is failed alone."""
-        model = self.code2wav
-        work = [(job, i, seg) for job in jobs
-                for i, seg in enumerate(chunk_schedule(job.codes.shape[0],
-                                                       first=job.context))]
-        if model.right_padding_is_exact:
-            # longest first, so each padded call holds chunks of similar lengths
-            work.sort(key=lambda item: item[2].end - item[2].begin, reverse=True)
-            groups: list[list] = [[]]
-            for item in work:
-                group = groups[-1]
-                longest = group[0][2].end - group[0][2].begin if group else 0
-                if group and longest * (len(group) + 1) > self.max_batch_frames:
-                    groups.append([])
-                groups[-1].append(item)
-        else:
-            groups = [[item] for item in work]
+        """Every job's waveform into :attr:`_outputs`; a job that fails is failed alone.
+
+        A whole request is decoded as HF ``chunked_decode`` does; a chunk of a streamed
+        request continues its stream's state (:meth:`_continue_stream`)."""
+        segments = [(job, i, seg) for job in jobs if job.chunk is None
+                    for i, seg in enumerate(chunk_schedule(job.codes.shape[0]))]
+        self._run_batches(_batches(segments, lambda item: item[2].end - item[2].begin,
+                                   self.max_batch_frames), self._run)
+        chunks = []
+        for job in jobs:
+            if job.chunk is not None:
+                try:
+                    chunks.append((job, *self._continue_stream(job)))
+                except Exception as exc:
+                    self._fail(job, exc)
+        for skip in sorted({item[2] for item in chunks}):
+            self._run_batches(_batches([item for item in chunks if item[2] == skip],
+                                       lambda item: item[1].shape[0], self.max_batch_frames),
+                              self._run_chunks)
+        for job in jobs:
+            if job.pieces is not None:
+                wav = torch.cat([job.pieces[i] for i in sorted(job.pieces)])
+                self._outputs[job.req_id] = {
+                    "waveform": wav.float(),
+                    "sample_rate": torch.tensor([self.sample_rate], dtype=torch.long),
+                }
+
+    def _run_batches(self, groups: list[list], run) -> None:
+        """``run(group)`` for each padded call; a failed call is retried item by item,
+        and an item that fails alone fails its job."""
         for group in groups:
             try:
-                self._run(group)
+                run(group)
             except Exception as exc:
                 if len(group) == 1:
                     self._fail(group[0][0], exc)
@@ -585,16 +786,9 @@ class Qwen3OmniCode2WavStage(nn.Module, SupportsMRoPE):
                                "decoding them one by one", len(group), exc)
                 for item in group:
                     try:
-                        self._run([item])
+                        run([item])
                     except Exception as exc1:
                         self._fail(item[0], exc1)
-        for job in jobs:
-            if job.pieces is not None:
-                wav = torch.cat([job.pieces[i] for i in sorted(job.pieces)])
-                self._outputs[job.req_id] = {
-                    "waveform": wav.float(),
-                    "sample_rate": torch.tensor([self.sample_rate], dtype=torch.long),
-                }
 
     def _run(self, group: list) -> None:
         """One padded decoder call on ``group``'s ``(job, index, segment)`` items (those of
@@ -610,16 +804,74 @@ class Qwen3OmniCode2WavStage(nn.Module, SupportsMRoPE):
             batch[row, :seg.end - seg.begin] = job.codes[seg.begin:seg.end]
         wav = model(batch)
         for row, (job, index, seg) in enumerate(group):
-            frames = seg.end - seg.begin
-            end = model.num_samples(frames)
-            begin = seg.context * model.total_upsample
-            if seg.refill:  # the samples a decode ending at the context's end drops
-                begin -= frames * model.total_upsample - end
-            job.pieces[index] = wav[row, begin:end]
+            job.pieces[index] = wav[row, seg.context * model.total_upsample:
+                                    model.num_samples(seg.end - seg.begin)]
+
+    def _continue_stream(self, job: _Job) -> tuple[torch.Tensor, int]:
+        """The pre-transformer on a streamed request's chunk, continuing its stream.
+
+        With the state of the stream's previous chunk (same key, ending where this chunk
+        starts), only the chunk's new frames run, after the cached keys and values, and
+        the decoder gets the previous chunk's last ``conv_context`` rows as its context:
+        the chunks, joined, are the whole stream's decode up to float rounding. Without
+        it (the stream's first chunk; or a previous chunk on another replica, or evicted)
+        the chunk's left context runs too. The state is kept for the next chunk (not
+        after the last).
+
+        Returns:
+            ``[frames, hidden]`` decoder input, and the leading frames of it that are
+            context only.
+        """
+        model = self.code2wav
+        chunk, context = job.chunk, job.context
+        state = self._streams.pop(chunk.key, None) if chunk.key is not None else None
+        if state is not None and state.next_frame == chunk.first:
+            new = job.codes[context:]
+            hidden, cache = model.pre_transformer.forward_cached(
+                model.embed(new[None])[0], state.position, state.cache)
+            hidden, skip = torch.cat([state.hidden, hidden]), state.hidden.shape[0]
+            position = state.position + new.shape[0]
+        else:
+            if chunk.key is not None and chunk.first > 0:
+                logger.info("code2wav: stream %x continues at frame %d without its state "
+                            "(its previous chunk ran elsewhere, or it was evicted): "
+                            "decoding %d frames of left context", chunk.key, chunk.first,
+                            context)
+            hidden, cache = model.pre_transformer.forward_cached(
+                model.embed(job.codes[None])[0], 0, None)
+            skip, position = context, job.codes.shape[0]
+        keep = min(skip, model.conv_context)
+        hidden, skip = hidden[skip - keep:], keep
+        if chunk.key is not None and not chunk.last:
+            self._streams[chunk.key] = _StreamState(
+                next_frame=chunk.first + job.codes.shape[0] - context, position=position,
+                cache=cache, hidden=hidden[-model.conv_context:])
+            while len(self._streams) > STREAM_STATE_CAPACITY:
+                self._streams.popitem(last=False)
+        return hidden, skip
+
+    def _run_chunks(self, group: list) -> None:
+        """One padded decoder call on ``group``'s ``(job, hidden, skip)`` items (one
+        ``skip``): each job's samples after its context."""
+        model = self.code2wav
+        group = [item for item in group if item[0].pieces is not None]
+        if not group:
+            return
+        skip = group[0][2]
+        frames = max(hidden.shape[0] for _, hidden, _ in group)
+        batch = group[0][1].new_zeros(len(group), frames, group[0][1].shape[1])
+        for row, (_, hidden, _) in enumerate(group):
+            batch[row, :hidden.shape[0]] = hidden
+        wav = model.decode(batch, skip)
+        for row, (job, hidden, _) in enumerate(group):
+            job.pieces[0] = wav[row, :model.num_samples(hidden.shape[0])
+                                - model.num_samples(skip)]
 
     def _fail(self, job: _Job, exc: Exception) -> None:
         if job.pieces is not None:
             job.pieces = None
+            if job.chunk is not None and job.chunk.key is not None:
+                self._streams.pop(job.chunk.key, None)
             self.stage_step.fail(job.req_id, exc)
 
     # -- weights ------------------------------------------------------------------------

@@ -88,22 +88,31 @@ def talker2code2wav(upstream: list[UpstreamOutput], stage, extras: dict[str, Any
     The prompt carries the codes (:func:`.code2wav.code2wav_prompt_ids`: ``16 T`` ids,
     frame-major, codebook ``q`` offset by ``q * codebook_size``). For one chunk of a
     streamed request the input payload says how many leading frames are left context
-    (``left_context`` ``[1]`` int64); otherwise code2wav takes no input payload.
+    (``left_context`` ``[1]`` int64) and where the chunk sits in its stream (``stream``
+    ``[3]`` int64, :data:`.code2wav.STREAM_INPUT`); otherwise code2wav takes no input
+    payload.
 
     Raises:
         ValueError: the talker produced no codes, or codes code2wav cannot decode.
     """
     from vllm_omni_plugin.models.qwen3_omni.code2wav import (
         LEFT_CONTEXT_INPUT,
+        STREAM_INPUT,
         code2wav_prompt_ids,
+        stream_key,
     )
 
     (talker,) = upstream
     codes = talker.payload.get("codes")
     if codes is None or codes.shape[0] <= talker.context_rows:
         raise ValueError("the talker produced no codec codes")
-    payload = ({LEFT_CONTEXT_INPUT: torch.tensor([talker.context_rows], dtype=torch.long)}
-               if talker.context_rows else {})
+    payload = {}
+    if talker.context_rows:
+        payload[LEFT_CONTEXT_INPUT] = torch.tensor([talker.context_rows], dtype=torch.long)
+    if talker.chunk is not None:
+        chunk = talker.chunk
+        payload[STREAM_INPUT] = torch.tensor(
+            [stream_key(chunk.stream_id), chunk.first_row, int(chunk.last)], dtype=torch.long)
     return StageInput(prompt_token_ids=code2wav_prompt_ids(codes, extras["hf_config"]),
                       payload=payload)
 
