@@ -157,7 +157,10 @@ def test_a_growing_input_that_fails_fails_the_task_and_stops_it_on_the_replica(t
                              ready=1, growth=growth())
             with pytest.raises(ProcessorBroke, match="input processor"):
                 await asyncio.wait_for(served.replica.run(task), WAIT_S)
-            assert await _eventually(lambda: served.engine.aborted == ["r-3"])
+            # told once or twice: on the TaskAbort frame, and again if the task's next
+            # output comes before that abort ends it (vLLM ignores the second)
+            assert await _eventually(lambda: served.engine.aborted), "engine never aborted"
+            assert set(served.engine.aborted) == {"r-3"}
             assert await _eventually(lambda: served.server.tasks == {})
             assert served.server._growth == {}
         finally:

@@ -298,9 +298,13 @@ class RemoteReplica(Replica):
                     await self._socket.send_multipart(self._channel.frames(
                         ToReplica(msg=grow)))
         except Exception as exc:
+            # the abort goes out first: failing the future wakes run(), which cancels
+            # this feeder (a send still under way would be lost)
+            if self.attached and not pending.future.done():
+                await self._socket.send_multipart(self._channel.frames(
+                    ToReplica(msg=TaskAbort(request_id=task.request_id))))
             if not pending.future.done():
                 pending.future.set_exception(exc)
-            await self.abort(task.request_id)
 
     async def abort(self, request_id: str) -> None:
         pending = self._pending.get(request_id)

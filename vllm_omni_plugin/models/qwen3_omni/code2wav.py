@@ -845,7 +845,7 @@ class Qwen3OmniCode2WavStage(nn.Module, SupportsMRoPE):
         if chunk.key is not None and not chunk.last:
             self._streams[chunk.key] = _StreamState(
                 next_frame=chunk.first + job.codes.shape[0] - context, position=position,
-                cache=cache, hidden=hidden[-model.conv_context:])
+                cache=cache, hidden=hidden[-model.conv_context:].clone())
             while len(self._streams) > STREAM_STATE_CAPACITY:
                 self._streams.popitem(last=False)
         return hidden, skip
