@@ -169,6 +169,52 @@ def test_a_growing_input_that_fails_fails_the_task_and_stops_it_on_the_replica(t
     asyncio.run(main())
 
 
+class _StallingFrameEngine(FrameEngine):
+    """Publishes its first row, then waits until it is aborted."""
+
+    def __init__(self, store) -> None:
+        super().__init__(store)
+        self.aborted: list[str] = []
+        self._abort = asyncio.Event()
+
+    async def generate(self, prompt, params, request_id):
+        steps = 0
+        async for out in super().generate(prompt, params, request_id):
+            yield out
+            steps += 1
+            if steps == 2:
+                await self._abort.wait()
+
+    async def abort(self, request_id):
+        self.aborted.append(request_id)
+        self._abort.set()
+
+
+def test_corrupt_rows_fail_the_task_and_stop_it_on_the_replica(tmp_path, monkeypatch):
+    """Rows that do not decode on the head (a TaskRows blob that is not safetensors: the
+    server's packing is replaced, a fault a real replica cannot be made to produce) fail
+    the task naming the replica, and the replica's engine is told to abort it."""
+    from vllm_omni_plugin.replicas import server as server_module
+    from vllm_omni_plugin.replicas.task import TaskError
+
+    monkeypatch.setattr(server_module, "pack_tensors", lambda payload: b"not safetensors")
+
+    async def main():
+        served = _ServedReplica(tmp_path, _StallingFrameEngine)
+        try:
+            task = StageTask(request_id="r-4", prompt_token_ids=[1],
+                             sampling={"max_tokens": STEPS})
+            with pytest.raises(TaskError, match="rows of r-4"):
+                await asyncio.wait_for(served.replica.run(task, on_rows=_Sink()), WAIT_S)
+            assert await _eventually(lambda: served.engine.aborted), "engine never aborted"
+            assert set(served.engine.aborted) == {"r-4"}
+            assert await _eventually(lambda: served.server.tasks == {})
+        finally:
+            served.close()
+
+    asyncio.run(main())
+
+
 async def _eventually(predicate, timeout: float = WAIT_S) -> bool:
     """Whether ``predicate()`` holds within ``timeout`` seconds (polled on the loop)."""
     deadline = asyncio.get_running_loop().time() + timeout

@@ -334,7 +334,9 @@ class RemoteReplica(Replica):
                 if pending.rows is not None:
                     try:
                         pending.rows.add([unpack_tensors(msg.payload)])
-                    except ValueError as exc:
+                    except ValueError as exc:  # the task fails; the replica stops it
+                        await self._socket.send_multipart(self._channel.frames(
+                            ToReplica(msg=TaskAbort(request_id=msg.request_id))))
                         pending.future.set_exception(TaskError(
                             f"{self.name}: rows of {msg.request_id}: {exc}"))
             elif isinstance(msg, TaskDone):
