@@ -276,9 +276,7 @@ class RemoteReplica(Replica):
         except asyncio.CancelledError:
             # the request's caller went away (a client that disconnected): the replica
             # stops the task as on an abort
-            if self.attached:  # (a task the replica finished meanwhile ignores it)
-                await self._socket.send_multipart(self._channel.frames(
-                    ToReplica(msg=TaskAbort(request_id=task.request_id))))
+            await self._send_abort(task.request_id)  # (a finished task ignores it)
             raise
         finally:
             if feeder is not None:
@@ -300,10 +298,9 @@ class RemoteReplica(Replica):
         except Exception as exc:
             # the abort goes out first: failing the future wakes run(), which cancels
             # this feeder (a send still under way would be lost)
-            if self.attached and not pending.future.done():
-                await self._socket.send_multipart(self._channel.frames(
-                    ToReplica(msg=TaskAbort(request_id=task.request_id))))
             if not pending.future.done():
+                await self._send_abort(task.request_id)
+            if not pending.future.done():  # (lost meanwhile: failed already)
                 pending.future.set_exception(exc)
 
     async def abort(self, request_id: str) -> None:
@@ -312,6 +309,10 @@ class RemoteReplica(Replica):
             return
         if not pending.future.done():
             pending.future.set_exception(TaskAborted(request_id))
+        await self._send_abort(request_id)
+
+    async def _send_abort(self, request_id: str) -> None:
+        """Tell the replica to stop ``request_id`` (a :class:`TaskAbort`), if attached."""
         if self.attached:
             await self._socket.send_multipart(
                 self._channel.frames(ToReplica(msg=TaskAbort(request_id=request_id))))
@@ -335,10 +336,10 @@ class RemoteReplica(Replica):
                     try:
                         pending.rows.add([unpack_tensors(msg.payload)])
                     except ValueError as exc:  # the task fails; the replica stops it
-                        await self._socket.send_multipart(self._channel.frames(
-                            ToReplica(msg=TaskAbort(request_id=msg.request_id))))
-                        pending.future.set_exception(TaskError(
-                            f"{self.name}: rows of {msg.request_id}: {exc}"))
+                        await self._send_abort(msg.request_id)
+                        if not pending.future.done():  # (lost meanwhile: failed already)
+                            pending.future.set_exception(TaskError(
+                                f"{self.name}: rows of {msg.request_id}: {exc}"))
             elif isinstance(msg, TaskDone):
                 pending.future.set_result(msg)
             elif isinstance(msg, TaskFailed):

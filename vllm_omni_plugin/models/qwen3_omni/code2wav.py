@@ -440,16 +440,14 @@ def _geometry(atom: nn.Module) -> tuple[int, int, int]:
     return 1, _reach(atom) + 1, 0
 
 
-def _conv_atoms(model: nn.Module) -> list[nn.Module]:
+def _conv_atoms(model: nn.Module) -> list[tuple[nn.Module, tuple[int, int, int]]]:
     """The convolutional blocks of ``model`` (a :class:`Qwen3OmniCode2Wav`) in forward
-    order, each checked by :func:`_geometry`."""
+    order, each with its :func:`_geometry`."""
     atoms = [block for blocks in model.upsample for block in blocks]
     for block in model.decoder:
         atoms.extend(block.block if isinstance(block, hf.Qwen3OmniMoeCode2WavDecoderBlock)
                      else [block])
-    for atom in atoms:
-        _geometry(atom)
-    return atoms
+    return [(atom, _geometry(atom)) for atom in atoms]
 
 
 class Qwen3OmniCode2Wav(nn.Module):
@@ -494,7 +492,7 @@ class Qwen3OmniCode2Wav(nn.Module):
         decoder += [hf.Qwen3OmniMoeSnakeBeta(output_dim),
                     hf.Qwen3OmniMoeCausalConvNet(output_dim, 1, 7)]
         self.decoder = nn.ModuleList(decoder).to(dtype)
-        self._atoms = _conv_atoms(self)
+        self._atoms = _conv_atoms(self)  # (block, geometry), computed once
         self._starts: dict[int, list[int]] = {}
         self.conv_context = next(c for c in range(1, 1 << 16) if self._input_starts(c)[0] >= 0)
 
@@ -502,9 +500,8 @@ class Qwen3OmniCode2Wav(nn.Module):
         """Samples HF's ``forward`` returns for ``num_frames`` frames (slightly fewer than
         ``num_frames * total_upsample``: the transposed convolutions drop a few); 0 for 0."""
         n = num_frames
-        for atom in self._atoms:
+        for atom, (stride, kernel, left_pad) in self._atoms:
             if n and isinstance(atom, hf.Qwen3OmniMoeCausalTransConvNet):
-                stride, kernel, left_pad = _geometry(atom)
                 n = (n - 1) * stride + kernel - left_pad - atom.right_pad
         return n
 
@@ -515,8 +512,7 @@ class Qwen3OmniCode2Wav(nn.Module):
         starts = self._starts.get(skip)
         if starts is None:
             start, starts = self.num_samples(skip), []
-            for atom in reversed(self._atoms):
-                stride, kernel, left_pad = _geometry(atom)
+            for _, (stride, kernel, left_pad) in reversed(self._atoms):
                 start = -(-(start + left_pad - kernel + 1) // stride)  # ceil
                 starts.append(start)
             starts = self._starts[skip] = starts[::-1]
@@ -547,11 +543,11 @@ class Qwen3OmniCode2Wav(nn.Module):
         x = hidden.permute(0, 2, 1)
         offset = 0  # x's first sample, counted as in _input_starts
         starts = self._input_starts(skip) if skip else [0] * len(self._atoms)
-        for atom, start in zip(self._atoms, starts, strict=True):
+        for (atom, (stride, _, _)), start in zip(self._atoms, starts, strict=True):
             if start > offset:
                 x, offset = x[..., start - offset:], start
             x = atom(x)
-            offset *= _geometry(atom)[0]
+            offset *= stride
         return x[..., self.num_samples(skip) - offset:].clamp(min=-1, max=1).squeeze(1)
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
