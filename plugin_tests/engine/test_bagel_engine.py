@@ -1,0 +1,84 @@
+"""vLLM's own BAGEL class (understanding) on the tiny BAGEL checkpoint, token for token
+against the official BAGEL code.
+
+The official code's greedy understanding tokens after each reference prompt
+(``<|im_start|> prompt <|im_end|>``, then the start token ``<|im_start|>``, as its
+``gen_text`` feeds them) are fixtures (``scripts/bagel_reference.sh``; the official code
+computes in bfloat16, vLLM here in float32). A child process
+(``scripts/bagel_generate.py``) runs vLLM's ``BagelForConditionalGeneration`` on its own
+worker and model runner.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from plugin_tests.conftest import BAGEL_REFERENCE, REPO
+
+pytestmark = pytest.mark.engine
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "bagel_generate.py"
+ENGINE_TIMEOUT_S = 600
+CASES = ("t2i_cfg_global", "t2i_cfg_text_channel")
+IMAGE_TEXT = "<|im_start|><|vision_start|><|image_pad|><|vision_end|>Describe it.<|im_end|>"
+
+
+def _reference(case: str) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(BAGEL_REFERENCE) / f"{case}.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def result(tiny_bagel, tmp_path_factory):
+    bos = json.loads((Path(BAGEL_REFERENCE) / "reference.json").read_text())[
+        "special_token_ids"]["bos_token_id"]
+    prompts = [_reference(c)["text_ids"].tolist() + [bos] for c in CASES]
+    spec = {"model": tiny_bagel, "engines": [{
+        "name": "default",
+        "engine_args": {"max_model_len": 256, "limit_mm_per_prompt": {"image": 1}},
+        "prompts": prompts,
+        "max_tokens": len(_reference(CASES[0])["understanding_ids"]),
+        "image_prompts": [{"text": IMAGE_TEXT, "seed": 0}, {"text": IMAGE_TEXT, "seed": 1},
+                          {"text": IMAGE_TEXT, "seed": 0}]}]}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join(filter(None, (REPO, os.environ.get("PYTHONPATH"))))}
+    logdir = tmp_path_factory.mktemp("bagel")
+    with open(logdir / "engine.err", "w") as err:
+        proc = subprocess.run([sys.executable, str(SCRIPT), json.dumps(spec)], env=env,
+                              stdout=subprocess.PIPE, stderr=err, text=True,
+                              timeout=ENGINE_TIMEOUT_S)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines or not lines[-1].startswith("{"):
+        pytest.fail(f"engine script exited {proc.returncode}:\n{proc.stdout[-3000:]}\n"
+                    f"{(logdir / 'engine.err').read_text()[-6000:]}")
+    out = json.loads(lines[-1])["engines"]["default"]
+    if "error" in out:
+        pytest.fail(f"engine failed:\n{out['error']}")
+    return out
+
+
+def test_understanding_tokens_equal_the_official_code(result):
+    for case, got in zip(CASES, result["token_ids"], strict=True):
+        assert got == _reference(case)["understanding_ids"].tolist(), case
+
+
+def test_image_understanding_depends_on_the_image(result, tiny_bagel):
+    """Image in, text out through vLLM's SigLIP path: the placeholder becomes one token
+    per ViT patch, and the answer depends on the image (the same image gives the same
+    logprob, another one another)."""
+    served = json.loads((Path(tiny_bagel) / "config.json").read_text())
+    patches = served["vit_max_num_patch_per_side"] ** 2
+    for with_image, text in zip(result["image_prompt_lens"], result["image_text_lens"],
+                                strict=True):
+        assert with_image == text - 1 + patches
+    first, other, again = result["image_first_logprobs"]
+    assert first == again
+    assert first != other
