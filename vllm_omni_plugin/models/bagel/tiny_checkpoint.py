@@ -24,7 +24,8 @@ plus what vLLM needs to serve it:
   the stored ViT layers, its ``llm_config`` sets ``qk_norm``, and its ``vae_config`` adds
   the autoencoder's geometry (``ch``, ``ch_mult``, ``num_res_blocks``, ``scale_factor``,
   ``shift_factor``, ...) to ``z_channels``/``downsample``. A missing geometry key means
-  the FLUX value (:data:`FLUX_AE`).
+  the FLUX value
+  (:data:`vllm_omni_plugin.models.bagel.autoencoder.FLUX_AE`).
 * tokenizer (Qwen2.5's special tokens after a tiny BPE, see
   :mod:`vllm_omni_plugin.tools.tiny_tokenizer`), ``generation_config.json`` and a SigLIP
   ``preprocessor_config.json``.
@@ -53,6 +54,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm_omni_plugin.models.bagel.autoencoder import FLUX_AE
 from vllm_omni_plugin.tools.tiny_tokenizer import (
     QWEN25_ADDED_TOKENS,
     build_qwen_tokenizer,
@@ -60,13 +62,6 @@ from vllm_omni_plugin.tools.tiny_tokenizer import (
 )
 
 logger = logging.getLogger("vllm_omni_plugin.tools.tiny_checkpoint")
-
-#: The FLUX.1 autoencoder the released BAGEL uses (the official ``load_ae`` constants).
-FLUX_AE: dict[str, Any] = {
-    "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 128, "ch_mult": [1, 2, 4, 4],
-    "num_res_blocks": 2, "z_channels": 16, "downsample": 8,
-    "scale_factor": 0.3611, "shift_factor": 0.1159,
-}
 
 TINY_LLM: dict[str, Any] = {
     "architectures": ["Qwen2ForCausalLM"],

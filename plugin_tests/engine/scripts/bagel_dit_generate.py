@@ -1,0 +1,105 @@
+"""Run the plugin's BAGEL DiT stage (``OmniPluginBagelDiT``) in a real vLLM engine on a
+BAGEL checkpoint, with the official-code fixtures' contexts; print JSON results.
+
+Run as a subprocess by ``plugin_tests/engine/test_bagel_dit_engine.py``. Input: a JSON
+spec as ``argv[1]``::
+
+    {"model": "/path/to/checkpoint", "payload_dir": DIR, "fixtures": DIR,
+     "yaml": "/path/to/pipeline.yaml",
+     "engines": [{"name": "default", "engine_args": {...},
+                  "batches": [[{"case": "t2i_cfg_global",     # fixture case
+                                "guidance": {...},           # Guidance fields over its knobs
+                                "seed": 42, "drop": ["text_uncond"]}, ...], ...]}]}
+
+Each request's input payload is :func:`generation_payload` of the case's context (the
+full context for ``cond`` and ``img_uncond``, as the official text-to-image flow builds
+them; an empty one at RoPE position 0 for ``text_uncond``), ``initial_noise(seed)`` and
+its guidance; ``drop`` leaves branches out. Output: the last stdout line is
+``{"engines": {name: {"batches": [{"keys": [...]}, ...]}}}``; the results are in the
+payload store under those keys (``key.err`` on failure).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+from pathlib import Path
+
+from _engines import run_engines
+
+ARCH = "OmniPluginBagelDiT"
+STAGE_ID = 1
+BASE_ENGINE_ARGS = {
+    "worker_cls": "vllm_omni_plugin.worker.omni_worker.OmniWorker",
+    "dtype": "float32",
+    "enforce_eager": True,
+    "enable_prefix_caching": False,
+    "max_model_len": 64,
+    "seed": 0,
+    "gpu_memory_utilization": 0.2,
+}
+
+
+def _payload(fixtures: Path, request: dict, config):
+    import torch
+    from safetensors.torch import load_file
+
+    from vllm_omni_plugin.models.bagel.dit import Guidance, generation_payload, initial_noise
+
+    meta = json.loads((fixtures / "reference.json").read_text())["cases"][request["case"]]
+    record = load_file(str(fixtures / f"{request['case']}.safetensors"))
+    layers = sorted(int(k.rsplit(".", 1)[1]) for k in record if k.startswith("context.k."))
+    k = torch.stack([record[f"context.k.{i}"] for i in layers])
+    v = torch.stack([record[f"context.v.{i}"] for i in layers])
+    knobs = {**meta["knobs"], **request.get("guidance", {})}
+    knobs["cfg_interval"] = tuple(knobs["cfg_interval"])
+    empty = k[:, :0]
+    branches = {"cond": (k, v, k.shape[1]), "text_uncond": (empty, empty, 0),
+                "img_uncond": (k, v, k.shape[1])}
+    for name in request.get("drop", []):
+        del branches[name]
+    height, width = meta["height"], meta["width"]
+    noise = initial_noise(request.get("seed", meta["seed"]), height, width, config)
+    return generation_payload(noise, height, width, Guidance(**knobs), branches)
+
+
+def run_one(spec: dict, engine: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    from vllm_omni_plugin.config.settings import OmniSettings
+    from vllm_omni_plugin.extra_args import PAYLOAD
+    from vllm_omni_plugin.payload_store import PayloadStore
+
+    store = PayloadStore(spec["payload_dir"])
+    llm = LLM(spec["model"], **{
+        **BASE_ENGINE_ARGS,
+        "hf_overrides": {"architectures": [ARCH]},
+        "additional_config": OmniSettings(
+            stage_configs_path=spec["yaml"], stage_id=STAGE_ID, entry=False,
+            payload_dir=spec["payload_dir"]).additional_config(),
+        **engine.get("engine_args", {})})
+    config = llm.llm_engine.model_config.hf_config
+    batches = []
+    try:
+        for b, requests in enumerate(engine["batches"]):
+            keys = [f"{engine['name']}.b{b}.r{i}" for i in range(len(requests))]
+            params = []
+            for key, request in zip(keys, requests, strict=True):
+                store.create(key)
+                store.put(f"{key}.in", _payload(Path(spec["fixtures"]), request, config))
+                params.append(SamplingParams(temperature=0.0, max_tokens=1, detokenize=False,
+                                             extra_args={PAYLOAD: {"in": f"{key}.in",
+                                                                   "out": key,
+                                                                   "err": f"{key}.err"}}))
+            llm.generate([{"prompt_token_ids": [0]}] * len(requests), params, use_tqdm=False)
+            batches.append({"keys": keys})
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+    return {"batches": batches}
+
+
+if __name__ == "__main__":
+    sys.exit(run_engines(sys.argv, run_one))

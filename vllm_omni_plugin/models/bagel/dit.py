@@ -1,0 +1,587 @@
+"""BAGEL's image generation (the DiT stage): flow matching over FLUX latents, conditioned
+on the AR stage's context keys and values, with classifier-free guidance; served as a
+vLLM model on vLLM's own worker and model runner (the plugin's ``OmniWorker``).
+
+A request is one image. Its whole denoising loop runs in the engine step that prefills
+its (placeholder) prompt; ``max_tokens=1`` then ends it, like code2wav.
+
+* **Input payload** (the orchestrator's, see :func:`generation_payload`):
+  ``noise`` ``[h*w, p*p*z]`` float32, the initial latent (drawn on the CPU from the
+  request's seed by the head, so any replica reproduces it), ``size`` ``[2]`` int64
+  (height, width in pixels), ``guidance`` (:class:`Guidance` as a tensor), and per CFG
+  branch ``{branch}.k`` / ``{branch}.v`` ``[layers, tokens, kv_heads, head_dim]`` (the
+  branch's context keys after RoPE and values, float32) and ``{branch}.rope`` ``[1]``
+  int64 (the context's next RoPE position) for the branches :data:`BRANCHES`. A branch
+  whose scale is above 1 must be there: a missing one fails the request naming it.
+* **Velocity** (the official ``Bagel._forward_flow``): the query is
+  ``<|vision_start|>``, the ``h*w`` latent tokens, ``<|vision_end|>``, all at the
+  context's next RoPE position, attending to the context and to each other without a
+  causal mask. Marker tokens go through the understanding expert, latent tokens through
+  the generation expert (``*_moe_gen`` weights, their final norm ``norm_moe_gen``).
+  A latent token's input is ``vae2llm(x) + time_embedder(t) + latent_pos_embed(row *
+  max_latent_size + col)``; the velocity is ``llm2vae`` of its output. The branches a
+  step needs run as one padded batch.
+* **Guidance and sampling** (the official ``generate_image``): :func:`guided_velocity`,
+  :meth:`Guidance.timesteps` and Euler steps ``x <- x - v * (t_k - t_{k+1})``.
+* **Output payload** (:meth:`BagelDiTStage.stage_output_requests`): ``latent``
+  ``[h*w, p*p*z]`` float32 and ``image`` ``[H, W, 3]`` uint8, decoded by
+  :class:`~vllm_omni_plugin.models.bagel.autoencoder.FluxDecoder`.
+
+Layers are vLLM's (``QKVParallelLinear``, ``RowParallelLinear``, Qwen2's MLP,
+``RMSNorm``, ``get_rope``, ``ReplicatedLinear``, BAGEL's ``PositionEmbedding``);
+attention is ``torch.nn.functional.scaled_dot_product_attention`` over the context and
+the query (no paged KV cache: vLLM sees a model without attention layers).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import (
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.models.bagel import PositionEmbedding
+from vllm.model_executor.models.qwen2 import Qwen2MLP
+
+from vllm_omni_plugin.logger import init_logger
+from vllm_omni_plugin.models.bagel.autoencoder import FluxDecoder, to_uint8_image
+from vllm_omni_plugin.models.weights import load_stacked
+
+logger = init_logger(__name__)
+
+#: CFG branches, in the order the official code combines them: the full context, the
+#: text-unconditional one (without the prompt, or a negative prompt), the
+#: image-unconditional one (without input images).
+BRANCHES = ("cond", "text_uncond", "img_uncond")
+RENORM_TYPES = ("global", "channel", "text_channel")
+#: the sinusoid fed to the timestep MLP (the official ``TimestepEmbedder``: 256 values,
+#: cos then sin, max period 10000, as in DiT, Peebles & Xie 2023)
+TIMESTEP_FREQUENCIES = 256
+TIMESTEP_MAX_PERIOD = 10000.0
+#: the norm the official renormalisation adds to a guided velocity's norm
+RENORM_EPS = 1e-8
+
+
+@dataclass(frozen=True)
+class Guidance:
+    """How one image is sampled; defaults are the official app's text-to-image ones.
+
+    Attributes:
+        cfg_text_scale: text guidance (1: none).
+        cfg_img_scale: image guidance (1: none).
+        cfg_interval: guidance applies at shifted timesteps ``lo < t <= hi``.
+        cfg_renorm_min: lower clamp of the renormalisation ratio (upper: 1).
+        cfg_renorm_type: ``global`` (whole tensor), ``channel`` (per token) or
+            ``text_channel`` (per token, after the text guidance only).
+        timestep_shift: ``s`` in ``t' = s t / (1 + (s - 1) t)``.
+        num_timesteps: points from 1 to 0; ``num_timesteps - 1`` Euler steps.
+    """
+
+    cfg_text_scale: float = 4.0
+    cfg_img_scale: float = 1.5
+    cfg_interval: tuple[float, float] = (0.4, 1.0)
+    cfg_renorm_min: float = 0.0
+    cfg_renorm_type: str = "global"
+    timestep_shift: float = 3.0
+    num_timesteps: int = 50
+
+    def __post_init__(self):
+        lo, hi = self.cfg_interval
+        checks = [
+            (self.cfg_text_scale >= 0, "cfg_text_scale must be >= 0"),
+            (self.cfg_img_scale >= 0, "cfg_img_scale must be >= 0"),
+            (0 <= lo <= hi <= 1, "cfg_interval must be [lo, hi] with 0 <= lo <= hi <= 1"),
+            (0 <= self.cfg_renorm_min <= 1, "cfg_renorm_min must be in [0, 1]"),
+            (self.cfg_renorm_type in RENORM_TYPES,
+             f"cfg_renorm_type must be one of {', '.join(RENORM_TYPES)}"),
+            (self.timestep_shift > 0, "timestep_shift must be > 0"),
+            (2 <= self.num_timesteps <= 1000, "num_timesteps must be in [2, 1000]"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    def to_tensor(self) -> torch.Tensor:
+        """``[8]`` float64: the fields in declaration order (the renorm type as its
+        index in :data:`RENORM_TYPES`)."""
+        d = asdict(self)
+        return torch.tensor([d["cfg_text_scale"], d["cfg_img_scale"], *d["cfg_interval"],
+                             d["cfg_renorm_min"], RENORM_TYPES.index(d["cfg_renorm_type"]),
+                             d["timestep_shift"], d["num_timesteps"]], dtype=torch.float64)
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> Guidance:
+        """Inverse of :meth:`to_tensor`. Raises ValueError for a bad tensor or value."""
+        v = t.detach().cpu().to(torch.float64).reshape(-1).tolist()
+        if len(v) != 8 or int(v[5]) != v[5] or not 0 <= v[5] < len(RENORM_TYPES) \
+                or int(v[7]) != v[7]:
+            raise ValueError(f"guidance: not a Guidance tensor: {v}")
+        return cls(v[0], v[1], (v[2], v[3]), v[4], RENORM_TYPES[int(v[5])], v[6], int(v[7]))
+
+    def timesteps(self) -> torch.Tensor:
+        """``[num_timesteps]`` float32 from 1 to 0, shifted."""
+        t = torch.linspace(1, 0, self.num_timesteps)
+        s = self.timestep_shift
+        return s * t / (1 + (s - 1) * t)
+
+    def scales_at(self, t: float) -> tuple[float, float]:
+        """(text, image) scales at shifted timestep ``t`` (1 outside the interval)."""
+        lo, hi = self.cfg_interval
+        if lo < t <= hi:
+            return self.cfg_text_scale, self.cfg_img_scale
+        return 1.0, 1.0
+
+
+def guided_velocity(v: torch.Tensor, v_text: torch.Tensor | None, v_img: torch.Tensor | None,
+                    text_scale: float, img_scale: float, renorm_type: str,
+                    renorm_min: float) -> torch.Tensor:
+    """Classifier-free guidance of one image's velocity ``v`` ``[tokens, dim]`` with its
+    text- and image-unconditional velocities, as the official ``_forward_flow``: none
+    unless ``text_scale > 1``; then text guidance, image guidance when ``img_scale > 1``,
+    and the result scaled by ``clamp(|v| / (|guided| + 1e-8), renorm_min, 1)``.
+
+    Raises:
+        ValueError: a branch a scale above 1 needs is None.
+    """
+    if text_scale <= 1.0:
+        return v
+    if v_text is None or (img_scale > 1.0 and v_img is None):
+        raise ValueError("guidance needs the missing unconditional velocity")
+    guided = v_text + text_scale * (v - v_text)
+    if renorm_type == "text_channel":
+        ratio = v.norm(dim=-1, keepdim=True) / (guided.norm(dim=-1, keepdim=True) + RENORM_EPS)
+        guided = guided * ratio.clamp(min=renorm_min, max=1.0)
+        return v_img + img_scale * (guided - v_img) if img_scale > 1.0 else guided
+    if img_scale > 1.0:
+        guided = v_img + img_scale * (guided - v_img)
+    if renorm_type == "global":
+        ratio = v.norm() / (guided.norm() + RENORM_EPS)
+    else:
+        ratio = v.norm(dim=-1, keepdim=True) / (guided.norm(dim=-1, keepdim=True) + RENORM_EPS)
+    return guided * ratio.clamp(min=renorm_min, max=1.0)
+
+
+def timestep_embedding(t: torch.Tensor, dim: int = TIMESTEP_FREQUENCIES) -> torch.Tensor:
+    """``[n]`` timesteps (fractions in [0, 1], not scaled) -> ``[n, dim]`` float32:
+    ``cos(t * f_i)`` then ``sin(t * f_i)``, ``f_i = 10000^(-i / (dim / 2))``."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(TIMESTEP_MAX_PERIOD)
+                      * torch.arange(half, dtype=torch.float32) / half).to(t.device)
+    args = t.float()[:, None] * freqs[None]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+def latent_position_ids(height: int, width: int, downsample: int, max_side: int
+                        ) -> torch.Tensor:
+    """``[h*w]`` int64 rows of the latent position table for an image of ``height`` x
+    ``width`` pixels (``downsample`` pixels a token; row-major, ``row * max_side + col``)."""
+    rows = torch.arange(height // downsample)
+    cols = torch.arange(width // downsample)
+    return (rows[:, None] * max_side + cols).reshape(-1)
+
+
+class _Attention(nn.Module):
+    def __init__(self, config, prefix: str):
+        super().__init__()
+        h, heads = config.hidden_size, config.num_attention_heads
+        self.head_dim = h // heads
+        self.qkv_proj = QKVParallelLinear(h, self.head_dim, heads, config.num_key_value_heads,
+                                          bias=True, prefix=f"{prefix}.qkv_proj")
+        self.o_proj = RowParallelLinear(heads * self.head_dim, h, bias=False,
+                                        prefix=f"{prefix}.o_proj")
+        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.q_size = heads * self.head_dim
+        self.kv_size = config.num_key_value_heads * self.head_dim
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[n, hidden]`` -> q ``[n, q_size]``, k, v ``[n, kv_size]`` (q/k normed per head)."""
+        q, k, v = self.qkv_proj(x)[0].split([self.q_size, self.kv_size, self.kv_size], -1)
+        q = self.q_norm(q.reshape(-1, self.head_dim)).reshape(q.shape)
+        k = self.k_norm(k.reshape(-1, self.head_dim)).reshape(k.shape)
+        return q, k, v
+
+
+class _Expert(nn.Module):
+    """One expert's half of a decoder layer (the understanding one, or the generation
+    one whose checkpoint names end in ``_moe_gen``)."""
+
+    def __init__(self, config, prefix: str):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = _Attention(config, f"{prefix}.self_attn")
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = Qwen2MLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                            prefix=f"{prefix}.mlp")
+
+
+class _Layer(nn.Module):
+    def __init__(self, config, prefix: str):
+        super().__init__()
+        self.und = _Expert(config, f"{prefix}.und")
+        self.gen = _Expert(config, f"{prefix}.gen")
+
+    def forward(self, x: torch.Tensor, gen: torch.Tensor, positions: torch.Tensor, rotary,
+                ctx_k: torch.Tensor, ctx_v: torch.Tensor, mask: torch.Tensor | None
+                ) -> torch.Tensor:
+        """``x`` ``[B * n, hidden]`` (B branches of the same n query tokens), ``gen``
+        ``[B * n]`` bool (latent tokens), ``positions`` ``[B * n]``; ``ctx_k``/``ctx_v``
+        ``[B, L, kv_heads, head_dim]``; ``mask`` ``[B, 1, 1, L + n]`` (False: padding)."""
+        und = ~gen
+        attn = self.und.self_attn
+        q = x.new_empty(x.shape[0], attn.q_size)
+        k = x.new_empty(x.shape[0], attn.kv_size)
+        v = x.new_empty(x.shape[0], attn.kv_size)
+        for expert, rows in ((self.und, und), (self.gen, gen)):
+            q[rows], k[rows], v[rows] = expert.self_attn.qkv(expert.input_layernorm(x[rows]))
+        q, k = rotary(positions, q, k)
+        b, length = ctx_k.shape[:2]
+        n = x.shape[0] // b
+        hd = attn.head_dim
+        keys = torch.cat([ctx_k, k.reshape(b, n, -1, hd)], dim=1).transpose(1, 2)
+        values = torch.cat([ctx_v, v.reshape(b, n, -1, hd)], dim=1).transpose(1, 2)
+        queries = q.reshape(b, n, -1, hd).transpose(1, 2)
+        groups = queries.shape[1] // keys.shape[1]
+        out = F.scaled_dot_product_attention(
+            queries, keys.repeat_interleave(groups, dim=1),
+            values.repeat_interleave(groups, dim=1), attn_mask=mask)
+        out = out.transpose(1, 2).reshape(b * n, -1)
+        y = torch.empty_like(x)
+        for expert, rows in ((self.und, und), (self.gen, gen)):
+            y[rows] = expert.self_attn.o_proj(out[rows])[0]
+        x = x + y
+        for expert, rows in ((self.und, und), (self.gen, gen)):
+            y[rows] = expert.mlp(expert.post_attention_layernorm(x[rows]))
+        return x + y
+
+
+class BagelDiT(nn.Module):
+    """The generation path of BAGEL: velocity of latent tokens given CFG branches'
+    contexts, Euler sampling and the autoencoder's decoder.
+
+    Args:
+        config: vLLM's ``BagelConfig`` (``llm_config``, ``vae_config``,
+            ``latent_patch_size``, ``max_latent_size``).
+        marker_ids: the ids of ``<|vision_start|>`` and ``<|vision_end|>``.
+    """
+
+    def __init__(self, config, marker_ids: tuple[int, int], prefix: str = ""):
+        super().__init__()
+        llm = config.llm_config
+        self.config = config
+        h = llm.hidden_size
+        self.hidden_size = h
+        self.patch = int(config.latent_patch_size)
+        self.z_channels = int(config.vae_config.get("z_channels", 16))
+        self.downsample = int(config.vae_config.get("downsample", 8)) * self.patch
+        self.max_latent_size = int(config.max_latent_size)
+        self.latent_dim = self.patch * self.patch * self.z_channels
+        self.marker_ids = marker_ids
+        #: the two marker tokens' input embeddings (rows of embed_tokens)
+        self.register_buffer("marker_embeds", torch.zeros(2, h), persistent=False)
+        self.layers = nn.ModuleList(_Layer(llm, f"{prefix}layers.{i}")
+                                    for i in range(llm.num_hidden_layers))
+        self.norm_gen = RMSNorm(h, eps=llm.rms_norm_eps)
+        self.rotary = get_rope(h // llm.num_attention_heads,
+                               max_position=llm.max_position_embeddings,
+                               is_neox_style=True, rope_parameters=dict(llm.rope_parameters))
+        self.time_embedder = nn.ModuleDict({
+            "0": ReplicatedLinear(TIMESTEP_FREQUENCIES, h, bias=True),
+            "2": ReplicatedLinear(h, h, bias=True)})
+        self.vae2llm = ReplicatedLinear(self.latent_dim, h, bias=True)
+        self.llm2vae = ReplicatedLinear(h, self.latent_dim, bias=True)
+        self.latent_pos_embed = PositionEmbedding(self.max_latent_size, h)
+        self.vae = FluxDecoder(config.vae_config)
+
+    # -- velocity ------------------------------------------------------------------------
+    def _embed_time(self, t: torch.Tensor) -> torch.Tensor:
+        x = self.time_embedder["0"](timestep_embedding(t).to(self.marker_embeds.dtype))[0]
+        return self.time_embedder["2"](F.silu(x))[0]
+
+    def velocities(self, x: torch.Tensor, t: float, positions: torch.Tensor,
+                   contexts: list[tuple[torch.Tensor, torch.Tensor, int]]) -> torch.Tensor:
+        """The latent tokens' velocity under each context.
+
+        Args:
+            x: ``[h*w, latent_dim]`` the latent at shifted timestep ``t``.
+            positions: ``[h*w]`` rows of the latent position table.
+            contexts: per branch ``(k, v, rope)``: ``[layers, L, kv_heads, head_dim]``
+                keys and values, and the RoPE position of the query.
+
+        Returns:
+            ``[len(contexts), h*w, latent_dim]`` float32.
+        """
+        dtype = self.marker_embeds.dtype
+        hw = x.shape[0]
+        n = hw + 2
+        b = len(contexts)
+        latent = (self.vae2llm(x.to(dtype))[0]
+                  + self._embed_time(torch.full((hw,), t, device=x.device))
+                  + self.latent_pos_embed(positions).to(dtype))
+        query = torch.cat([self.marker_embeds[:1], latent, self.marker_embeds[1:]])
+        hidden = query.repeat(b, 1)
+        gen = torch.zeros(n, dtype=torch.bool, device=x.device)
+        gen[1:-1] = True
+        gen = gen.repeat(b)
+        rope = torch.tensor([c[2] for c in contexts], device=x.device)
+        pos = rope.repeat_interleave(n)
+        longest = max(c[0].shape[1] for c in contexts)
+        layers = len(self.layers)
+        kv_heads, hd = contexts[0][0].shape[2:]
+        ctx_k = x.new_zeros(layers, b, longest, kv_heads, hd, dtype=dtype)
+        ctx_v = torch.zeros_like(ctx_k)
+        mask = torch.ones(b, 1, 1, longest + n, dtype=torch.bool, device=x.device)
+        for i, (k, v, _) in enumerate(contexts):
+            length = k.shape[1]
+            ctx_k[:, i, :length] = k.to(dtype)
+            ctx_v[:, i, :length] = v.to(dtype)
+            mask[i, ..., length:longest] = False
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, gen, pos, self.rotary, ctx_k[i], ctx_v[i],
+                           None if bool(mask.all()) else mask)
+        out = self.llm2vae(self.norm_gen(hidden[gen]))[0]
+        return out.reshape(b, hw, -1).float()
+
+    # -- sampling ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, noise: torch.Tensor, height: int, width: int, guidance: Guidance,
+                 branches: Mapping[str, tuple[torch.Tensor, torch.Tensor, int]]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample one image.
+
+        Args:
+            noise: ``[h*w, latent_dim]`` float32 initial latent.
+            branches: ``{branch: (k, v, rope)}`` for the names in :data:`BRANCHES`.
+
+        Returns:
+            The final latent ``[h*w, latent_dim]`` float32 and the image ``[height, width,
+            3]`` uint8.
+
+        Raises:
+            ValueError: a size not made of whole latent tokens, or a branch that a scale
+                above 1 needs is missing (named).
+        """
+        self.check_size(height, width)
+        hw = (height // self.downsample) * (width // self.downsample)
+        if tuple(noise.shape) != (hw, self.latent_dim):
+            raise ValueError(f"noise has shape {tuple(noise.shape)}, a {height}x{width} image "
+                             f"needs ({hw}, {self.latent_dim})")
+        needed = ["cond"]
+        if guidance.cfg_text_scale > 1.0:
+            needed.append("text_uncond")
+            if guidance.cfg_img_scale > 1.0:
+                needed.append("img_uncond")
+        missing = [name for name in needed if name not in branches]
+        if missing:
+            raise ValueError(f"the {', '.join(missing)} CFG branch is missing (guidance "
+                             f"{guidance.cfg_text_scale}/{guidance.cfg_img_scale} needs it)")
+        positions = latent_position_ids(height, width, self.downsample,
+                                        self.max_latent_size).to(noise.device)
+        x = noise.float()
+        timesteps = guidance.timesteps().tolist()
+        for t, t_next in zip(timesteps[:-1], timesteps[1:], strict=True):
+            text_scale, img_scale = guidance.scales_at(t)
+            names = ["cond"] + (["text_uncond"] if text_scale > 1.0 else []) + (
+                ["img_uncond"] if text_scale > 1.0 and img_scale > 1.0 else [])
+            vs = dict(zip(names, self.velocities(x, t, positions,
+                                                 [branches[n] for n in names]), strict=True))
+            v = guided_velocity(vs["cond"], vs.get("text_uncond"), vs.get("img_uncond"),
+                                text_scale, img_scale, guidance.cfg_renorm_type,
+                                guidance.cfg_renorm_min)
+            x = x - v * (t - t_next)
+        return x, self.decode(x, height, width)
+
+    def check_size(self, height: int, width: int) -> None:
+        """Raises ValueError unless both sides are positive multiples of the latent token
+        (16 px for BAGEL) and at most ``max_latent_size`` tokens."""
+        biggest = self.downsample * self.max_latent_size
+        for name, side in (("height", height), ("width", width)):
+            if side <= 0 or side % self.downsample or side > biggest:
+                raise ValueError(f"{name} {side} must be a multiple of {self.downsample} "
+                                 f"between {self.downsample} and {biggest}")
+
+    def decode(self, latent: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """``[h*w, p*p*z]`` latent -> ``[height, width, 3]`` uint8."""
+        h, w, p = height // self.downsample, width // self.downsample, self.patch
+        z = latent.reshape(h, w, p, p, self.z_channels).permute(4, 0, 2, 1, 3)
+        z = z.reshape(1, self.z_channels, h * p, w * p)
+        dtype = self.vae.conv_in.weight.dtype
+        return to_uint8_image(self.vae(z.to(dtype))[0])
+
+    # -- weights -------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load BAGEL's ``ema.safetensors`` and ``ae.safetensors`` names (the
+        understanding-only ones, the ViT and the autoencoder's encoder are skipped).
+
+        Raises:
+            ValueError: a parameter has no weight, or the marker rows are missing.
+        """
+        own: list[tuple[str, torch.Tensor]] = []
+        markers = None
+        for name, tensor in weights:
+            mapped = _map_weight(name)
+            if mapped == "marker_embeds":
+                markers = tensor[list(self.marker_ids)]
+            elif mapped is not None:
+                own.append((mapped, tensor))
+        if markers is None:
+            raise ValueError("the checkpoint lacks language_model.model.embed_tokens.weight")
+        self.marker_embeds.copy_(markers.to(self.marker_embeds.dtype))
+        loaded = load_stacked(self, own, [n for n, _ in self.named_parameters()],
+                              owner=type(self).__name__)
+        return loaded
+
+
+def _map_weight(name: str) -> str | None:
+    """A BAGEL checkpoint name -> :class:`BagelDiT`'s, ``marker_embeds`` for the token
+    embeddings, or None for a weight the DiT does not use."""
+    if name.startswith("decoder."):
+        return "vae." + name[len("decoder."):]
+    for keep in ("time_embedder.mlp.", "vae2llm.", "llm2vae."):
+        if name.startswith(keep):
+            return name.replace("time_embedder.mlp.", "time_embedder.")
+    prefix = "language_model.model."
+    if not name.startswith(prefix):
+        return None  # lm_head, ViT, connector, position tables, encoder
+    name = name[len(prefix):]
+    if name == "embed_tokens.weight":
+        return "marker_embeds"
+    if name.startswith("norm_moe_gen."):
+        return "norm_gen." + name[len("norm_moe_gen."):]
+    if not name.startswith("layers."):
+        return None  # the understanding expert's final norm
+    layer, _, rest = name[len("layers."):].partition(".")
+    expert = "gen" if "_moe_gen" in rest else "und"
+    return f"layers.{layer}.{expert}.{rest.replace('_moe_gen', '')}"
+
+
+def initial_noise(seed: int, height: int, width: int, config) -> torch.Tensor:
+    """``[h*w, p*p*z]`` float32 standard normal noise, drawn on the CPU from
+    ``torch.Generator().manual_seed(seed)``: the official code's first draw after
+    ``torch.manual_seed(seed)``, so a seed gives the official image, on any replica and
+    device."""
+    patch = int(config.latent_patch_size)
+    token = int(config.vae_config.get("downsample", 8)) * patch
+    dim = patch * patch * int(config.vae_config.get("z_channels", 16))
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn((height // token) * (width // token), dim, generator=generator)
+
+
+def generation_payload(noise: torch.Tensor, height: int, width: int, guidance: Guidance,
+                       branches: Mapping[str, tuple[torch.Tensor, torch.Tensor, int]]
+                       ) -> dict[str, torch.Tensor]:
+    """The DiT stage's input payload (see the module docstring); ``branches`` maps names
+    of :data:`BRANCHES` to ``(k, v, rope)``."""
+    payload = {"noise": noise.detach().to(torch.float32).clone(),
+               "size": torch.tensor([height, width]),
+               "guidance": guidance.to_tensor()}
+    for name, (k, v, rope) in branches.items():
+        if name not in BRANCHES:
+            raise ValueError(f"unknown CFG branch {name!r}; expected one of {BRANCHES}")
+        # copies: branches may share one context (safetensors refuses shared storage)
+        payload[f"{name}.k"] = k.detach().to(torch.float32).clone()
+        payload[f"{name}.v"] = v.detach().to(torch.float32).clone()
+        payload[f"{name}.rope"] = torch.tensor([int(rope)])
+    return payload
+
+
+class BagelDiTStage(nn.Module):
+    """The DiT stage as a vLLM model (a BAGEL checkpoint; see the module docstring).
+
+    The model works only inside an engine step the plugin's worker binds to
+    :attr:`stage_step`; vLLM's own dummy and profiling forwards return zeros. A request
+    whose payload is unusable fails alone (its error names what is wrong).
+    """
+
+    uses_stage_step = True
+
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        super().__init__()
+        from transformers import AutoTokenizer
+
+        model_config = vllm_config.model_config
+        config = model_config.hf_config
+        tokenizer = AutoTokenizer.from_pretrained(
+            model_config.tokenizer, revision=model_config.tokenizer_revision,
+            trust_remote_code=model_config.trust_remote_code)
+        markers = tuple(tokenizer.convert_tokens_to_ids(t)
+                        for t in ("<|vision_start|>", "<|vision_end|>"))
+        if any(m is None or m == tokenizer.unk_token_id for m in markers):
+            raise ValueError("the tokenizer lacks <|vision_start|> / <|vision_end|>")
+        self.dit = BagelDiT(config, markers)
+        self.vocab_size = config.llm_config.vocab_size
+        self.stage_step = None
+        self._outputs: dict[str, dict[str, torch.Tensor]] = {}
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[n]`` placeholder ids -> ``[n, hidden]`` zeros (the prompt carries nothing)."""
+        return self.dit.marker_embeds.new_zeros(input_ids.shape[0], self.dit.hidden_size)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                intermediate_tensors=None, inputs_embeds: torch.Tensor | None = None,
+                **kwargs) -> torch.Tensor:
+        """Generate the image of every request whose prompt this step prefills; returns
+        ``[num_tokens, 1]`` zeros."""
+        self._outputs = {}
+        out = torch.zeros(positions.shape[-1], 1, dtype=self.dit.marker_embeds.dtype,
+                          device=positions.device)
+        step = self.stage_step
+        if step is None:
+            return out
+        for r in step.requests():
+            if r.num_prompt_tokens == 0 or step.failed(r.req_id):
+                continue
+            if r.num_computed + r.num_tokens < r.num_prompt_tokens \
+                    or r.num_computed >= r.num_prompt_tokens:
+                continue  # not the step that completes its prompt
+            try:
+                self._outputs[r.req_id] = self._generate(step.inputs(r.req_id))
+            except Exception as exc:
+                step.fail(r.req_id, exc)
+        return out
+
+    def _generate(self, payload: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        for name in ("noise", "size", "guidance"):
+            if name not in payload:
+                raise ValueError(f"DiT input payload lacks {name!r}")
+        height, width = (int(v) for v in payload["size"].reshape(-1)[:2])
+        guidance = Guidance.from_tensor(payload["guidance"])
+        device = self.dit.marker_embeds.device
+        layers = len(self.dit.layers)
+        branches = {}
+        for name in BRANCHES:
+            if f"{name}.k" not in payload:
+                continue
+            k, v = payload[f"{name}.k"], payload[f"{name}.v"]
+            if k.dim() != 4 or k.shape[0] != layers or k.shape != v.shape:
+                raise ValueError(f"DiT input {name}.k/{name}.v: shapes {tuple(k.shape)} / "
+                                 f"{tuple(v.shape)}, expected [{layers}, tokens, kv_heads, "
+                                 "head_dim] each")
+            branches[name] = (k.to(device), v.to(device), int(payload[f"{name}.rope"][0]))
+        latent, image = self.dit.generate(payload["noise"].to(device), height, width,
+                                          guidance, branches)
+        return {"latent": latent.cpu(), "image": image.cpu()}
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[n, vocab]`` float32 zeros: the sampled token is a dummy that ends the
+        request."""
+        return torch.zeros(hidden_states.shape[0], self.vocab_size, dtype=torch.float32,
+                           device=hidden_states.device)
+
+    def stage_output_requests(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Outputs of the last forward by request id: ``latent`` ``[h*w, p*p*z]`` float32,
+        ``image`` ``[H, W, 3]`` uint8."""
+        return self._outputs
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """See :meth:`BagelDiT.load_weights`."""
+        return {f"dit.{name}" for name in self.dit.load_weights(weights)}
