@@ -41,3 +41,37 @@ def dealer(ctx: zmq.Context, addr: str) -> zmq.Socket:
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(addr)
     return sock
+
+
+def run_engine_script(script, spec: dict, logdir, *, env: dict | None = None,
+                      timeout: float = 600, engine: str = "default") -> dict:
+    """Run an engine script (``plugin_tests/engine/scripts/*.py``) on its JSON spec, with
+    the repository importable, offline; returns the result of its engine ``engine``.
+    Fails the test with the script's output when it crashed or that engine failed."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                "TOKENIZERS_PARALLELISM": "false",
+                "PYTHONPATH": os.pathsep.join(filter(None, (repo,
+                                                            os.environ.get("PYTHONPATH")))),
+                **(env or {})}
+    err_path = os.path.join(str(logdir), f"{engine}.err")
+    with open(err_path, "w") as err:
+        proc = subprocess.run([sys.executable, str(script), json.dumps(spec)], env=full_env,
+                              stdout=subprocess.PIPE, stderr=err, text=True, timeout=timeout)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines or not lines[-1].startswith("{"):
+        with open(err_path) as err:
+            pytest.fail(f"{os.path.basename(str(script))} exited {proc.returncode}:\n"
+                        f"{proc.stdout[-3000:]}\n"
+                        f"{err.read()[-6000:]}")
+    result = json.loads(lines[-1])["engines"][engine]
+    if "error" in result:
+        pytest.fail(f"engine {engine!r} failed:\n{result['error']}")
+    return result

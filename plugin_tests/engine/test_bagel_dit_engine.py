@@ -12,15 +12,12 @@ image, and publishes into a payload store.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from plugin_tests.conftest import BAGEL_REFERENCE, REPO
+from plugin_tests.conftest import BAGEL_REFERENCE
+from plugin_tests.helpers import run_engine_script
 
 pytestmark = pytest.mark.engine
 
@@ -69,20 +66,8 @@ def results(tiny_bagel, tmp_path_factory):
     spec = {"model": tiny_bagel, "payload_dir": str(logdir / "payloads"),
             "fixtures": BAGEL_REFERENCE, "yaml": str(logdir / "pipeline.yaml"),
             "engines": [{"name": "default", "batches": [REQUESTS]}]}
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join(filter(None, (REPO, os.environ.get("PYTHONPATH"))))}
-    with open(logdir / "engine.err", "w") as err:
-        proc = subprocess.run([sys.executable, str(SCRIPT), json.dumps(spec)], env=env,
-                              stdout=subprocess.PIPE, stderr=err, text=True,
-                              timeout=ENGINE_TIMEOUT_S)
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines or not lines[-1].startswith("{"):
-        pytest.fail(f"engine script exited {proc.returncode}:\n{proc.stdout[-3000:]}\n"
-                    f"{(logdir / 'engine.err').read_text()[-6000:]}")
-    out = json.loads(lines[-1])["engines"]["default"]
-    if "error" in out:
-        pytest.fail(f"engine failed:\n{out['error']}")
+    out = run_engine_script(SCRIPT, spec, logdir, timeout=ENGINE_TIMEOUT_S,
+                            env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     store = PayloadStore(spec["payload_dir"])
     keys = out["batches"][0]["keys"]
     return [{"error": store.error(k)} if store.error(k) else store.get(k) for k in keys]

@@ -12,14 +12,12 @@ worker and model runner.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from plugin_tests.conftest import BAGEL_REFERENCE, REPO
+from plugin_tests.conftest import BAGEL_REFERENCE
+from plugin_tests.helpers import run_engine_script
 
 pytestmark = pytest.mark.engine
 
@@ -47,22 +45,9 @@ def result(tiny_bagel, tmp_path_factory):
         "max_tokens": len(_reference(CASES[0])["understanding_ids"]),
         "image_prompts": [{"text": IMAGE_TEXT, "seed": 0}, {"text": IMAGE_TEXT, "seed": 1},
                           {"text": IMAGE_TEXT, "seed": 0}]}]}
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join(filter(None, (REPO, os.environ.get("PYTHONPATH"))))}
-    logdir = tmp_path_factory.mktemp("bagel")
-    with open(logdir / "engine.err", "w") as err:
-        proc = subprocess.run([sys.executable, str(SCRIPT), json.dumps(spec)], env=env,
-                              stdout=subprocess.PIPE, stderr=err, text=True,
-                              timeout=ENGINE_TIMEOUT_S)
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines or not lines[-1].startswith("{"):
-        pytest.fail(f"engine script exited {proc.returncode}:\n{proc.stdout[-3000:]}\n"
-                    f"{(logdir / 'engine.err').read_text()[-6000:]}")
-    out = json.loads(lines[-1])["engines"]["default"]
-    if "error" in out:
-        pytest.fail(f"engine failed:\n{out['error']}")
-    return out
+    return run_engine_script(SCRIPT, spec, tmp_path_factory.mktemp("bagel"),
+                             timeout=ENGINE_TIMEOUT_S,
+                             env={"VLLM_CPU_KVCACHE_SPACE": "1"})
 
 
 def test_understanding_tokens_equal_the_official_code(result):

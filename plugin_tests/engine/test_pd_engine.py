@@ -10,14 +10,12 @@ are limited to a few descriptors per batch, so the connector's batching is exerc
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from plugin_tests.helpers import run_engine_script
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 SCRIPT = SCRIPTS / "pd_generate.py"
@@ -54,24 +52,12 @@ def _run_script(script: Path, name: str, spec: dict, logdir: Path) -> dict:
     """Run an engine script on ``spec`` (one engine entry, ``name``); its result."""
     pytest.importorskip("mooncake.engine", reason="the plugin's `pd` extra is not installed "
                         "(scripts/setup_env.sh installs it)")
-    env = {**os.environ,
-           # each engine core in its own process: the prefill engine must keep stepping
-           # (to hand finished requests to its sender) while the decode engine runs
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    spec = json.dumps({**spec, "engines": [{"name": name}]})
-    with open(logdir / f"{name}.out", "w") as out, open(logdir / f"{name}.err", "w") as err:
-        proc = subprocess.run([sys.executable, str(script), spec], stdout=out, stderr=err,
-                              text=True, env=env, timeout=ENGINE_TIMEOUT_S)
-    stdout = (logdir / f"{name}.out").read_text()
-    lines = stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines or not lines[-1].startswith("{"):
-        pytest.fail(f"{script.name} exited {proc.returncode}:\n{stdout[-3000:]}\n"
-                    f"{(logdir / f'{name}.err').read_text()[-6000:]}")
-    result = json.loads(lines[-1])["engines"][name]
-    if "error" in result:
-        pytest.fail(f"{script.name} failed:\n{result['error']}")
-    return result
+    # each engine core in its own process: the prefill engine must keep stepping (to
+    # hand finished requests to its sender) while the decode engine runs
+    return run_engine_script(script, {**spec, "engines": [{"name": name}]}, logdir,
+                             engine=name, timeout=ENGINE_TIMEOUT_S,
+                             env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+                                  "PYTHONUNBUFFERED": "1"})
 
 
 @pytest.fixture(scope="module")
