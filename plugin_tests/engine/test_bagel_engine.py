@@ -1,12 +1,14 @@
-"""vLLM's own BAGEL class (understanding) on the tiny BAGEL checkpoint, token for token
-against the official BAGEL code.
+"""vLLM's own BAGEL class (understanding) and the plugin's AR stage built on it, on the
+tiny BAGEL checkpoint, against the official BAGEL code.
 
 The official code's greedy understanding tokens after each reference prompt
 (``<|im_start|> prompt <|im_end|>``, then the start token ``<|im_start|>``, as its
 ``gen_text`` feeds them) are fixtures (``scripts/bagel_reference.sh``; the official code
 computes in bfloat16, vLLM here in float32). A child process
 (``scripts/bagel_generate.py``) runs vLLM's ``BagelForConditionalGeneration`` on its own
-worker and model runner.
+worker and model runner, then the plugin's ``OmniPluginBagelAR`` on the plugin's
+worker, which publishes each prompt's keys and values: the DiT's context, compared with
+the official code's (its ``NaiveCache`` after the prompt).
 """
 
 from __future__ import annotations
@@ -25,6 +27,13 @@ SCRIPT = Path(__file__).resolve().parent / "scripts" / "bagel_generate.py"
 ENGINE_TIMEOUT_S = 600
 CASES = ("t2i_cfg_global", "t2i_cfg_text_channel")
 IMAGE_TEXT = "<|im_start|><|vision_start|><|image_pad|><|vision_end|>Describe it.<|im_end|>"
+#: bf16 reference vs float32: max |difference| / max |reference| of the keys and values
+KV_REL_TOL = 0.02
+PIPELINE_YAML = """\
+model_type: bagel
+stages:
+  - {stage_id: 0, name: ar, kind: ar, final_output: true, final_output_type: text}
+"""
 
 
 def _reference(case: str) -> dict:
@@ -38,20 +47,35 @@ def result(tiny_bagel, tmp_path_factory):
     bos = json.loads((Path(BAGEL_REFERENCE) / "reference.json").read_text())[
         "special_token_ids"]["bos_token_id"]
     prompts = [_reference(c)["text_ids"].tolist() + [bos] for c in CASES]
-    spec = {"model": tiny_bagel, "engines": [{
-        "name": "default",
-        "engine_args": {"max_model_len": 256, "limit_mm_per_prompt": {"image": 1}},
-        "prompts": prompts,
-        "max_tokens": len(_reference(CASES[0])["understanding_ids"]),
-        "image_prompts": [{"text": IMAGE_TEXT, "seed": 0}, {"text": IMAGE_TEXT, "seed": 1},
-                          {"text": IMAGE_TEXT, "seed": 0}]}]}
-    return run_engine_script(SCRIPT, spec, tmp_path_factory.mktemp("bagel"),
-                             timeout=ENGINE_TIMEOUT_S,
-                             env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    logdir = tmp_path_factory.mktemp("bagel")
+    (logdir / "pipeline.yaml").write_text(PIPELINE_YAML)
+    max_tokens = len(_reference(CASES[0])["understanding_ids"])
+    spec = {"model": tiny_bagel, "payload_dir": str(logdir / "payloads"),
+            "yaml": str(logdir / "pipeline.yaml"), "engines": [{
+                "name": "default",
+                "engine_args": {"max_model_len": 256, "limit_mm_per_prompt": {"image": 1}},
+                "prompts": prompts, "max_tokens": max_tokens,
+                "image_prompts": [{"text": IMAGE_TEXT, "seed": 0},
+                                  {"text": IMAGE_TEXT, "seed": 1},
+                                  {"text": IMAGE_TEXT, "seed": 0}]},
+                {"name": "ar", "stage": "ar", "engine_args": {"max_model_len": 256},
+                 "prompts": [_reference(c)["text_ids"].tolist() for c in CASES],
+                 "max_tokens": 1}]}
+    out = {"default": run_engine_script(SCRIPT, {**spec, "engines": spec["engines"][:1]},
+                                        logdir, timeout=ENGINE_TIMEOUT_S,
+                                        env={"VLLM_CPU_KVCACHE_SPACE": "1"}),
+           "ar": run_engine_script(SCRIPT, {**spec, "engines": spec["engines"][1:]}, logdir,
+                                   engine="ar", timeout=ENGINE_TIMEOUT_S,
+                                   env={"VLLM_CPU_KVCACHE_SPACE": "1"})}
+    from vllm_omni_plugin.payload_store import PayloadStore
+
+    store = PayloadStore(spec["payload_dir"])
+    out["ar_rows"] = [store.get(key) for key in out["ar"]["keys"]]
+    return out
 
 
 def test_understanding_tokens_equal_the_official_code(result):
-    for case, got in zip(CASES, result["token_ids"], strict=True):
+    for case, got in zip(CASES, result["default"]["token_ids"], strict=True):
         assert got == _reference(case)["understanding_ids"].tolist(), case
 
 
@@ -61,9 +85,26 @@ def test_image_understanding_depends_on_the_image(result, tiny_bagel):
     logprob, another one another)."""
     served = json.loads((Path(tiny_bagel) / "config.json").read_text())
     patches = served["vit_max_num_patch_per_side"] ** 2
+    result = result["default"]
     for with_image, text in zip(result["image_prompt_lens"], result["image_text_lens"],
                                 strict=True):
         assert with_image == text - 1 + patches
     first, other, again = result["image_first_logprobs"]
     assert first == again
     assert first != other
+
+
+def test_ar_stage_publishes_the_official_context(result):
+    """The AR stage's rows of a prompt are the official context's keys (after RoPE) and
+    values, layer by layer."""
+    for case, rows in zip(CASES, result["ar_rows"], strict=True):
+        ref = _reference(case)
+        n = ref["text_ids"].shape[0]
+        assert rows["k"].shape[0] == rows["v"].shape[0] == n  # the prompt's positions
+        for layer in range(rows["k"].shape[1]):
+            for name in ("k", "v"):
+                want = ref[f"context.{name}.{layer}"]
+                got = rows[name][:, layer]
+                assert got.shape == want.shape
+                assert float((got - want).abs().max() / want.abs().max()) < KV_REL_TOL, \
+                    (case, name, layer)

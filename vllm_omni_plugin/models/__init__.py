@@ -10,6 +10,7 @@ STAGE_MODELS = {
     "OmniPluginQwen3OmniThinker": f"{_QWEN3_OMNI}.thinker:Qwen3OmniThinkerStage",
     "OmniPluginQwen3OmniTalker": f"{_QWEN3_OMNI}.talker:Qwen3OmniTalkerStage",
     "OmniPluginQwen3OmniCode2Wav": f"{_QWEN3_OMNI}.code2wav:Qwen3OmniCode2WavStage",
+    "OmniPluginBagelAR": "vllm_omni_plugin.models.bagel.ar:BagelARStage",
     "OmniPluginBagelDiT": "vllm_omni_plugin.models.bagel.dit:BagelDiTStage",
 }
 
