@@ -115,11 +115,11 @@ def test_plugin_object_and_bad_return_type():
 
 
 def test_missing_builtin_is_skipped_but_broken_builtin_raises(tmp_path, monkeypatch):
-    monkeypatch.setattr(registry, "BUILTIN_MODULE", "omni_test_no_such_module")
+    monkeypatch.setattr(registry, "BUILTIN_MODULES", ("omni_test_no_such_module",))
     get_plugin_manager()  # no error
     get_plugin_manager.cache_clear()
     (tmp_path / "omni_test_broken.py").write_text("import omni_test_missing_dependency\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(registry, "BUILTIN_MODULE", "omni_test_broken")
+    monkeypatch.setattr(registry, "BUILTIN_MODULES", ("omni_test_broken",))
     with pytest.raises(ModuleNotFoundError, match="omni_test_missing_dependency"):
         get_plugin_manager()

@@ -21,6 +21,7 @@ from typing import Any
 #: Output modalities the pipeline accepts (OpenAI chat ``modalities``).
 TEXT = "text"
 AUDIO = "audio"
+IMAGE = "image"
 
 
 @dataclass
@@ -60,8 +61,12 @@ class OmniRequest:
     """One API request's pipeline options and outcome.
 
     Attributes:
-        modalities: output modalities, ``("text",)`` or ``("text", "audio")``.
+        modalities: output modalities, ``("text",)``, ``("text", "audio")`` or
+            ``("image",)``.
         voice: talker speaker name, None for the checkpoint's default.
+        options: more per-request data for the stage input processors, merged into
+            their ``request_extras`` (an image request's ``{"image": ...}``, what the
+            model's ``omni_plan_image`` planned).
         result: set by the orchestrator: the pipeline's output, or a failure
             (also set for a text-only request whose stage failed).
         partials: set by the API layer for a request it streams to the client: the
@@ -72,6 +77,7 @@ class OmniRequest:
 
     modalities: tuple[str, ...] = (TEXT,)
     voice: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
     result: StageResult | None = None
     partials: asyncio.Queue | None = None
 

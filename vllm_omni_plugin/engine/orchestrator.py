@@ -320,7 +320,8 @@ class Orchestrator:
         from vllm_omni_plugin.processors.hookspecs import UpstreamOutput
 
         last = None
-        extras = {**extra, xargs.SPEAKER: request.voice, "hf_config": self.hf_config}
+        extras = {**extra, xargs.SPEAKER: request.voice, "hf_config": self.hf_config,
+                  **request.options}
         for stage in self._downstream:
             if stage.stage_id in outputs:  # streamed, with its input stage
                 admission.release(stage.stage_id)

@@ -33,7 +33,9 @@ Non-streamed text-only chat and completion requests get the same error
 replacement when the entry stage's worker failed them; streamed ones pass
 through untouched (vLLM reports the failure in the stream).
 
-It also serves OpenAI's ``POST /v1/audio/speech`` (:mod:`.speech`: a chat completion
+It also serves OpenAI's ``POST /v1/images/generations`` (:mod:`.images`: a completion
+whose downstream stages draw the image, for a model whose plugin plans images),
+``POST /v1/audio/speech`` (:mod:`.speech`: a chat completion
 with the text as an open assistant turn, answered as audio) and ``GET
 /v1/audio/voices`` (the checkpoint's voices, from the ``omni_list_voices`` hook); a
 voice not among them is a 400 naming ``audio.voice`` or ``voice``.
@@ -52,6 +54,7 @@ from dataclasses import dataclass
 from vllm_omni_plugin import extra_args as xargs
 from vllm_omni_plugin.engine.omni_request import (
     AUDIO,
+    IMAGE,
     TEXT,
     OmniRequest,
     StageResult,
@@ -61,6 +64,13 @@ from vllm_omni_plugin.entrypoints.audio_encoding import (
     AUDIO_FORMATS,
     STREAM_FORMAT,
     encode_audio,
+)
+from vllm_omni_plugin.entrypoints.images import (
+    IMAGES_PATH,
+    completion_body,
+    encode_image,
+    images_response,
+    parse_image_request,
 )
 from vllm_omni_plugin.entrypoints.media_input import MediaLimits, RequestError, check_media
 from vllm_omni_plugin.entrypoints.speech import (
@@ -72,7 +82,7 @@ from vllm_omni_plugin.entrypoints.speech import (
     sse_done,
     sse_error,
 )
-from vllm_omni_plugin.processors import Voices, list_voices
+from vllm_omni_plugin.processors import Voices, list_voices, plan_image
 
 MIDDLEWARE_QUALNAME = "vllm_omni_plugin.entrypoints.audio_output.OmniAudioMiddleware"
 CHAT_PATH = "/v1/chat/completions"
@@ -284,7 +294,7 @@ class OmniAudioMiddleware:
         except ValueError:
             body = None  # vLLM answers malformed JSON itself
         path = scope["path"]
-        asked = speech = None
+        asked = speech = image = None
         if isinstance(body, dict):
             try:
                 check_vllm_xargs(body)
@@ -296,11 +306,15 @@ class OmniAudioMiddleware:
                 elif path == SPEECH_PATH:
                     speech = parse_speech_request(body, MAX_VOICE_CHARS)
                     self.check_voice(scope, speech.voice, "voice")
+                elif path == IMAGES_PATH:
+                    image = self.plan_image(scope, body)
             except RequestError as exc:
                 return await _send_json(send, 400, _error_body(f"invalid request: {exc}", 400,
                                                                exc.field))
         if speech is not None:
             return await self._speech(scope, receive, send, speech)
+        if image is not None:
+            return await self._image(scope, receive, send, *image)
         forwarded = json.dumps(body).encode() if isinstance(body, dict) else raw
         if path not in (CHAT_PATH, COMPLETIONS_PATH) or not isinstance(body, dict):
             return await self.app(scope, _replay(forwarded, receive), send)
@@ -327,6 +341,44 @@ class OmniAudioMiddleware:
             response = json.loads(payload)
             payload = json.dumps(attach_audio(response, result, asked.format)).encode()
         await captured.replay(send, payload)
+
+    def plan_image(self, scope, body: dict):
+        """Validate an image request and plan it with the served model's plugin.
+
+        Returns:
+            ``(ImageRequest, ImagePlan, output_format, output_compression)``.
+
+        Raises:
+            RequestError: naming the field; ``model`` when the served model draws no
+                images.
+        """
+        request, fmt, compression = parse_image_request(body)
+        config = getattr(getattr(scope.get("app"), "state", None), "vllm_config", None)
+        hf_config = getattr(getattr(config, "model_config", None), "hf_config", None)
+        plan = None if hf_config is None else plan_image(hf_config, request)
+        if plan is None:
+            raise RequestError("model", "the served model does not generate images")
+        return request, plan, fmt, compression
+
+    async def _image(self, scope, receive, send, request, plan, fmt: str,
+                     compression: int | None) -> None:
+        """``POST /v1/images/generations``: the completion of :func:`completion_body`,
+        whose downstream stages draw the image, answered as OpenAI's ``ImagesResponse``
+        (see :mod:`.images`)."""
+        omni = OmniRequest(modalities=(IMAGE,), options={"image": plan.options})
+        completions = {**scope, "path": COMPLETIONS_PATH, "raw_path": COMPLETIONS_PATH.encode()}
+        captured = await self._captured(
+            completions, receive, json.dumps(completion_body(request, plan.prompt)).encode(),
+            omni)
+        result = omni.result
+        if result is not None and result.error:
+            return await _send_failure(send, result)
+        if captured.status != 200 or result is None or "image" not in result.payload:
+            return await captured.replay(send, captured.body)  # vLLM's own error
+        encoded = await asyncio.to_thread(encode_image, result.payload["image"], fmt,
+                                          compression)
+        await _send_json(send, 200, json.dumps(images_response(
+            encoded, fmt, plan.width, plan.height)).encode())
 
     async def _captured(self, scope, receive, body: bytes, request: OmniRequest) -> _Capture:
         """vLLM's whole answer to ``body`` at ``scope``, run in ``request``'s scope."""

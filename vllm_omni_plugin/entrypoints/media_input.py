@@ -29,16 +29,23 @@ import binascii
 from dataclasses import dataclass, field
 
 from vllm_omni_plugin.logger import init_logger
+from vllm_omni_plugin.processors.hookspecs import RequestError
 
 logger = init_logger(__name__)
 
 
-class RequestError(ValueError):
-    """A request the API refuses with HTTP 400; ``field`` names the offending field."""
+def required_text(body: dict, field: str, what: str, max_chars: int | None = None) -> str:
+    """``body[field]``, a non-blank string of at most ``max_chars`` characters.
 
-    def __init__(self, field: str, message: str):
-        super().__init__(f"'{field}': {message}")
-        self.field = field
+    Raises:
+        RequestError: naming ``field`` (``what``: what the field should hold).
+    """
+    value = body.get(field)
+    if not isinstance(value, str) or not value.strip():
+        raise RequestError(field, f"is required: {what}")
+    if max_chars is not None and len(value) > max_chars:
+        raise RequestError(field, f"is {len(value)} characters long; at most {max_chars}")
+    return value
 
 
 #: Text-like part types vLLM's chat parser takes; passed through unchecked.

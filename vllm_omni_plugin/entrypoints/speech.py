@@ -24,7 +24,7 @@ import json
 from dataclasses import dataclass
 
 from vllm_omni_plugin.engine.omni_request import AUDIO, TEXT
-from vllm_omni_plugin.entrypoints.media_input import RequestError
+from vllm_omni_plugin.entrypoints.media_input import RequestError, required_text
 
 SPEECH_PATH = "/v1/audio/speech"
 #: OpenAI's limit on ``input``.
@@ -65,15 +65,8 @@ def parse_speech_request(body: dict, max_voice_chars: int) -> SpeechRequest:
     Raises:
         RequestError: naming the offending field.
     """
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise RequestError("model", "is required: the served model's name")
-    text = body.get("input")
-    if not isinstance(text, str) or not text.strip():
-        raise RequestError("input", "is required: the text to speak")
-    if len(text) > MAX_INPUT_CHARS:
-        raise RequestError("input", f"is {len(text)} characters long; at most "
-                           f"{MAX_INPUT_CHARS}")
+    model = required_text(body, "model", "the served model's name")
+    text = required_text(body, "input", "the text to speak", MAX_INPUT_CHARS)
     voice = _optional_str(body, "voice")
     if voice is not None and len(voice) > max_voice_chars:
         raise RequestError("voice", f"is {len(voice)} characters long; voice names have "

@@ -5,6 +5,9 @@ Importing this package loads no plugin; see :mod:`.registry`.
 
 from vllm_omni_plugin.processors.hookspecs import (
     PROJECT_NAME,
+    ImagePlan,
+    ImageRequest,
+    RequestError,
     StageInput,
     StageInputProcessor,
     UpstreamOutput,
@@ -13,19 +16,23 @@ from vllm_omni_plugin.processors.hookspecs import (
     hookspec,
 )
 from vllm_omni_plugin.processors.registry import (
-    BUILTIN_MODULE,
+    BUILTIN_MODULES,
     ENTRY_POINT_GROUP,
     UnknownProcessorError,
     available_processors,
     get_plugin_manager,
     get_processor,
     list_voices,
+    plan_image,
 )
 
 __all__ = [
-    "BUILTIN_MODULE",
+    "BUILTIN_MODULES",
     "ENTRY_POINT_GROUP",
+    "ImagePlan",
+    "ImageRequest",
     "PROJECT_NAME",
+    "RequestError",
     "StageInput",
     "StageInputProcessor",
     "UnknownProcessorError",
@@ -37,4 +44,5 @@ __all__ = [
     "hookimpl",
     "hookspec",
     "list_voices",
+    "plan_image",
 ]

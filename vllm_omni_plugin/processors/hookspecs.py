@@ -25,6 +25,15 @@ hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 
+class RequestError(ValueError):
+    """A request the API refuses with HTTP 400; ``field`` names the offending field (hook
+    implementations raise it for a request field they cannot serve)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"'{field}': {message}")
+        self.field = field
+
+
 @dataclass(frozen=True)
 class StreamChunk:
     """Where one chunk of a streamed stage's input sits in the request's stream.
@@ -136,3 +145,49 @@ def omni_list_voices(hf_config: Any) -> Voices | None:
     """Return the voices of the served checkpoint (its HF config), or None when this
     plugin does not know the model. The first non-None answer wins. The API serves it
     as ``GET /v1/audio/voices`` and refuses any other voice with HTTP 400."""
+
+
+@dataclass(frozen=True)
+class ImageRequest:
+    """A ``POST /v1/images/generations`` body whose OpenAI fields the API validated.
+
+    Attributes:
+        model: the served model's name.
+        prompt: what to draw.
+        size: ``(width, height)`` in pixels; None for the model's default.
+        seed: the noise's seed; None for a random one.
+        negative_prompt: what not to draw, or None.
+        extra: the body's other fields (the model's own knobs), for the model to check.
+    """
+
+    model: str
+    prompt: str
+    size: tuple[int, int] | None = None
+    seed: int | None = None
+    negative_prompt: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ImagePlan:
+    """How the pipeline serves one :class:`ImageRequest`.
+
+    Attributes:
+        prompt: the entry stage's prompt (text; the model's special tokens allowed).
+        width, height: the image's size in pixels.
+        options: what the model's stage input processors need, handed to them as
+            ``request_extras["image"]``.
+    """
+
+    prompt: str
+    width: int
+    height: int
+    options: Any = None
+
+
+@hookspec(firstresult=True)
+def omni_plan_image(hf_config: Any, request: ImageRequest) -> ImagePlan | None:
+    """Plan an image generation on the served checkpoint (its HF config), or return None
+    when this plugin does not know the model. Raise :class:`RequestError` naming the field
+    for a request the model cannot serve (a size it cannot draw, a bad knob, an unknown
+    field in ``request.extra``)."""

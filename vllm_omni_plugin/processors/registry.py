@@ -24,7 +24,9 @@ from vllm_omni_plugin.processors import hookspecs
 
 logger = init_logger(__name__)
 
-BUILTIN_MODULE = "vllm_omni_plugin.models.qwen3_omni.processors"
+#: the plugin's own hook implementations, one module per model family
+BUILTIN_MODULES = ("vllm_omni_plugin.models.qwen3_omni.processors",
+                   "vllm_omni_plugin.models.bagel.processors")
 ENTRY_POINT_GROUP = "vllm_omni_plugin.stage_input_processors"
 
 
@@ -60,14 +62,15 @@ def get_plugin_manager() -> pluggy.PluginManager:
     """
     pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
     pm.add_hookspecs(hookspecs)
-    try:
-        builtin = importlib.import_module(BUILTIN_MODULE)
-    except ModuleNotFoundError as e:
-        if e.name != BUILTIN_MODULE:
-            raise
-        logger.debug("built-in processor module %s not found; skipped", BUILTIN_MODULE)
-    else:
-        pm.register(builtin, name=BUILTIN_MODULE)
+    for name in BUILTIN_MODULES:
+        try:
+            builtin = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+            logger.debug("built-in processor module %s not found; skipped", name)
+        else:
+            pm.register(builtin, name=name)
     pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
     pm.check_pending()
     return pm
@@ -126,3 +129,13 @@ def list_voices(hf_config) -> hookspecs.Voices | None:
     """The served checkpoint's voices from the first plugin that knows its model
     (``omni_list_voices``); None when none does."""
     return get_plugin_manager().hook.omni_list_voices(hf_config=hf_config)
+
+
+def plan_image(hf_config, request: hookspecs.ImageRequest) -> hookspecs.ImagePlan | None:
+    """How the served checkpoint draws ``request``, from the first plugin that knows its
+    model (``omni_plan_image``); None when none does.
+
+    Raises:
+        hookspecs.RequestError: the model cannot serve the request (names the field).
+    """
+    return get_plugin_manager().hook.omni_plan_image(hf_config=hf_config, request=request)

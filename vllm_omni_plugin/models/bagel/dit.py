@@ -55,6 +55,7 @@ from vllm.model_executor.models.qwen2 import Qwen2MLP
 from vllm_omni_plugin.logger import init_logger
 from vllm_omni_plugin.models.bagel.autoencoder import FluxDecoder, to_uint8_image
 from vllm_omni_plugin.models.weights import load_stacked
+from vllm_omni_plugin.processors.hookspecs import RequestError
 
 logger = init_logger(__name__)
 
@@ -69,6 +70,8 @@ TIMESTEP_FREQUENCIES = 256
 TIMESTEP_MAX_PERIOD = 10000.0
 #: the norm the official renormalisation adds to a guided velocity's norm
 RENORM_EPS = 1e-8
+#: at most this many timesteps (the official default is 50)
+MAX_TIMESTEPS = 1000
 
 
 @dataclass(frozen=True)
@@ -95,20 +98,22 @@ class Guidance:
     num_timesteps: int = 50
 
     def __post_init__(self):
+        """Raises :class:`RequestError` naming the first field out of range."""
         lo, hi = self.cfg_interval
         checks = [
-            (self.cfg_text_scale >= 0, "cfg_text_scale must be >= 0"),
-            (self.cfg_img_scale >= 0, "cfg_img_scale must be >= 0"),
-            (0 <= lo <= hi <= 1, "cfg_interval must be [lo, hi] with 0 <= lo <= hi <= 1"),
-            (0 <= self.cfg_renorm_min <= 1, "cfg_renorm_min must be in [0, 1]"),
-            (self.cfg_renorm_type in RENORM_TYPES,
-             f"cfg_renorm_type must be one of {', '.join(RENORM_TYPES)}"),
-            (self.timestep_shift > 0, "timestep_shift must be > 0"),
-            (2 <= self.num_timesteps <= 1000, "num_timesteps must be in [2, 1000]"),
+            ("cfg_text_scale", self.cfg_text_scale >= 0, "must be >= 0"),
+            ("cfg_img_scale", self.cfg_img_scale >= 0, "must be >= 0"),
+            ("cfg_interval", 0 <= lo <= hi <= 1, "must be [lo, hi] with 0 <= lo <= hi <= 1"),
+            ("cfg_renorm_min", 0 <= self.cfg_renorm_min <= 1, "must be in [0, 1]"),
+            ("cfg_renorm_type", self.cfg_renorm_type in RENORM_TYPES,
+             f"must be one of {', '.join(RENORM_TYPES)}"),
+            ("timestep_shift", self.timestep_shift > 0, "must be > 0"),
+            ("num_timesteps", 2 <= self.num_timesteps <= MAX_TIMESTEPS,
+             f"must be in [2, {MAX_TIMESTEPS}]"),
         ]
-        for ok, message in checks:
+        for name, ok, message in checks:
             if not ok:
-                raise ValueError(message)
+                raise RequestError(name, message)
 
     def to_tensor(self) -> torch.Tensor:
         """``[8]`` float64: the fields in declaration order (the renorm type as its
@@ -282,7 +287,7 @@ class BagelDiT(nn.Module):
         self.hidden_size = h
         self.patch = int(config.latent_patch_size)
         self.z_channels = int(config.vae_config.get("z_channels", 16))
-        self.downsample = int(config.vae_config.get("downsample", 8)) * self.patch
+        self.downsample = latent_token_pixels(config)
         self.max_latent_size = int(config.max_latent_size)
         self.latent_dim = self.patch * self.patch * self.z_channels
         self.marker_ids = marker_ids
@@ -464,13 +469,19 @@ def _map_weight(name: str) -> str | None:
     return f"layers.{layer}.{expert}.{rest.replace('_moe_gen', '')}"
 
 
+def latent_token_pixels(config) -> int:
+    """Pixels a side of one latent token: the autoencoder's downsampling times
+    ``latent_patch_size`` (16 for BAGEL)."""
+    return int(config.vae_config.get("downsample", 8)) * int(config.latent_patch_size)
+
+
 def initial_noise(seed: int, height: int, width: int, config) -> torch.Tensor:
     """``[h*w, p*p*z]`` float32 standard normal noise, drawn on the CPU from
     ``torch.Generator().manual_seed(seed)``: the official code's first draw after
     ``torch.manual_seed(seed)``, so a seed gives the official image, on any replica and
     device."""
     patch = int(config.latent_patch_size)
-    token = int(config.vae_config.get("downsample", 8)) * patch
+    token = latent_token_pixels(config)
     dim = patch * patch * int(config.vae_config.get("z_channels", 16))
     generator = torch.Generator().manual_seed(seed)
     return torch.randn((height // token) * (width // token), dim, generator=generator)

@@ -1,0 +1,157 @@
+"""End to end: a real ``vllm serve`` of the tiny BAGEL checkpoint with
+``stage_configs/bagel.yaml`` (vLLM's BAGEL as the AR stage, the plugin's DiT stage),
+driven with the official ``openai`` SDK: text to image (``/v1/images/generations``),
+image understanding, and bad requests."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from plugin_tests.conftest import BAGEL_REFERENCE, BAGEL_YAML
+from plugin_tests.serve_utils import serving
+
+pytestmark = pytest.mark.e2e
+
+#: decoded pixels vs the official code (bf16): mean |difference| in uint8 levels
+PIXEL_MEAN_TOL = 3.0
+
+
+@pytest.fixture(scope="module")
+def server(tiny_bagel, tmp_path_factory):
+    root = tmp_path_factory.mktemp("bagel_e2e")
+    with serving(tiny_bagel, ["--stage-configs-path", BAGEL_YAML, "--max-model-len", "512",
+                              "--dtype", "float32"], str(root / "serve.log")) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def _image(response):
+    from PIL import Image
+
+    data = base64.b64decode(response.data[0].b64_json)
+    return Image.open(io.BytesIO(data)), data
+
+
+def _case(name: str) -> tuple[dict, dict]:
+    from safetensors.torch import load_file
+
+    meta = json.loads((Path(BAGEL_REFERENCE) / "reference.json").read_text())["cases"][name]
+    return meta, load_file(str(Path(BAGEL_REFERENCE) / f"{name}.safetensors"))
+
+
+def _generate(client, server, prompt="A lighthouse at dawn.", size="64x48", **extra):
+    return client.images.generate(model=server.model, prompt=prompt, size=size,
+                                  extra_body=extra)
+
+
+def test_text_to_image_is_a_png_of_the_requested_size(client, server):
+    response = _generate(client, server, seed=1, num_inference_steps=4)
+    image, data = _image(response)
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert image.format == "PNG" and image.size == (64, 48) and image.mode == "RGB"
+    assert response.size == "64x48" and response.output_format == "png"
+
+
+def test_the_image_is_the_official_codes(client, server):
+    """The fixture case through the API: the AR stage's context, the processor, the DiT
+    and the PNG encoder give the official code's pixels (up to its bf16 rounding)."""
+    meta, ref = _case("t2i_cfg_global")
+    knobs = dict(meta["knobs"], num_inference_steps=meta["knobs"].pop("num_timesteps"))
+    response = _generate(client, server, prompt=meta["prompt"],
+                         size=f"{meta['width']}x{meta['height']}", seed=meta["seed"], **knobs)
+    pixels = np.asarray(_image(response)[0]).astype(int)
+    assert pixels.shape == tuple(ref["pixels"].shape)
+    assert np.abs(pixels - ref["pixels"].numpy().astype(int)).mean() < PIXEL_MEAN_TOL
+
+
+def test_same_seed_same_bytes_cfg_and_seed_matter(client, server):
+    first = _image(_generate(client, server, seed=7, num_inference_steps=4))[1]
+    again = _image(_generate(client, server, seed=7, num_inference_steps=4))[1]
+    no_cfg = _image(_generate(client, server, seed=7, num_inference_steps=4,
+                              cfg_text_scale=1.0))[1]
+    other = _image(_generate(client, server, seed=8, num_inference_steps=4))[1]
+    assert first == again
+    assert no_cfg != first and other != first
+
+
+@pytest.mark.parametrize("fmt,magic", [("jpeg", b"\xff\xd8\xff"), ("webp", b"RIFF")])
+def test_other_output_formats_decode(client, server, fmt, magic):
+    response = client.images.generate(model=server.model, prompt="A boat.", size="32x32",
+                                      output_format=fmt, output_compression=80,
+                                      extra_body={"seed": 3, "num_inference_steps": 3})
+    image, data = _image(response)
+    assert data.startswith(magic) and image.size == (32, 32)
+    assert response.output_format == fmt
+
+
+def _image_part(color) -> dict:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (56, 56), color).save(out, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def test_image_understanding_through_the_same_server(client, server):
+    """Image in, text out on the AR stage: the answer depends on the image."""
+    def first_logprob(color):
+        response = client.chat.completions.create(
+            model=server.model, max_tokens=3, temperature=0, logprobs=True,
+            messages=[{"role": "user", "content": [
+                {"type": "text", "text": "What is in the picture?"}, _image_part(color)]}])
+        assert response.choices[0].message.content
+        return response.choices[0].logprobs.content[0].logprob
+
+    red = first_logprob((220, 20, 20))
+    assert red == first_logprob((220, 20, 20))
+    assert red != first_logprob((20, 20, 220))
+
+
+@pytest.mark.parametrize("extra,field", [
+    ({"size": "60x64"}, "size"),            # not a multiple of 16
+    ({"size": "256x256"}, "size"),          # above the checkpoint's largest (128)
+    ({"size": "big"}, "size"),
+    ({"cfg_text_scale": -1}, "cfg_text_scale"),
+    ({"cfg_interval": [0.9, 0.1]}, "cfg_interval"),
+    ({"cfg_renorm_type": "sideways"}, "cfg_renorm_type"),
+    ({"num_inference_steps": 1}, "num_inference_steps"),
+    ({"timestep_shift": 0}, "timestep_shift"),
+    ({"guidance": 3}, "guidance"),          # not a BAGEL knob
+    ({"n": 2}, "n"),
+    ({"response_format": "url"}, "response_format"),
+    ({"output_format": "gif"}, "output_format"),
+    ({"negative_prompt": "blurry"}, "negative_prompt"),
+])
+def test_bad_requests_are_400s_naming_the_field(server, extra, field):
+    import requests
+
+    body = {"model": server.model, "prompt": "A cat.", **extra}
+    r = requests.post(f"{server.url}/v1/images/generations", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
+
+
+def test_a_stage_failure_names_the_stage_and_the_server_goes_on(client, server):
+    """A chat asking for audio reaches the DiT's processor, which refuses a request that
+    is not an image request: a 400 naming the stage; the next image request is served."""
+    import requests
+
+    r = requests.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "model": server.model, "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 2, "modalities": ["text", "audio"]})
+    assert r.status_code == 400, r.text
+    assert "stage 1 (dit)" in r.json()["error"]["message"]
+    assert _image(_generate(client, server, seed=5, num_inference_steps=3))[0].size == (64, 48)

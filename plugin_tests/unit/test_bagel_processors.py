@@ -1,0 +1,101 @@
+"""BAGEL's image planning and AR -> DiT processor, and the API's parsing of OpenAI's
+image request (no engine)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from vllm_omni_plugin.entrypoints.images import parse_image_request  # noqa: E402
+from vllm_omni_plugin.models.bagel import processors as bp  # noqa: E402
+from vllm_omni_plugin.models.bagel.dit import BRANCHES, Guidance  # noqa: E402
+from vllm_omni_plugin.processors import (  # noqa: E402
+    ImageRequest,
+    RequestError,
+    UpstreamOutput,
+    get_processor,
+    plan_image,
+)
+
+
+@pytest.fixture(scope="module")
+def config(tiny_bagel):
+    from vllm.transformers_utils.configs.bagel import BagelConfig
+
+    served = json.loads((Path(tiny_bagel) / "config.json").read_text())
+    return BagelConfig(**{k: v for k, v in served.items() if k != "model_type"})
+
+
+def test_openai_fields_parse_and_the_rest_goes_to_the_model():
+    request, fmt, compression = parse_image_request({
+        "model": "m", "prompt": "a cat", "size": "64x32", "seed": 3, "user": "u",
+        "output_format": "webp", "output_compression": 50, "cfg_text_scale": 2.0})
+    assert (request.size, request.seed, fmt, compression) == ((64, 32), 3, "webp", 50)
+    assert request.extra == {"cfg_text_scale": 2.0}
+    assert parse_image_request({"model": "m", "prompt": "a"})[0].size is None
+    for body, field in (({"prompt": "a"}, "model"), ({"model": "m"}, "prompt"),
+                        ({"model": "m", "prompt": "a", "size": "64"}, "size"),
+                        ({"model": "m", "prompt": "a", "seed": "1"}, "seed"),
+                        ({"model": "m", "prompt": "a", "quality": "hd"}, "quality"),
+                        ({"model": "m", "prompt": "a", "output_compression": 5},
+                         "output_compression")):
+        with pytest.raises(RequestError) as err:
+            parse_image_request(body)
+        assert err.value.field == field
+
+
+def test_the_plan_wraps_the_prompt_and_checks_size_and_knobs(config):
+    plan = plan_image(config, ImageRequest("m", "a cat", size=(64, 32), seed=5, extra={
+        "num_inference_steps": 7, "cfg_interval": [0.2, 0.8]}))
+    assert plan.prompt == "<|im_start|>a cat<|im_end|>"
+    assert (plan.width, plan.height) == (64, 32)
+    assert plan.options.seed == 5
+    assert plan.options.guidance == Guidance(num_timesteps=7, cfg_interval=(0.2, 0.8))
+    # the default size is the checkpoint's largest below 1024 (128 for the tiny one)
+    default = plan_image(config, ImageRequest("m", "a cat"))
+    assert (default.width, default.height) == (128, 128)
+    assert 0 <= default.options.seed <= bp.MAX_SEED
+    for request, field in ((ImageRequest("m", "x", size=(48, 40)), "size"),
+                           (ImageRequest("m", "x", size=(144, 16)), "size"),
+                           (ImageRequest("m", "x", seed=-1), "seed"),
+                           (ImageRequest("m", "x", negative_prompt="no"), "negative_prompt"),
+                           (ImageRequest("m", "x", extra={"num_inference_steps": 2.5}),
+                            "num_inference_steps"),
+                           (ImageRequest("m", "x", extra={"num_inference_steps": 1}),
+                            "num_inference_steps"),
+                           (ImageRequest("m", "x", extra={"cfg_img_scale": True}),
+                            "cfg_img_scale")):
+        with pytest.raises(RequestError) as err:
+            plan_image(config, request)
+        assert err.value.field == field
+
+
+def test_another_model_plans_no_images():
+    assert plan_image(object(), ImageRequest("m", "x")) is None
+
+
+def test_ar2dit_builds_the_three_cfg_contexts(config):
+    options = bp.BagelImageOptions(32, 16, 9, Guidance())
+    tokens, layers, heads, dim = 5, 2, 2, 32
+    k = torch.randn(tokens + 1, layers, heads, dim)  # one row more: a generated position
+    v = torch.randn(tokens + 1, layers, heads, dim)
+    ar = UpstreamOutput(stage_id=0, prompt_token_ids=list(range(tokens)),
+                        output_token_ids=[1], payload={"k": k, "v": v})
+    out = get_processor("bagel_ar2dit")([ar], None, {"image": options, "hf_config": config})
+    assert out.prompt_token_ids == [0] and out.sampling_overrides == {"max_tokens": 1}
+    p = out.payload
+    assert p["cond.k"].equal(k[:tokens].transpose(0, 1))
+    assert p["img_uncond.v"].equal(v[:tokens].transpose(0, 1))
+    assert p["text_uncond.k"].shape == (layers, 0, heads, dim)
+    assert [int(p[f"{b}.rope"]) for b in BRANCHES] == [tokens, 0, tokens]
+    assert p["size"].tolist() == [16, 32] and p["noise"].shape == (2, 64)
+    assert Guidance.from_tensor(p["guidance"]) == options.guidance
+    with pytest.raises(ValueError, match="image request"):
+        get_processor("bagel_ar2dit")([ar], None, {"hf_config": config})
+    with pytest.raises(ValueError, match="keys and values"):
+        get_processor("bagel_ar2dit")([UpstreamOutput(0, [1], [1])], None,
+                                      {"image": options, "hf_config": config})

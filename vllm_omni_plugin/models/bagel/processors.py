@@ -1,0 +1,151 @@
+"""BAGEL's hook implementations: how an image request is served (``omni_plan_image``)
+and the AR -> DiT stage input processor (``bagel_ar2dit``).
+
+Text to image, as the official inferencer (``InterleaveInferencer.interleave_inference``
+with a text input) builds it: the AR stage prefills ``<|im_start|> prompt <|im_end|>``
+(one token, ``max_tokens=1``); the DiT gets three CFG contexts: the full one, the
+text-unconditional one (empty: RoPE position 0, no keys) and the image-unconditional one
+(the full one again: there is no input image to leave out).
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_omni_plugin.models.bagel.dit import (
+    Guidance,
+    generation_payload,
+    initial_noise,
+    latent_token_pixels,
+)
+from vllm_omni_plugin.processors.hookspecs import (
+    ImagePlan,
+    ImageRequest,
+    RequestError,
+    StageInput,
+    UpstreamOutput,
+    hookimpl,
+)
+
+#: the request field -> the ``Guidance`` field it sets (the official names, except
+#: ``num_inference_steps``: the official ``num_timesteps``, points from 1 to 0, so 50
+#: makes 49 Euler steps)
+KNOBS = {"cfg_text_scale": "cfg_text_scale", "cfg_img_scale": "cfg_img_scale",
+         "cfg_interval": "cfg_interval", "cfg_renorm_type": "cfg_renorm_type",
+         "cfg_renorm_min": "cfg_renorm_min", "timestep_shift": "timestep_shift",
+         "num_inference_steps": "num_timesteps"}
+#: the official app's default image side, capped by the checkpoint's largest
+DEFAULT_SIDE = 1024
+#: the largest seed (the generator takes 64 bits; JSON clients keep 53 exactly)
+MAX_SEED = 2 ** 53 - 1
+
+
+@dataclass(frozen=True)
+class BagelImageOptions:
+    """What ``bagel_ar2dit`` needs from the request (``request_extras["image"]``)."""
+
+    width: int
+    height: int
+    seed: int
+    guidance: Guidance
+
+
+def is_bagel(hf_config) -> bool:
+    return type(hf_config).__name__ == "BagelConfig"
+
+
+def _guidance(extra: dict[str, Any]) -> Guidance:
+    values = {}
+    for name, value in extra.items():
+        if name not in KNOBS:
+            raise RequestError(name, f"unknown field; BAGEL's knobs are {', '.join(KNOBS)}")
+        if name == "cfg_renorm_type":
+            if not isinstance(value, str):
+                raise RequestError(name, "must be a string")
+        elif name == "cfg_interval":
+            if not (isinstance(value, list) and len(value) == 2 and all(
+                    isinstance(v, int | float) and not isinstance(v, bool) for v in value)):
+                raise RequestError(name, "must be [lo, hi], two numbers")
+            value = (float(value[0]), float(value[1]))
+        elif name == "num_inference_steps":
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise RequestError(name, "must be an integer")
+        elif isinstance(value, bool) or not isinstance(value, int | float):
+            raise RequestError(name, "must be a number")
+        values[KNOBS[name]] = value
+    try:
+        return Guidance(**values)
+    except RequestError as exc:
+        api = {v: k for k, v in KNOBS.items()}[exc.field]
+        raise RequestError(api, str(exc).split(": ", 1)[1]) from None
+
+
+def plan_bagel_image(hf_config, request: ImageRequest) -> ImagePlan:
+    """The AR prompt and the DiT's options of a text-to-image request.
+
+    Raises:
+        RequestError: a size that is not a multiple of the latent token (16 px) or is
+            above the checkpoint's largest, a bad knob, an unknown field, a seed out of
+            range, or a negative prompt (not served yet).
+    """
+    token = latent_token_pixels(hf_config)
+    biggest = token * int(hf_config.max_latent_size)
+    width, height = request.size or (min(DEFAULT_SIDE, biggest),) * 2
+    for side in (width, height):
+        if side % token or not token <= side <= biggest:
+            raise RequestError("size", f"{width}x{height}: each side must be a multiple of "
+                               f"{token} between {token} and {biggest}")
+    if request.negative_prompt is not None:
+        raise RequestError("negative_prompt", "is not supported yet (it needs a second AR "
+                           "request for the text-unconditional context)")
+    seed = secrets.randbelow(MAX_SEED + 1) if request.seed is None else request.seed
+    if not 0 <= seed <= MAX_SEED:
+        raise RequestError("seed", f"must be in [0, {MAX_SEED}]")
+    return ImagePlan(prompt=f"<|im_start|>{request.prompt}<|im_end|>", width=width,
+                     height=height, options=BagelImageOptions(
+                         width, height, seed, _guidance(request.extra)))
+
+
+def bagel_ar2dit(upstream: list[UpstreamOutput], stage, extras: dict[str, Any]) -> StageInput:
+    """AR context -> DiT request: the CFG branches' contexts from the AR stage's
+    ``k``/``v`` rows ``[tokens, layers, kv_heads, head_dim]`` (see the module doc), the
+    seed's noise and the guidance; a one-token placeholder prompt, ``max_tokens=1``.
+
+    Raises:
+        ValueError: the request has no image options (not an image request), or the AR
+            stage published no keys and values.
+    """
+    options = extras.get("image")
+    if not isinstance(options, BagelImageOptions):
+        raise ValueError("not an image request (POST /v1/images/generations)")
+    (ar,) = upstream
+    if "k" not in ar.payload or "v" not in ar.payload:
+        raise ValueError(f"stage {ar.stage_id} published no keys and values (is it "
+                         "OmniPluginBagelAR?)")
+    k = ar.payload["k"].transpose(0, 1)
+    v = ar.payload["v"].transpose(0, 1)
+    length = len(ar.prompt_token_ids)
+    if k.shape[1] < length:
+        raise ValueError(f"stage {ar.stage_id} published {k.shape[1]} positions of a "
+                         f"{length}-token prompt")
+    k, v = k[:, :length], v[:, :length]
+    empty = k[:, :0]
+    hf_config = extras["hf_config"]
+    noise = initial_noise(options.seed, options.height, options.width, hf_config)
+    payload = generation_payload(noise, options.height, options.width, options.guidance, {
+        "cond": (k, v, length), "text_uncond": (empty, empty, 0),
+        "img_uncond": (k, v, length)})
+    return StageInput(prompt_token_ids=[0], payload=payload,
+                      sampling_overrides={"max_tokens": 1})
+
+
+@hookimpl
+def omni_register_stage_input_processors():
+    return {"bagel_ar2dit": bagel_ar2dit}
+
+
+@hookimpl
+def omni_plan_image(hf_config, request: ImageRequest):
+    return plan_bagel_image(hf_config, request) if is_bagel(hf_config) else None
