@@ -110,6 +110,45 @@ class ServeProcess:
                 self.proc.wait(timeout=10)
         self._log.close()
 
+    def wait_until(self, predicate, timeout: float, interval: float = 0.1) -> None:
+        """Poll ``predicate()`` until true; AssertionError with the log tail after
+        ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate():
+                return
+            time.sleep(interval)
+        raise AssertionError(f"condition not met in {timeout}s; log:\n{self.log()[-4000:]}")
+
+    def replica_metric(self, name: str, stage: int, **labels: str) -> dict[int, float]:
+        """``/metrics`` sample ``name`` of each replica of ``stage`` with ``labels``."""
+        found = {}
+        for (metric, lbls), value in self.metrics().items():
+            d = dict(lbls)
+            if metric == name and d.get("stage") == str(stage) and all(
+                    d.get(k) == v for k, v in labels.items()):
+                found[int(d["replica"])] = value
+        return found
+
+    def replicas_up(self, stage: int) -> set[int]:
+        """The replicas of ``stage`` the head lists as up."""
+        return {r for r, v in self.replica_metric("vllm_omni:replica_status", stage,
+                                                  status="up").items() if v}
+
+    def attach(self, headless: list[ServeProcess], stage: int,
+               timeout: float = 60) -> dict[int, ServeProcess]:
+        """Wait until this head is ready and lists every ``headless`` replica process of
+        ``stage`` as up; returns them by replica id (each with ``task_address`` set)."""
+        self.wait_ready()
+        replicas = {}
+        for proc in headless:
+            match = proc.wait_for_log(rf"stage {stage} replica (\d+) serving on (tcp://\S+)")
+            replicas[int(match.group(1))] = proc
+            proc.task_address = match.group(2)
+        assert sorted(replicas) == list(range(len(headless))), sorted(replicas)
+        self.wait_until(lambda: self.replicas_up(stage) == set(replicas), timeout)
+        return replicas
+
     def chat_body(self, **extra) -> dict:
         """A greedy 12-token chat request ("Say hello") for ``self.model``, ``extra`` merged."""
         return {"model": self.model, "messages": [{"role": "user", "content": "Say hello"}],

@@ -17,7 +17,6 @@ import json
 import os
 import re
 import signal
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -63,41 +62,14 @@ def cluster(tiny_qwen3_omni, tmp_path_factory):
         headless = [ServeProcess([*common, "--headless", "--stage-id", "1"],
                                  str(root / f"headless{i}.log"), env=replica_env)
                     for i in range(2)]
-        head.wait_ready()
-        replicas = {}
-        for proc in headless:
-            match = proc.wait_for_log(r"stage 1 replica (\d+) serving on (tcp://\S+)")
-            replicas[int(match.group(1))] = proc
-            proc.task_address = match.group(2)
-        assert sorted(replicas) == [0, 1]
-        _wait(lambda: _attached(head) == {0, 1}, 60, head)
+        replicas = head.attach(headless, stage=1)
         yield head, replicas
     finally:
         for proc in [*headless, head]:
             proc.stop()
 
 
-def _wait(predicate, timeout, head, interval=0.25):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(interval)
-    raise AssertionError(f"condition not met in {timeout}s; head log:\n{head.log()[-4000:]}")
 
-
-def _stage1(head, name, **labels):
-    found = {}
-    for (metric, lbls), value in head.metrics().items():
-        d = dict(lbls)
-        if metric == name and d.get("stage") == "1" and all(d.get(k) == v
-                                                           for k, v in labels.items()):
-            found[int(d["replica"])] = value
-    return found
-
-
-def _attached(head) -> set[int]:
-    return {r for r, v in _stage1(head, "vllm_omni:replica_status", status="up").items() if v}
 
 
 def _audio_body(head, content: str, **extra) -> dict:
@@ -118,12 +90,12 @@ def head_model(head) -> str:
 def test_requests_spread_over_headless_replicas_round_robin(cluster):
     head, _ = cluster
     assert head.log().count("auth on") == 2  # master and coordinator: signed frames only
-    before = _stage1(head, "vllm_omni:replica_requests_total")
+    before = head.replica_metric("vllm_omni:replica_requests_total", 1)
     for i in range(4):
         response = _audio(head, f"Request {i}.")
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["message"]["audio"]["data"]
-    after = _stage1(head, "vllm_omni:replica_requests_total")
+    after = head.replica_metric("vllm_omni:replica_requests_total", 1)
     assert {r: after[r] - before.get(r, 0) for r in after} == {0: 2, 1: 2}
     # code2wav: the head's two in-process replicas (runtime.num_replicas: 2)
     code2wav = {dict(labels)["replica"]: value for (name, labels), value in head.metrics().items()
@@ -185,17 +157,17 @@ def test_bad_frames_at_a_replica_are_dropped_and_it_keeps_serving(cluster):
     try:
         for parts in frames:
             sock.send_multipart(parts)
-        _wait(lambda: "dropped a task-channel frame" in target.log(), 30, head)
+        head.wait_until(lambda: "dropped a task-channel frame" in target.log(), 30)
         # an unsigned task never runs: no reply of any kind comes back
         assert not sock.poll(3000), sock.recv_multipart()
     finally:
         sock.close()
         ctx.term()
-    before = _stage1(head, "vllm_omni:replica_requests_total")
+    before = head.replica_metric("vllm_omni:replica_requests_total", 1)
     for i in range(2):
         response = _audio(head, f"After garbage {i}.")
         assert response.status_code == 200, response.text
-    after = _stage1(head, "vllm_omni:replica_requests_total")
+    after = head.replica_metric("vllm_omni:replica_requests_total", 1)
     assert after[0] == before[0] + 1 and after[1] == before[1] + 1
 
 
@@ -211,11 +183,11 @@ def test_stopped_replica_goes_error_then_up_and_its_requests_are_resubmitted(clu
         for response in responses:
             assert response.status_code == 200, response.text
         assert _resubmissions(head) >= resubmitted + 1
-        assert 0 not in _attached(head)
+        assert 0 not in head.replicas_up(1)
         assert "is error: detached" in head.log()
     finally:
         replicas[0].signal(signal.SIGCONT)
-    _wait(lambda: _attached(head) == {0, 1}, 30, head)
+    head.wait_until(lambda: head.replicas_up(1) == {0, 1}, 30)
     assert "is up again" in head.log()
 
 
@@ -259,8 +231,8 @@ def test_kill_9_mid_request_fails_it_naming_stage_and_replica(cluster):
         for proc in replicas.values():
             proc.signal(signal.SIGSTOP)
         try:
-            running = [r for r, v in _stage1(head, "vllm_omni:replica_requests_running").items()
-                       if v]
+            running = [r for r, v in head.replica_metric(
+                "vllm_omni:replica_requests_running", 1).items() if v]
             assert len(running) <= 1, f"talker tasks at the first audio: {running}"
             if running:
                 victim = running[0]
@@ -278,11 +250,11 @@ def test_kill_9_mid_request_fails_it_naming_stage_and_replica(cluster):
     assert errors and "stage 1" in errors[0] and f"replica {victim}" in errors[0], errors
     # the head keeps serving, on the remaining replica
     survivor = 1 - victim
-    before = _stage1(head, "vllm_omni:replica_requests_total")[survivor]
+    before = head.replica_metric("vllm_omni:replica_requests_total", 1)[survivor]
     response = _audio(head, "After the kill.")
     assert response.status_code == 200, response.text
-    assert _stage1(head, "vllm_omni:replica_requests_total")[survivor] == before + 1
-    assert _attached(head) == {survivor}
+    assert head.replica_metric("vllm_omni:replica_requests_total", 1)[survivor] == before + 1
+    assert head.replicas_up(1) == {survivor}
 
 
 def test_no_replica_left_answers_503_and_text_still_served(cluster):
@@ -290,7 +262,7 @@ def test_no_replica_left_answers_503_and_text_still_served(cluster):
     for proc in replicas.values():
         if proc.proc.poll() is None:
             proc.signal(signal.SIGKILL)
-    _wait(lambda: not _attached(head), HEARTBEAT_TIMEOUT + 10, head)
+    head.wait_until(lambda: not head.replicas_up(1), HEARTBEAT_TIMEOUT + 10)
     response = _audio(head, "Nobody home.")
     assert response.status_code == 503, response.text
     assert "no replica available for stage 1" in response.json()["error"]["message"]
