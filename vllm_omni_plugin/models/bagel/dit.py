@@ -329,9 +329,10 @@ class BagelDiT(nn.Module):
         hw = x.shape[0]
         n = hw + 2
         b = len(contexts)
+        # vLLM's PositionEmbedding keeps its table where numpy made it (the CPU)
         latent = (self.vae2llm(x.to(dtype))[0]
-                  + self._embed_time(torch.full((hw,), t, device=x.device))
-                  + self.latent_pos_embed(positions).to(dtype))
+                  + self._embed_time(torch.tensor([t], device=x.device))
+                  + self.latent_pos_embed(positions).to(device=x.device, dtype=dtype))
         query = torch.cat([self.marker_embeds[:1], latent, self.marker_embeds[1:]])
         hidden = query.repeat(b, 1)
         gen = torch.zeros(n, dtype=torch.bool, device=x.device)
