@@ -62,7 +62,7 @@ def test_the_plan_wraps_the_prompt_and_checks_size_and_knobs(config):
     for request, field in ((ImageRequest("m", "x", size=(48, 40)), "size"),
                            (ImageRequest("m", "x", size=(144, 16)), "size"),
                            (ImageRequest("m", "x", seed=-1), "seed"),
-                           (ImageRequest("m", "x", negative_prompt="no"), "negative_prompt"),
+                           (ImageRequest("m", "x", negative_prompt=" "), "negative_prompt"),
                            (ImageRequest("m", "x", extra={"num_inference_steps": 2.5}),
                             "num_inference_steps"),
                            (ImageRequest("m", "x", extra={"num_inference_steps": 1}),
@@ -72,6 +72,12 @@ def test_the_plan_wraps_the_prompt_and_checks_size_and_knobs(config):
         with pytest.raises(RequestError) as err:
             plan_image(config, request)
         assert err.value.field == field
+
+
+def test_a_negative_prompt_is_a_companion_of_the_ar_stage(config):
+    plan = plan_image(config, ImageRequest("m", "a cat", negative_prompt="blurry"))
+    assert plan.companions == {bp.NEGATIVE: "<|im_start|>blurry<|im_end|>"}
+    assert plan_image(config, ImageRequest("m", "a cat")).companions == {}
 
 
 def test_another_model_plans_no_images():
@@ -94,6 +100,15 @@ def test_ar2dit_builds_the_three_cfg_contexts(config):
     assert [int(p[f"{b}.rope"]) for b in BRANCHES] == [tokens, 0, tokens]
     assert p["size"].tolist() == [16, 32] and p["noise"].shape == (2, 64)
     assert Guidance.from_tensor(p["guidance"]) == options.guidance
+    # a negative prompt's context becomes the text-unconditional branch
+    nk, nv = torch.randn(3, layers, heads, dim), torch.randn(3, layers, heads, dim)
+    negative = UpstreamOutput(stage_id=0, prompt_token_ids=[7, 8, 9], output_token_ids=[1],
+                              payload={"k": nk, "v": nv})
+    out = get_processor("bagel_ar2dit")([ar], None, {"image": options, "hf_config": config,
+                                                     "companions": {bp.NEGATIVE: negative}})
+    assert out.payload["text_uncond.k"].equal(nk.transpose(0, 1))
+    assert int(out.payload["text_uncond.rope"]) == 3
+    assert out.payload["cond.k"].equal(k[:tokens].transpose(0, 1))
     with pytest.raises(ValueError, match="image request"):
         get_processor("bagel_ar2dit")([ar], None, {"hf_config": config})
     with pytest.raises(ValueError, match="keys and values"):

@@ -67,6 +67,10 @@ class OmniRequest:
         options: more per-request data for the stage input processors, merged into
             their ``request_extras`` (an image request's ``{"image": ...}``, what the
             model's ``omni_plan_image`` planned).
+        companions: prompts (text) the entry stage also runs for this request, by name,
+            after the request itself and on the same engine, publishing their rows like
+            it (one output token each); their outputs reach the stage input processors
+            as ``request_extras["companions"][name]`` (e.g. a CFG branch's context).
         result: set by the orchestrator: the pipeline's output, or a failure
             (also set for a text-only request whose stage failed).
         partials: set by the API layer for a request it streams to the client: the
@@ -78,6 +82,7 @@ class OmniRequest:
     modalities: tuple[str, ...] = (TEXT,)
     voice: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    companions: dict[str, str] = field(default_factory=dict)
     result: StageResult | None = None
     partials: asyncio.Queue | None = None
 

@@ -185,6 +185,12 @@ class Orchestrator:
                 payload = _join_rows(prefilled.payload, payload)
             outputs[self.entry.stage_id] = _stage_output(self.entry.stage_id, final, payload,
                                                          deltas)
+            if request.companions:
+                companions = await self._run_companions(request, request_id, params, base,
+                                                        keys)
+                if companions is None:
+                    return
+                extra = {**extra, "companions": companions}
             if downstream is None:
                 result = await self._run_downstream(request, request_id, outputs, extra,
                                                     admission)
@@ -213,6 +219,36 @@ class Orchestrator:
                 await asyncio.wait({downstream})
         if final is not None:
             yield final
+
+    async def _run_companions(self, request: OmniRequest, request_id, params, base: str,
+                              keys: list[str]) -> dict | None:
+        """Run the request's companion prompts (:attr:`OmniRequest.companions`) on the
+        entry stage, one after another, each publishing its rows under a key added to
+        ``keys``; their :class:`UpstreamOutput` by name, None when aborted meanwhile.
+
+        Raises:
+            StageError: a companion failed (names the entry stage and the companion).
+        """
+        outputs = {}
+        for name, text in request.companions.items():
+            key = f"{base}.s{self.entry.stage_id}.{safe_key(name)}"
+            keys.append(key)
+            self.store.create(key)
+            companion = params.clone()
+            companion.max_tokens, companion.output_kind = 1, RequestOutputKind.FINAL_ONLY
+            companion.extra_args = {xargs.PAYLOAD: {"out": key}}
+            final = None
+            async for out in self.entry_generate(text, companion, f"{request_id}-{name}"):
+                final = out
+            if request_id in self._aborted or final is None or not final.finished:
+                return None
+            try:
+                payload = await asyncio.to_thread(self.store.get, key)
+            except PayloadError as exc:
+                raise StageError(self.entry.stage_id, self.entry.name,
+                                 f"companion {name!r}: {exc}") from exc
+            outputs[name] = _stage_output(self.entry.stage_id, final, payload, None)
+        return outputs
 
     async def _generate_text(self, request: OmniRequest, prompt, params, extra, request_id,
                              *args, **kwargs):

@@ -365,7 +365,8 @@ class OmniAudioMiddleware:
         """``POST /v1/images/generations``: the completion of :func:`completion_body`,
         whose downstream stages draw the image, answered as OpenAI's ``ImagesResponse``
         (see :mod:`.images`)."""
-        omni = OmniRequest(modalities=(IMAGE,), options={"image": plan.options})
+        omni = OmniRequest(modalities=(IMAGE,), options={"image": plan.options},
+                           companions=dict(plan.companions))
         completions = {**scope, "path": COMPLETIONS_PATH, "raw_path": COMPLETIONS_PATH.encode()}
         captured = await self._captured(
             completions, receive, json.dumps(completion_body(request, plan.prompt)).encode(),
@@ -373,8 +374,11 @@ class OmniAudioMiddleware:
         result = omni.result
         if result is not None and result.error:
             return await _send_failure(send, result)
-        if captured.status != 200 or result is None or "image" not in result.payload:
+        if captured.status != 200:
             return await captured.replay(send, captured.body)  # vLLM's own error
+        if result is None or "image" not in result.payload:
+            return await _send_json(send, 500, _error_body(
+                "the pipeline's final stage produced no image", 500))
         encoded = await asyncio.to_thread(encode_image, result.payload["image"], fmt,
                                           compression)
         await _send_json(send, 200, json.dumps(images_response(

@@ -177,12 +177,16 @@ class ImagePlan:
         width, height: the image's size in pixels.
         options: what the model's stage input processors need, handed to them as
             ``request_extras["image"]``.
+        companions: more prompts the entry stage runs for the request, by name (e.g. a
+            negative prompt's context for CFG); their outputs reach the processors as
+            ``request_extras["companions"][name]`` (an :class:`UpstreamOutput`).
     """
 
     prompt: str
     width: int
     height: int
     options: Any = None
+    companions: dict[str, str] = field(default_factory=dict)
 
 
 @hookspec(firstresult=True)

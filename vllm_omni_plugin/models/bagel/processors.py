@@ -5,7 +5,10 @@ Text to image, as the official inferencer (``InterleaveInferencer.interleave_inf
 with a text input) builds it: the AR stage prefills ``<|im_start|> prompt <|im_end|>``
 (one token, ``max_tokens=1``); the DiT gets three CFG contexts: the full one, the
 text-unconditional one (empty: RoPE position 0, no keys) and the image-unconditional one
-(the full one again: there is no input image to leave out).
+(the full one again: there is no input image to leave out). With a ``negative_prompt``
+the text-unconditional context is that prompt's, ``<|im_start|> negative <|im_end|>``,
+prefilled by the AR stage as the request's companion :data:`NEGATIVE` (upstream
+vllm-omni's meaning; the official code has no negative prompt for text to image).
 """
 
 from __future__ import annotations
@@ -40,6 +43,14 @@ KNOBS = {"cfg_text_scale": "cfg_text_scale", "cfg_img_scale": "cfg_img_scale",
 DEFAULT_SIDE = 1024
 #: the largest seed (the generator takes 64 bits; JSON clients keep 53 exactly)
 MAX_SEED = 2 ** 53 - 1
+#: the companion request holding a negative prompt's context
+NEGATIVE = "cfg_text"
+
+
+def ar_prompt(text: str) -> str:
+    """The AR stage's prompt for one piece of text, as the official ``prepare_prompts``
+    wraps it."""
+    return f"<|im_start|>{text}<|im_end|>"
 
 
 @dataclass(frozen=True)
@@ -88,7 +99,7 @@ def plan_bagel_image(hf_config, request: ImageRequest) -> ImagePlan:
     Raises:
         RequestError: a size that is not a multiple of the latent token (16 px) or is
             above the checkpoint's largest, a bad knob, an unknown field, a seed out of
-            range, or a negative prompt (not served yet).
+            range, or a blank negative prompt.
     """
     token = latent_token_pixels(hf_config)
     biggest = token * int(hf_config.max_latent_size)
@@ -97,21 +108,44 @@ def plan_bagel_image(hf_config, request: ImageRequest) -> ImagePlan:
         if side % token or not token <= side <= biggest:
             raise RequestError("size", f"{width}x{height}: each side must be a multiple of "
                                f"{token} between {token} and {biggest}")
+    companions = {}
     if request.negative_prompt is not None:
-        raise RequestError("negative_prompt", "is not supported yet (it needs a second AR "
-                           "request for the text-unconditional context)")
+        if not request.negative_prompt.strip():
+            raise RequestError("negative_prompt", "must not be blank (or left out)")
+        companions[NEGATIVE] = ar_prompt(request.negative_prompt)
     seed = secrets.randbelow(MAX_SEED + 1) if request.seed is None else request.seed
     if not 0 <= seed <= MAX_SEED:
         raise RequestError("seed", f"must be in [0, {MAX_SEED}]")
-    return ImagePlan(prompt=f"<|im_start|>{request.prompt}<|im_end|>", width=width,
-                     height=height, options=BagelImageOptions(
-                         width, height, seed, _guidance(request.extra)))
+    return ImagePlan(prompt=ar_prompt(request.prompt), width=width, height=height,
+                     options=BagelImageOptions(width, height, seed,
+                                               _guidance(request.extra)),
+                     companions=companions)
+
+
+def _context(output: UpstreamOutput):
+    """``(k, v, rope)`` of an AR output: its prompt's keys and values ``[layers, tokens,
+    kv_heads, head_dim]`` and the next RoPE position.
+
+    Raises:
+        ValueError: the output has no keys and values for its whole prompt.
+    """
+    if "k" not in output.payload or "v" not in output.payload:
+        raise ValueError(f"stage {output.stage_id} published no keys and values (is it "
+                         "OmniPluginBagelAR?)")
+    length = len(output.prompt_token_ids)
+    k = output.payload["k"].transpose(0, 1)
+    v = output.payload["v"].transpose(0, 1)
+    if k.shape[1] < length:
+        raise ValueError(f"stage {output.stage_id} published {k.shape[1]} positions of a "
+                         f"{length}-token prompt")
+    return k[:, :length], v[:, :length], length
 
 
 def bagel_ar2dit(upstream: list[UpstreamOutput], stage, extras: dict[str, Any]) -> StageInput:
     """AR context -> DiT request: the CFG branches' contexts from the AR stage's
-    ``k``/``v`` rows ``[tokens, layers, kv_heads, head_dim]`` (see the module doc), the
-    seed's noise and the guidance; a one-token placeholder prompt, ``max_tokens=1``.
+    ``k``/``v`` rows ``[tokens, layers, kv_heads, head_dim]`` (the request's, and its
+    negative prompt companion's if any; see the module doc), the seed's noise and the
+    guidance; a one-token placeholder prompt, ``max_tokens=1``.
 
     Raises:
         ValueError: the request has no image options (not an image request), or the AR
@@ -121,22 +155,16 @@ def bagel_ar2dit(upstream: list[UpstreamOutput], stage, extras: dict[str, Any]) 
     if not isinstance(options, BagelImageOptions):
         raise ValueError("not an image request (POST /v1/images/generations)")
     (ar,) = upstream
-    if "k" not in ar.payload or "v" not in ar.payload:
-        raise ValueError(f"stage {ar.stage_id} published no keys and values (is it "
-                         "OmniPluginBagelAR?)")
-    k = ar.payload["k"].transpose(0, 1)
-    v = ar.payload["v"].transpose(0, 1)
-    length = len(ar.prompt_token_ids)
-    if k.shape[1] < length:
-        raise ValueError(f"stage {ar.stage_id} published {k.shape[1]} positions of a "
-                         f"{length}-token prompt")
-    k, v = k[:, :length], v[:, :length]
-    empty = k[:, :0]
+    k, v, length = _context(ar)
+    negative = extras.get("companions", {}).get(NEGATIVE)
+    if negative is not None:
+        text_uncond = _context(negative)
+    else:
+        text_uncond = (k[:, :0], v[:, :0], 0)
     hf_config = extras["hf_config"]
     noise = initial_noise(options.seed, options.height, options.width, hf_config)
     payload = generation_payload(noise, options.height, options.width, options.guidance, {
-        "cond": (k, v, length), "text_uncond": (empty, empty, 0),
-        "img_uncond": (k, v, length)})
+        "cond": (k, v, length), "text_uncond": text_uncond, "img_uncond": (k, v, length)})
     return StageInput(prompt_token_ids=[0], payload=payload,
                       sampling_overrides={"max_tokens": 1})
 
