@@ -32,6 +32,7 @@ class RequestError(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(f"'{field}': {message}")
         self.field = field
+        self.message = message
 
 
 @dataclass(frozen=True)

@@ -175,6 +175,15 @@ def guided_velocity(v: torch.Tensor, v_text: torch.Tensor | None, v_img: torch.T
     return guided * ratio.clamp(min=renorm_min, max=1.0)
 
 
+def branches_for(text_scale: float, img_scale: float) -> list[str]:
+    """The CFG branches whose velocities :func:`guided_velocity` combines at these
+    scales: ``cond``, then ``text_uncond`` when ``text_scale > 1``, then ``img_uncond``
+    when both scales are above 1."""
+    if text_scale <= 1.0:
+        return ["cond"]
+    return ["cond", "text_uncond"] + (["img_uncond"] if img_scale > 1.0 else [])
+
+
 def timestep_embedding(t: torch.Tensor, dim: int = TIMESTEP_FREQUENCIES) -> torch.Tensor:
     """``[n]`` timesteps (fractions in [0, 1], not scaled) -> ``[n, dim]`` float32:
     ``cos(t * f_i)`` then ``sin(t * f_i)``, ``f_i = 10000^(-i / (dim / 2))``."""
@@ -373,19 +382,16 @@ class BagelDiT(nn.Module):
             3]`` uint8.
 
         Raises:
-            ValueError: a size not made of whole latent tokens, or a branch that a scale
-                above 1 needs is missing (named).
+            RequestError: a size not made of whole latent tokens (see
+                :func:`check_image_size`).
+            ValueError: a branch that a scale above 1 needs is missing (named).
         """
-        self.check_size(height, width)
+        check_image_size(self.config, width, height)
         hw = (height // self.downsample) * (width // self.downsample)
         if tuple(noise.shape) != (hw, self.latent_dim):
             raise ValueError(f"noise has shape {tuple(noise.shape)}, a {height}x{width} image "
                              f"needs ({hw}, {self.latent_dim})")
-        needed = ["cond"]
-        if guidance.cfg_text_scale > 1.0:
-            needed.append("text_uncond")
-            if guidance.cfg_img_scale > 1.0:
-                needed.append("img_uncond")
+        needed = branches_for(guidance.cfg_text_scale, guidance.cfg_img_scale)
         missing = [name for name in needed if name not in branches]
         if missing:
             raise ValueError(f"the {', '.join(missing)} CFG branch is missing (guidance "
@@ -396,8 +402,7 @@ class BagelDiT(nn.Module):
         timesteps = guidance.timesteps().tolist()
         for t, t_next in zip(timesteps[:-1], timesteps[1:], strict=True):
             text_scale, img_scale = guidance.scales_at(t)
-            names = ["cond"] + (["text_uncond"] if text_scale > 1.0 else []) + (
-                ["img_uncond"] if text_scale > 1.0 and img_scale > 1.0 else [])
+            names = branches_for(text_scale, img_scale)
             vs = dict(zip(names, self.velocities(x, t, positions,
                                                  [branches[n] for n in names]), strict=True))
             v = guided_velocity(vs["cond"], vs.get("text_uncond"), vs.get("img_uncond"),
@@ -405,15 +410,6 @@ class BagelDiT(nn.Module):
                                 guidance.cfg_renorm_min)
             x = x - v * (t - t_next)
         return x, self.decode(x, height, width)
-
-    def check_size(self, height: int, width: int) -> None:
-        """Raises ValueError unless both sides are positive multiples of the latent token
-        (16 px for BAGEL) and at most ``max_latent_size`` tokens."""
-        biggest = self.downsample * self.max_latent_size
-        for name, side in (("height", height), ("width", width)):
-            if side <= 0 or side % self.downsample or side > biggest:
-                raise ValueError(f"{name} {side} must be a multiple of {self.downsample} "
-                                 f"between {self.downsample} and {biggest}")
 
     def decode(self, latent: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """``[h*w, p*p*z]`` latent -> ``[height, width, 3]`` uint8."""
@@ -474,6 +470,21 @@ def latent_token_pixels(config) -> int:
     """Pixels a side of one latent token: the autoencoder's downsampling times
     ``latent_patch_size`` (16 for BAGEL)."""
     return int(config.vae_config.get("downsample", 8)) * int(config.latent_patch_size)
+
+
+def max_image_side(config) -> int:
+    """The largest image side in pixels: ``max_latent_size`` latent tokens."""
+    return latent_token_pixels(config) * int(config.max_latent_size)
+
+
+def check_image_size(config, width: int, height: int) -> None:
+    """Raises :class:`RequestError` (field ``size``) unless both sides are multiples of
+    the latent token (16 px for BAGEL) between one token and :func:`max_image_side`."""
+    token, biggest = latent_token_pixels(config), max_image_side(config)
+    for side in (width, height):
+        if side % token or not token <= side <= biggest:
+            raise RequestError("size", f"{width}x{height}: each side must be a multiple of "
+                               f"{token} between {token} and {biggest}")
 
 
 def initial_noise(seed: int, height: int, width: int, config) -> torch.Tensor:

@@ -19,9 +19,10 @@ from typing import Any
 
 from vllm_omni_plugin.models.bagel.dit import (
     Guidance,
+    check_image_size,
     generation_payload,
     initial_noise,
-    latent_token_pixels,
+    max_image_side,
 )
 from vllm_omni_plugin.processors.hookspecs import (
     ImagePlan,
@@ -90,7 +91,7 @@ def _guidance(extra: dict[str, Any]) -> Guidance:
         return Guidance(**values)
     except RequestError as exc:
         api = {v: k for k, v in KNOBS.items()}[exc.field]
-        raise RequestError(api, str(exc).split(": ", 1)[1]) from None
+        raise RequestError(api, exc.message) from None
 
 
 def plan_bagel_image(hf_config, request: ImageRequest) -> ImagePlan:
@@ -101,13 +102,8 @@ def plan_bagel_image(hf_config, request: ImageRequest) -> ImagePlan:
             above the checkpoint's largest, a bad knob, an unknown field, a seed out of
             range, or a blank negative prompt.
     """
-    token = latent_token_pixels(hf_config)
-    biggest = token * int(hf_config.max_latent_size)
-    width, height = request.size or (min(DEFAULT_SIDE, biggest),) * 2
-    for side in (width, height):
-        if side % token or not token <= side <= biggest:
-            raise RequestError("size", f"{width}x{height}: each side must be a multiple of "
-                               f"{token} between {token} and {biggest}")
+    width, height = request.size or (min(DEFAULT_SIDE, max_image_side(hf_config)),) * 2
+    check_image_size(hf_config, width, height)
     companions = {}
     if request.negative_prompt is not None:
         if not request.negative_prompt.strip():
