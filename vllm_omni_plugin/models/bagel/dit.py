@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -278,6 +279,16 @@ class _Layer(nn.Module):
         return x + y
 
 
+class _Packed(NamedTuple):
+    """CFG branches' contexts as one padded batch (:meth:`BagelDiT.pack`)."""
+
+    ctx_k: torch.Tensor      # [layers, branches, L, kv_heads, head_dim]
+    ctx_v: torch.Tensor
+    mask: torch.Tensor | None  # [branches, 1, 1, L + n], False at padding; None: none
+    gen: torch.Tensor        # [branches * n] bool: the latent tokens' rows
+    positions: torch.Tensor  # [branches * n] each branch's RoPE position
+
+
 class BagelDiT(nn.Module):
     """The generation path of BAGEL: velocity of latent tokens given CFG branches'
     contexts, Euler sampling and the autoencoder's decoder.
@@ -321,50 +332,59 @@ class BagelDiT(nn.Module):
         x = self.time_embedder["0"](timestep_embedding(t).to(self.marker_embeds.dtype))[0]
         return self.time_embedder["2"](F.silu(x))[0]
 
-    def velocities(self, x: torch.Tensor, t: float, positions: torch.Tensor,
-                   contexts: list[tuple[torch.Tensor, torch.Tensor, int]]) -> torch.Tensor:
-        """The latent tokens' velocity under each context.
+    def pack(self, contexts: list[tuple[torch.Tensor, torch.Tensor, int]], hw: int,
+             device) -> _Packed:
+        """The branches' contexts as one padded batch for :meth:`velocities` (built once
+        per set of branches, not per step).
 
         Args:
-            x: ``[h*w, latent_dim]`` the latent at shifted timestep ``t``.
-            positions: ``[h*w]`` rows of the latent position table.
             contexts: per branch ``(k, v, rope)``: ``[layers, L, kv_heads, head_dim]``
                 keys and values, and the RoPE position of the query.
-
-        Returns:
-            ``[len(contexts), h*w, latent_dim]`` float32.
+            hw: latent tokens of the image.
         """
         dtype = self.marker_embeds.dtype
-        hw = x.shape[0]
         n = hw + 2
         b = len(contexts)
-        # vLLM's PositionEmbedding keeps its table where numpy made it (the CPU)
-        latent = (self.vae2llm(x.to(dtype))[0]
-                  + self._embed_time(torch.tensor([t], device=x.device))
-                  + self.latent_pos_embed(positions).to(device=x.device, dtype=dtype))
-        query = torch.cat([self.marker_embeds[:1], latent, self.marker_embeds[1:]])
-        hidden = query.repeat(b, 1)
-        gen = torch.zeros(n, dtype=torch.bool, device=x.device)
+        gen = torch.zeros(n, dtype=torch.bool, device=device)
         gen[1:-1] = True
-        gen = gen.repeat(b)
-        rope = torch.tensor([c[2] for c in contexts], device=x.device)
-        pos = rope.repeat_interleave(n)
+        rope = torch.tensor([c[2] for c in contexts], device=device)
         longest = max(c[0].shape[1] for c in contexts)
-        layers = len(self.layers)
         kv_heads, hd = contexts[0][0].shape[2:]
-        ctx_k = x.new_zeros(layers, b, longest, kv_heads, hd, dtype=dtype)
+        ctx_k = torch.zeros(len(self.layers), b, longest, kv_heads, hd, dtype=dtype,
+                            device=device)
         ctx_v = torch.zeros_like(ctx_k)
-        mask = torch.ones(b, 1, 1, longest + n, dtype=torch.bool, device=x.device)
+        mask = torch.ones(b, 1, 1, longest + n, dtype=torch.bool, device=device)
         for i, (k, v, _) in enumerate(contexts):
             length = k.shape[1]
             ctx_k[:, i, :length] = k.to(dtype)
             ctx_v[:, i, :length] = v.to(dtype)
             mask[i, ..., length:longest] = False
+        return _Packed(ctx_k, ctx_v, None if bool(mask.all()) else mask, gen.repeat(b),
+                       rope.repeat_interleave(n))
+
+    def velocities(self, x: torch.Tensor, t: float, pos_embed: torch.Tensor,
+                   packed: _Packed) -> torch.Tensor:
+        """The latent tokens' velocity under each packed context.
+
+        Args:
+            x: ``[h*w, latent_dim]`` the latent at shifted timestep ``t``.
+            pos_embed: ``[h*w, hidden]`` the latent tokens' rows of the position table.
+            packed: the branches' contexts (:meth:`pack`).
+
+        Returns:
+            ``[branches, h*w, latent_dim]`` float32.
+        """
+        dtype = self.marker_embeds.dtype
+        b = packed.ctx_k.shape[1]
+        latent = (self.vae2llm(x.to(dtype))[0]
+                  + self._embed_time(torch.tensor([t], device=x.device)) + pos_embed)
+        query = torch.cat([self.marker_embeds[:1], latent, self.marker_embeds[1:]])
+        hidden = query.repeat(b, 1)
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, gen, pos, self.rotary, ctx_k[i], ctx_v[i],
-                           None if bool(mask.all()) else mask)
-        out = self.llm2vae(self.norm_gen(hidden[gen]))[0]
-        return out.reshape(b, hw, -1).float()
+            hidden = layer(hidden, packed.gen, packed.positions, self.rotary,
+                           packed.ctx_k[i], packed.ctx_v[i], packed.mask)
+        out = self.llm2vae(self.norm_gen(hidden[packed.gen]))[0]
+        return out.reshape(b, x.shape[0], -1).float()
 
     # -- sampling ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -396,15 +416,20 @@ class BagelDiT(nn.Module):
         if missing:
             raise ValueError(f"the {', '.join(missing)} CFG branch is missing (guidance "
                              f"{guidance.cfg_text_scale}/{guidance.cfg_img_scale} needs it)")
-        positions = latent_position_ids(height, width, self.downsample,
-                                        self.max_latent_size).to(noise.device)
+        positions = latent_position_ids(height, width, self.downsample, self.max_latent_size)
+        # vLLM's PositionEmbedding keeps its table where numpy made it (the CPU)
+        pos_embed = self.latent_pos_embed(positions).to(device=noise.device,
+                                                        dtype=self.marker_embeds.dtype)
         x = noise.float()
+        packed: dict[tuple[str, ...], _Packed] = {}  # by branch set: at most two per image
         timesteps = guidance.timesteps().tolist()
         for t, t_next in zip(timesteps[:-1], timesteps[1:], strict=True):
             text_scale, img_scale = guidance.scales_at(t)
-            names = branches_for(text_scale, img_scale)
-            vs = dict(zip(names, self.velocities(x, t, positions,
-                                                 [branches[n] for n in names]), strict=True))
+            names = tuple(branches_for(text_scale, img_scale))
+            if names not in packed:
+                packed[names] = self.pack([branches[n] for n in names], hw, noise.device)
+            vs = dict(zip(names, self.velocities(x, t, pos_embed, packed[names]),
+                          strict=True))
             v = guided_velocity(vs["cond"], vs.get("text_uncond"), vs.get("img_uncond"),
                                 text_scale, img_scale, guidance.cfg_renorm_type,
                                 guidance.cfg_renorm_min)
