@@ -25,9 +25,8 @@ from vllm_omni_plugin.processors.hookspecs import ImageRequest, RequestError
 
 IMAGES_PATH = "/v1/images/generations"
 MAX_PROMPT_CHARS = 32000
-#: ``output_format`` -> Pillow's format name and the response's media type
-IMAGE_FORMATS = {"png": ("PNG", "image/png"), "jpeg": ("JPEG", "image/jpeg"),
-                 "webp": ("WEBP", "image/webp")}
+#: ``output_format`` -> Pillow's format name
+IMAGE_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
 #: OpenAI fields this server does not serve (refused by name, not passed to the model)
 UNSUPPORTED = ("quality", "style", "background", "moderation", "stream", "partial_images",
                "input_fidelity")
@@ -96,7 +95,7 @@ def encode_image(pixels, fmt: str, compression: int | None) -> bytes:
     array = pixels.numpy() if hasattr(pixels, "numpy") else pixels
     out = io.BytesIO()
     kwargs = {} if compression is None else {"quality": compression}
-    Image.fromarray(array).save(out, format=IMAGE_FORMATS[fmt][0], **kwargs)
+    Image.fromarray(array).save(out, format=IMAGE_FORMATS[fmt], **kwargs)
     return out.getvalue()
 
 

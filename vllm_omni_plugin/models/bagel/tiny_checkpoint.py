@@ -54,7 +54,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_omni_plugin.models.bagel.autoencoder import FLUX_AE
+from vllm_omni_plugin.models.bagel.autoencoder import FLUX_AE, FluxDecoder
 from vllm_omni_plugin.tools.tiny_tokenizer import (
     QWEN25_ADDED_TOKENS,
     build_qwen_tokenizer,
@@ -211,7 +211,9 @@ def _generation_shapes(llm_hidden: int, vit_hidden: int, z: int,
 
 
 def _ae_shapes(ae: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of the FLUX autoencoder's state dict (BFL's layout)."""
+    """Names and shapes of the FLUX autoencoder's state dict (BFL's layout): the encoder
+    written out here (the plugin has no encoder module), the decoder read off
+    :class:`FluxDecoder`."""
     shapes: dict[str, tuple[int, ...]] = {}
 
     def conv(name, cin, cout, k):
@@ -252,18 +254,9 @@ def _ae_shapes(ae: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     norm("encoder.norm_out", cin)
     conv("encoder.conv_out", cin, 2 * z, 3)
 
-    cin = ch * mult[-1]
-    conv("decoder.conv_in", z, cin, 3)
-    mid("decoder.mid", cin)
-    for i in reversed(range(levels)):
-        cout = ch * mult[i]
-        for j in range(blocks + 1):
-            resnet(f"decoder.up.{i}.block.{j}", cin, cout)
-            cin = cout
-        if i != 0:
-            conv(f"decoder.up.{i}.upsample.conv", cin, cin, 3)
-    norm("decoder.norm_out", cin)
-    conv("decoder.conv_out", cin, ae["out_ch"], 3)
+    # the decoder: the plugin's own module, built with the same key names
+    shapes.update((f"decoder.{name}", tuple(t.shape))
+                  for name, t in FluxDecoder(ae).state_dict().items())
     return shapes
 
 
