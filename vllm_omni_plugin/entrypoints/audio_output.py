@@ -246,7 +246,7 @@ class OmniAudioMiddleware:
     def media_limits(self, scope) -> MediaLimits:
         """The served model's media limits, read once from vLLM's app state."""
         if self._limits is None:
-            config = getattr(getattr(scope.get("app"), "state", None), "vllm_config", None)
+            config = _vllm_config(scope)
             self._limits = MediaLimits() if config is None else \
                 MediaLimits.from_vllm_config(config)
         return self._limits
@@ -254,8 +254,7 @@ class OmniAudioMiddleware:
     def voices(self, scope) -> Voices | None:
         """The served checkpoint's voices (the ``omni_list_voices`` hook), read once."""
         if self._voices is _UNSET:
-            config = getattr(getattr(scope.get("app"), "state", None), "vllm_config", None)
-            hf_config = getattr(getattr(config, "model_config", None), "hf_config", None)
+            hf_config = _hf_config(scope)
             self._voices = None if hf_config is None else list_voices(hf_config)
         return self._voices
 
@@ -353,8 +352,7 @@ class OmniAudioMiddleware:
                 images.
         """
         request, fmt, compression = parse_image_request(body)
-        config = getattr(getattr(scope.get("app"), "state", None), "vllm_config", None)
-        hf_config = getattr(getattr(config, "model_config", None), "hf_config", None)
+        hf_config = _hf_config(scope)
         plan = None if hf_config is None else plan_image(hf_config, request)
         if plan is None:
             raise RequestError("model", "the served model does not generate images")
@@ -470,6 +468,16 @@ class OmniAudioMiddleware:
                         "body": encoded if speech.stream_format == "audio"
                         else sse_delta(encoded)})
             partials.task_done()
+
+
+def _vllm_config(scope):
+    """The served model's ``VllmConfig`` from vLLM's app state, or None."""
+    return getattr(getattr(scope.get("app"), "state", None), "vllm_config", None)
+
+
+def _hf_config(scope):
+    """The served checkpoint's HF config, or None."""
+    return getattr(getattr(_vllm_config(scope), "model_config", None), "hf_config", None)
 
 
 def _replay(body: bytes, receive):
