@@ -135,18 +135,20 @@ class ServeProcess:
         return {r for r, v in self.replica_metric("vllm_omni:replica_status", stage,
                                                   status="up").items() if v}
 
-    def attach(self, headless: list[ServeProcess], stage: int,
-               timeout: float = 60) -> dict[int, ServeProcess]:
-        """Wait until this head is ready and lists every ``headless`` replica process of
-        ``stage`` as up; returns them by replica id (each with ``task_address`` set)."""
+    def attach(self, headless: list[ServeProcess], stage: int, timeout: float = 60,
+               local: int = 0) -> dict[int, ServeProcess]:
+        """Wait until this head is ready and lists its ``local`` replicas of ``stage``
+        (ids from 0) and every ``headless`` replica process of it (the next ids) as up;
+        returns the headless ones by replica id (each with ``task_address`` set)."""
         self.wait_ready()
         replicas = {}
         for proc in headless:
             match = proc.wait_for_log(rf"stage {stage} replica (\d+) serving on (tcp://\S+)")
             replicas[int(match.group(1))] = proc
             proc.task_address = match.group(2)
-        assert sorted(replicas) == list(range(len(headless))), sorted(replicas)
-        self.wait_until(lambda: self.replicas_up(stage) == set(replicas), timeout)
+        assert sorted(replicas) == list(range(local, local + len(headless))), sorted(replicas)
+        self.wait_until(lambda: self.replicas_up(stage) == set(range(local)) | set(replicas),
+                        timeout)
         return replicas
 
     def chat_body(self, **extra) -> dict:

@@ -1,11 +1,13 @@
-"""BAGEL scenario B with real processes: the head `vllm serve` runs the AR stage, two
-headless `vllm serve --headless --stage-id 1` processes run one DiT replica each.
+"""BAGEL scenarios B and C with real processes (`stage_configs/bagel_replicated.yaml`):
+the head `vllm serve` runs the AR stage's first replica (its own engine), a headless
+`vllm serve --headless --stage-id 0` a second AR replica, and two headless
+`vllm serve --headless --stage-id 1` processes one DiT replica each.
 
-Everything is real: three `vllm serve` processes, three EngineCores, the master, the
-coordinator, heartbeats and task channels over TCP (the DiT's context travels as a
-payload blob). The faults are real signals to a replica's process group: SIGSTOP (a
-replica that holds its task) and SIGKILL (a replica that dies mid-request). The tests run
-in file order and share the processes; each says what state it leaves.
+Everything is real: four `vllm serve` processes, four EngineCores, the master, the
+coordinator, heartbeats and task channels over TCP (the AR context travels back to the
+head and on to the DiT as payload blobs). The faults are real signals to a replica's
+process group: SIGSTOP (a replica that holds its task) and SIGKILL (a replica that dies
+mid-request). The tests run in file order and share the processes; each says what state it leaves.
 """
 
 from __future__ import annotations
@@ -16,9 +18,8 @@ import threading
 
 import pytest
 import requests
-import yaml
 
-from plugin_tests.conftest import BAGEL_YAML
+from plugin_tests.conftest import REPO
 from plugin_tests.serve_utils import ServeProcess, free_port
 
 pytestmark = pytest.mark.e2e
@@ -30,13 +31,9 @@ WAIT_TIMEOUT = 5.0
 @pytest.fixture(scope="module")
 def cluster(tiny_bagel, tmp_path_factory):
     root = tmp_path_factory.mktemp("bagel_replicas")
-    with open(BAGEL_YAML) as f:
-        pipeline = yaml.safe_load(f)
-    pipeline["stages"][1]["runtime"] = {"num_replicas": 0}  # headless DiT replicas only
-    yaml_path = root / "pipeline.yaml"
-    yaml_path.write_text(yaml.safe_dump(pipeline))
+    yaml_path = f"{REPO}/stage_configs/bagel_replicated.yaml"
     master_port = free_port()
-    common = [tiny_bagel, "--stage-configs-path", str(yaml_path), "--dtype", "float32",
+    common = [tiny_bagel, "--stage-configs-path", yaml_path, "--dtype", "float32",
               "--max-model-len", "512", "-oma", "127.0.0.1", "-omp", str(master_port)]
     head = ServeProcess([*common, "--omni-lb-policy", "round-robin",
                          "--omni-heartbeat-timeout", str(HEARTBEAT_TIMEOUT),
@@ -45,9 +42,11 @@ def cluster(tiny_bagel, tmp_path_factory):
     headless = []
     try:
         head.wait_for_log(r"omni master on tcp://")
-        headless = [ServeProcess([*common, "--headless", "--stage-id", "1"],
-                                 str(root / f"headless{i}.log")) for i in range(2)]
-        replicas = head.attach(headless, stage=1)
+        headless = [ServeProcess([*common, "--headless", "--stage-id", str(stage)],
+                                 str(root / f"headless{i}.log"))
+                    for i, stage in enumerate((1, 1, 0))]
+        replicas = head.attach(headless[:2], stage=1)
+        head.ar_replica = head.attach(headless[2:], stage=0, local=1)[1]
         yield head, replicas
     finally:
         for proc in [*headless, head]:
@@ -61,11 +60,11 @@ def _running(head) -> dict[int, float]:
     return head.replica_metric("vllm_omni:replica_requests_running", 1)
 
 
-def _image(head, seed: int, timeout: float = 300) -> requests.Response:
+def _image(head, seed: int, timeout: float = 300, **extra) -> requests.Response:
     model = requests.get(f"{head.url}/v1/models", timeout=10).json()["data"][0]["id"]
     return requests.post(f"{head.url}/v1/images/generations", timeout=timeout, json={
         "model": model, "prompt": "A red boat.", "size": "48x32", "seed": seed,
-        "num_inference_steps": 4})
+        "num_inference_steps": 4, **extra})
 
 
 def _png(response) -> bytes:
@@ -82,6 +81,58 @@ def test_images_spread_over_headless_dit_replicas_and_seeds_reproduce(cluster):
     after = head.replica_metric("vllm_omni:replica_requests_total", 1)
     assert {r: after[r] - before.get(r, 0) for r in after} == {0: 2, 1: 2}
     assert len(set(images)) == 1
+
+
+def _ar_requests(head) -> dict[int, float]:
+    return head.replica_metric("vllm_omni:replica_requests_total", 0)
+
+
+def test_ar_parts_spread_over_the_heads_engine_and_a_headless_replica(cluster):
+    """Scenario C: round robin puts each image request's AR part on the head's engine
+    (replica 0) or the headless AR replica (1), and its negative prompt's companion on
+    the same replica; the same seed gives the same bytes whichever replicas ran it."""
+    head, _ = cluster
+    before = _ar_requests(head)
+    images = [_png(_image(head, seed=21, negative_prompt="A blurry photo."))
+              for _ in range(2)]
+    after = _ar_requests(head)
+    assert {r: after[r] - before.get(r, 0) for r in after} == {0: 2, 1: 2}
+    assert images[0] == images[1]
+    # text (and image understanding) stays on the head's engine
+    model = requests.get(f"{head.url}/v1/models", timeout=10).json()["data"][0]["id"]
+    text = requests.post(f"{head.url}/v1/completions", timeout=60, json={
+        "model": model, "prompt": "<|im_start|>Hello<|im_end|>", "max_tokens": 3})
+    assert text.status_code == 200, text.text
+    assert _ar_requests(head) == after
+
+
+def test_headless_ar_replica_killed_mid_request_resubmits_to_the_heads_engine(cluster):
+    """Round robin alternates the AR parts between the head's engine and the headless AR
+    replica: once the next one is the headless replica's, that replica is stopped
+    (SIGSTOP), a request's AR part waits there, and it is killed (SIGKILL): when its
+    heartbeats are missed the AR part is resubmitted to the head's engine and the image
+    is answered; the next one too. Leaves no headless AR replica."""
+    head, _ = cluster
+    ar = head.ar_replica
+    before = _ar_requests(head)
+    assert _png(_image(head, seed=30))
+    if _ar_requests(head)[1] > before[1]:  # that one ran there: the next runs on the head
+        assert _png(_image(head, seed=31))
+    ar.signal(signal.SIGSTOP)
+    result = {}
+    try:
+        worker = threading.Thread(target=lambda: result.update(r=_image(head, seed=32)))
+        worker.start()
+        head.wait_until(lambda: head.replica_metric(
+            "vllm_omni:replica_requests_running", 0).get(1), 60)
+        ar.signal(signal.SIGKILL)
+    finally:
+        if ar.proc.poll() is None:
+            ar.signal(signal.SIGCONT)
+    worker.join(timeout=300)
+    assert _png(result["r"])
+    head.wait_until(lambda: head.replicas_up(0) == {0}, HEARTBEAT_TIMEOUT + 10)
+    assert _png(_image(head, seed=33))
 
 
 def test_kill_9_mid_request_resubmits_to_the_survivor(cluster):

@@ -166,3 +166,42 @@ def test_a_stage_failure_names_the_stage_and_the_server_goes_on(client, server):
     assert r.status_code == 400, r.text
     assert "stage 1 (dit)" in r.json()["error"]["message"]
     assert _image(_generate(client, server, seed=5, num_inference_steps=3))[0].size == (64, 48)
+
+
+def test_chat_asking_for_an_image_answers_an_image_content_part(client, server):
+    """``modalities: ["image"]`` on chat: the last user message is drawn; the answer's
+    content is one image part (the official SDK parses it), the same bytes as the images
+    API gives for the same prompt, size and seed."""
+    from PIL import Image
+
+    response = client.chat.completions.create(
+        model=server.model, modalities=["image"], messages=[
+            {"role": "user", "content": "Draw something."},
+            {"role": "assistant", "content": "What?"},
+            {"role": "user", "content": [{"type": "text", "text": "A lighthouse at dawn."}]}],
+        extra_body={"size": "64x48", "seed": 1, "num_inference_steps": 4})
+    (part,) = response.choices[0].message.content
+    assert part["type"] == "image_url"
+    head, data = part["image_url"]["url"].split(",", 1)
+    assert head == "data:image/png;base64"
+    png = base64.b64decode(data)
+    assert Image.open(io.BytesIO(png)).size == (64, 48)
+    assert response.usage.prompt_tokens > 0
+    direct = _image(_generate(client, server, prompt="A lighthouse at dawn.", seed=1,
+                              num_inference_steps=4))[1]
+    assert png == direct
+
+
+@pytest.mark.parametrize("extra,field", [
+    ({"modalities": ["text", "image"]}, "modalities"),
+    ({"modalities": ["image"], "stream": True}, "stream"),
+    ({"modalities": ["image"], "size": "60x64"}, "size"),
+    ({"modalities": ["image"], "tools": []}, "tools"),
+])
+def test_bad_image_chats_are_400s_naming_the_field(server, extra, field):
+    import requests
+
+    r = requests.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "model": server.model, "messages": [{"role": "user", "content": "A cat."}], **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from plugin_tests.conftest import PYTHON, QWEN3_OMNI_YAML, VLLM
+from plugin_tests.conftest import PYTHON, QWEN3_OMNI_PD_YAML, QWEN3_OMNI_YAML, VLLM
 
 
 def _serve(tmp_path, yaml_text: str) -> subprocess.CompletedProcess:
@@ -70,7 +70,8 @@ print(json.dumps({k: repr(v) for k, v in sorted(vars(ns).items()) if k != "dispa
 
 @pytest.mark.parametrize("flags, expected", [
     (["--headless", "--stage-id", "1"], "--headless --stage-id needs --omni-master-port"),
-    (["--headless", "--stage-id", "0", "-omp", "9"], "--stage-id 0 is the entry stage"),
+    (["--stage-configs-path", QWEN3_OMNI_PD_YAML, "--headless", "--stage-id", "0", "-omp",
+      "9"], "--stage-id 0 is the entry stage, a decode stage (pd)"),
     (["--headless", "--stage-id", "7", "-omp", "9"], "--stage-id 7: the pipeline has no such"),
     (["--stage-id", "1"], "--stage-id 1: without --headless"),
     (["-ora", "10.0.0.2"], "--omni-replica-address applies to headless replicas"),
@@ -78,7 +79,7 @@ print(json.dumps({k: repr(v) for k, v in sorted(vars(ns).items()) if k != "dispa
     (["--omni-heartbeat-timeout", "0"], "--omni-heartbeat-timeout must be positive"),
     (["--omni-lb-policy", "fastest"], "invalid choice: 'fastest'"),
     (["--omni-admission-timeout", "-1"], "--omni-admission-timeout must be >= 0"),
-], ids=["headless-no-port", "headless-entry", "headless-unknown-stage", "stage-id-on-head",
+], ids=["headless-no-port", "headless-pd-entry", "headless-unknown-stage", "stage-id-on-head",
         "ora-on-head", "dp-size-on-head", "bad-timeout", "bad-policy", "bad-admission-timeout"])
 def test_bad_omni_flags_fail_naming_the_flag(tmp_path, flags, expected):
     env = {**os.environ}

@@ -10,7 +10,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from vllm_omni_plugin.entrypoints.images import parse_image_request  # noqa: E402
+from vllm_omni_plugin.entrypoints.images import (  # noqa: E402
+    chat_image_body,
+    chat_image_response,
+    parse_image_request,
+)
 from vllm_omni_plugin.models.bagel import processors as bp  # noqa: E402
 from vllm_omni_plugin.models.bagel.dit import BRANCHES, Guidance  # noqa: E402
 from vllm_omni_plugin.processors import (  # noqa: E402
@@ -46,6 +50,46 @@ def test_openai_fields_parse_and_the_rest_goes_to_the_model():
         with pytest.raises(RequestError) as err:
             parse_image_request(body)
         assert err.value.field == field
+
+
+def test_an_image_chat_becomes_an_image_request_of_its_last_user_message():
+    body = chat_image_body({
+        "model": "m", "modalities": ["image"], "max_tokens": 5, "temperature": 0.3,
+        "size": "32x32", "seed": 4, "cfg_text_scale": 2.0, "messages": [
+            {"role": "user", "content": "a dog"}, {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": [{"type": "text", "text": "a cat"},
+                                         {"type": "text", "text": "on a mat"}]}]})
+    assert body == {"model": "m", "prompt": "a cat\non a mat", "size": "32x32", "seed": 4,
+                    "cfg_text_scale": 2.0}
+    request = parse_image_request(body)[0]
+    assert (request.prompt, request.size, request.seed) == ("a cat\non a mat", (32, 32), 4)
+    user = [{"role": "user", "content": "a cat"}]
+    for bad, field in (
+            ({"modalities": ["text", "image"], "messages": user}, "modalities"),
+            ({"modalities": ["image"], "messages": user, "stream": True}, "stream"),
+            ({"modalities": ["image"], "messages": [{"role": "system", "content": "x"}]},
+             "messages"),
+            ({"modalities": ["image"], "messages": [{"role": "user", "content": " "}]},
+             "messages"),
+            ({"modalities": ["image"], "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "like this"},
+                {"type": "image_url", "image_url": {"url": "data:,"}}]}]},
+             "messages[0].content[1]")):
+        with pytest.raises(RequestError) as err:
+            chat_image_body({"model": "m", **bad})
+        assert err.value.field == field
+
+
+def test_an_image_chat_answer_is_one_image_content_part():
+    import base64
+
+    answer = chat_image_response(b"\x89PNG", "png", "m", {"prompt_tokens": 3})
+    assert answer["object"] == "chat.completion" and answer["model"] == "m"
+    (part,) = answer["choices"][0]["message"]["content"]
+    assert part["type"] == "image_url"
+    head, data = part["image_url"]["url"].split(",", 1)
+    assert head == "data:image/png;base64" and base64.b64decode(data) == b"\x89PNG"
+    assert answer["usage"] == {"prompt_tokens": 3}
 
 
 def test_the_plan_wraps_the_prompt_and_checks_size_and_knobs(config):

@@ -23,12 +23,15 @@ from vllm.sampling_params import RequestOutputKind
 from vllm_omni_plugin import extra_args as xargs
 from vllm_omni_plugin.config.loader import parse_pipeline_config
 from vllm_omni_plugin.config.schema import StreamingConfig
+from vllm_omni_plugin.coordinator import RoundRobinBalancer
 from vllm_omni_plugin.engine.admission import AdmissionGate
 from vllm_omni_plugin.engine.omni_request import OmniRequest, omni_request_scope
 from vllm_omni_plugin.engine.orchestrator import Orchestrator, StageError
 from vllm_omni_plugin.payload_store import PayloadStore
 from vllm_omni_plugin.processors.hookspecs import StageInput
-from vllm_omni_plugin.replicas.task import StageRun, TaskError
+from vllm_omni_plugin.replicas.pool import StagePool
+from vllm_omni_plugin.replicas.replica import Replica
+from vllm_omni_plugin.replicas.task import StageRun, StageTask, TaskError
 
 PROMPT = [5, 6, 7]
 ENTRY_TOKENS = [11, 12]
@@ -771,3 +774,81 @@ def test_a_fed_stage_failing_while_the_entry_runs_fails_the_request(tmp_path):
     assert request.result.error == "stage 1 (talker): worker failed: boom"
     assert orchestrator.store.keys() == [] and orchestrator.admission.in_flight == {1: 0, 2: 0}
     assert orchestrator._inflight == {}
+
+
+class EntryReplica(Replica):
+    """A replica of the entry stage: records each task and returns a scripted run (a
+    ``k`` payload), or fails the tasks whose ids are in ``failing``."""
+
+    def __init__(self, replica_id: int, failing: tuple[str, ...] = ()) -> None:
+        super().__init__(0, replica_id, f"scripted:{replica_id}")
+        self.queue_length = 0
+        self.failing = failing
+        self.ran: list[StageTask] = []
+
+    async def run(self, task, on_rows=None):
+        self.ran.append(task)
+        await asyncio.sleep(0)
+        if task.request_id in self.failing:
+            raise TaskError("worker failed: boom", 500)
+        return StageRun(list(task.prompt_token_ids), [9], {"k": torch.ones(3, 2)},
+                        finish_reason="length")
+
+
+def _image_orchestrator(tmp_path, replicas):
+    """Stages 0 -> 1 -> 2 with an entry pool of ``replicas`` (round robin) and a
+    tokenizer that spells each character's code point."""
+    orchestrator, calls = _orchestrator(tmp_path)
+    pool = StagePool(0, RoundRobinBalancer(), 0.3)
+    for replica in replicas:
+        pool.add(replica)
+    orchestrator.pools[0] = orchestrator._entry_pool = pool
+    orchestrator.tokenize = lambda text: [ord(c) for c in text]
+    return orchestrator, calls
+
+
+def test_a_request_asking_no_text_runs_its_entry_part_and_companions_on_one_replica(
+        tmp_path):
+    """The entry stage's part of an image request is a task of the entry stage's pool;
+    its companion follows it to the same replica, the next request goes to the other
+    one (round robin); the head's engine runs nothing, and vLLM's handler gets a final
+    output without text."""
+    replicas = [EntryReplica(0), EntryReplica(1)]
+    orchestrator, calls = _image_orchestrator(tmp_path, replicas)
+    seen = []
+
+    def processor(upstream, stage, extras):
+        seen.append((stage.stage_id, extras.get("companions")))
+        return StageInput(prompt_token_ids=[1, 2])
+
+    orchestrator.processors = dict.fromkeys(orchestrator.processors, processor)
+    for rid in ("img-1", "img-2"):
+        request = OmniRequest(modalities=("image",), companions={"neg": "ab"})
+        outputs = asyncio.run(_run(orchestrator, request, request_id=rid))
+        assert request.result.error is None
+        (final,) = outputs
+        assert final.finished and final.outputs[0].text == ""
+        assert final.outputs[0].token_ids == [9] and final.prompt_token_ids == PROMPT
+    assert [[t.request_id for t in r.ran] for r in replicas] == [
+        ["img-1-s0", "img-1-neg"], ["img-2-s0", "img-2-neg"]]
+    assert replicas[0].ran[1].prompt_token_ids == [ord("a"), ord("b")]
+    assert replicas[0].ran[0].sampling["max_tokens"] == 4
+    neg = seen[0][1]["neg"]
+    assert seen[0][0] == 1 and neg.stage_id == 0 and neg.prompt_token_ids == [97, 98]
+    assert orchestrator.entry_generate.seen_extra_args == []
+    assert orchestrator.pools[0]._affinity == {}  # nothing remembered after the request
+    assert orchestrator.store.keys() == []
+    # text is the head engine's
+    asyncio.run(_run(orchestrator, _audio()))
+    assert len(orchestrator.entry_generate.seen_extra_args) == 1
+    assert sum(len(r.ran) for r in replicas) == 4
+
+
+def test_a_failing_companion_fails_the_request_naming_stage_and_companion(tmp_path):
+    orchestrator, _ = _image_orchestrator(tmp_path, [EntryReplica(0, failing=("img-neg",))])
+    request = OmniRequest(modalities=("image",), companions={"neg": "ab"})
+    asyncio.run(_run(orchestrator, request, request_id="img"))
+    assert request.result.status == 500
+    assert request.result.error == ("stage 0 (thinker): companion 'neg': worker failed: "
+                                    "boom")
+    assert not orchestrator.pools[1].tasks

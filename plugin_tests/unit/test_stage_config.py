@@ -124,6 +124,14 @@ def test_qwen3_omni_pd_config_loads():
         s.model_dump(exclude=drop) for s in plain.stages]
 
 
+def test_bagel_replicated_config_is_bagel_with_headless_dit_replicas():
+    plain = load_pipeline_config(REPO / "stage_configs" / "bagel.yaml")
+    cfg = load_pipeline_config(REPO / "stage_configs" / "bagel_replicated.yaml")
+    assert cfg.stage(1).runtime.num_replicas == 0 and plain.stage(1).runtime.num_replicas == 1
+    assert [s.model_dump(exclude={"runtime"}) for s in cfg.stages] == [
+        s.model_dump(exclude={"runtime"}) for s in plain.stages]
+
+
 def test_prefill_stage_takes_the_transfer_timeout_of_its_decode_stage():
     cfg = parse_pipeline_config(_pd(decode={"transfer_timeout_s": 12.5}),
                                 check_processors=False)

@@ -47,7 +47,9 @@ def add_omni_args(parser: argparse.ArgumentParser) -> None:
         "--stage-id", type=int, default=None, metavar="N",
         help="Stage this process serves. With --headless: start replicas of stage N that "
         "register with the head at --omni-master-address/--omni-master-port (no API "
-        "server). Without --headless it may only name the entry stage.")
+        "server); replicas of the entry stage serve its part of requests that ask for no "
+        "text (image generation), the head's engine serves text. Without --headless it "
+        "may only name the entry stage.")
     group.add_argument(
         "--omni-master-address", "-oma", type=str, default=_CLUSTER.host, metavar="HOST",
         help="Head: the address its omni master and coordinator bind to (only this one; "
@@ -156,7 +158,8 @@ def validate_omni_args(args: argparse.Namespace) -> None:
         raise ValueError("--omni-dp-size-local applies to headless replicas (--headless "
                          "--stage-id N); the head's replicas per stage come from "
                          "runtime.num_replicas in the stage config, and the entry stage "
-                         "scales with vLLM's --data-parallel-size")
+                         "scales with vLLM's --data-parallel-size (text) and headless "
+                         "replicas (image requests)")
 
 
 def is_omni_headless(args: argparse.Namespace) -> bool:
@@ -198,9 +201,10 @@ def headless_plan(args: argparse.Namespace) -> HeadlessPlan:
         raise StageConfigError(f"--stage-id {args.stage_id}: the pipeline has no such stage "
                                f"(stages: {[s.stage_id for s in pipeline.stages]})",
                                path=path, field="stage_id")
-    if stage.stage_id == pipeline.entry_stage.stage_id:
-        raise ValueError(f"--stage-id {stage.stage_id} is the entry stage, which the head "
-                         "serves itself; scale it with vLLM's --data-parallel-size")
+    if stage.stage_id == pipeline.entry_stage.stage_id and stage.pd is not None:
+        raise ValueError(f"--stage-id {stage.stage_id} is the entry stage, a decode stage "
+                         "(pd), which the head serves itself; scale it with vLLM's "
+                         "--data-parallel-size")
     engine_args = AsyncEngineArgs.from_cli_args(args)
     base = base_args_from(engine_args)
     if stage.is_prefill:  # the decode stage's model; the KV layout from this command line

@@ -338,7 +338,9 @@ class PipelineConfig(BaseModel):
         if entries[0].runtime.num_replicas != 1:
             raise entries[0]._error(
                 "runtime.num_replicas", "the entry stage runs once in the head (got "
-                f"{entries[0].runtime.num_replicas}); scale it with vLLM's --data-parallel-size")
+                f"{entries[0].runtime.num_replicas}); scale it with vLLM's --data-parallel-size, "
+                f"and with headless replicas (--headless --stage-id "
+                f"{entries[0].stage_id}) for requests that ask for no text")
         if not any(s.final_output for s in self.stages):
             raise StageConfigError("no stage has 'final_output: true'", field="final_output")
         return self

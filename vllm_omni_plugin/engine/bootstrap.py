@@ -5,7 +5,8 @@
 the pipeline config, the payload store, the control plane (omni master,
 coordinator, hub), a :class:`~vllm_omni_plugin.replicas.pool.StagePool` per
 downstream stage with its local replicas (engines started concurrently, each
-under a supervisor), the admission gate, the stage input processors (resolved
+under a supervisor), one for the entry stage (without PD) whose local replica is the
+head's own engine, the admission gate, the stage input processors (resolved
 once) and the ``/metrics`` collector, and finally the
 :class:`~vllm_omni_plugin.engine.orchestrator.Orchestrator` that moves requests
 between them. Nothing here is on the request path.
@@ -107,6 +108,12 @@ def build_head(entry_client, vllm_config, settings: OmniSettings) -> Head:
     pools = {s.stage_id: StagePool(s.stage_id, balancer(), conf.replica_wait_timeout)
              for s in replicated}
     base = base_args_from(vllm_config.model_config)
+    entry = pipeline.entry_stage
+    if entry.pd is None:  # headless replicas of the entry stage attach here too
+        pools[entry.stage_id] = StagePool(entry.stage_id, balancer(), conf.replica_wait_timeout)
+        (head_id,) = cluster.register_local(entry.stage_id, 1)
+        pools[entry.stage_id].add(LocalReplica(entry.stage_id, head_id,
+                                               HeadEngine(entry_client), store.root))
     bases = {s.stage_id: base for s in downstream}
     if prefill is not None:  # the entry engine's model and KV cache layout
         bases[prefill.stage_id] = prefill_base_args(base, pipeline.entry_stage, vllm_config)
@@ -146,7 +153,7 @@ def build_head(entry_client, vllm_config, settings: OmniSettings) -> Head:
                 admission.bounds, admission.timeout_s)
     orchestrator = Orchestrator(
         entry_client.entry_generate, entry_client.model_config.hf_config, pipeline, store,
-        pools, admission, processors)
+        pools, admission, processors, tokenize=lambda text: entry_client.tokenizer.encode(text))
     head = Head(settings=settings, pipeline=pipeline, store=store, cluster=cluster,
                 pools=pools, admission=admission, orchestrator=orchestrator,
                 metrics=register_collector(pools, admission), supervisors=supervisors)
@@ -157,6 +164,28 @@ def build_head(entry_client, vllm_config, settings: OmniSettings) -> Head:
     else:
         head.start()
     return head
+
+
+class HeadEngine:
+    """The head's own entry engine (the ``OmniEngineClient``) as the engine of a local
+    replica of the entry stage: its plain ``AsyncLLM`` generate and abort, which skip the
+    orchestrator. vLLM owns its lifetime: :meth:`shutdown` does nothing."""
+
+    def __init__(self, client) -> None:
+        self._client = client
+
+    @property
+    def vllm_config(self):
+        return self._client.vllm_config
+
+    def generate(self, *args, **kwargs):
+        return self._client.entry_generate(*args, **kwargs)
+
+    async def abort(self, request_id) -> None:
+        await self._client.entry_abort(request_id)
+
+    def shutdown(self) -> None:
+        """vLLM shuts the served engine down itself."""
 
 
 def admission_bound(stage, replicas: list, vllm_config) -> int:

@@ -44,6 +44,10 @@ class OmniEngineClient(AsyncLLM):
         """The entry stage's own ``AsyncLLM.generate``."""
         return super().generate(*args, **kwargs)
 
+    async def entry_abort(self, request_id) -> None:
+        """The entry stage's own ``AsyncLLM.abort``."""
+        await super().abort(request_id)
+
     async def abort(self, request_id, *args, **kwargs) -> None:
         await super().abort(request_id, *args, **kwargs)
         await self.head.orchestrator.abort(request_id)

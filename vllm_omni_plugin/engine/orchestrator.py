@@ -13,6 +13,13 @@ request on the stage's engine — puts the final stage's result into the
 stage; a failure fails the request with an error naming the stage, and
 nothing else.
 
+A request whose client reads nothing of the entry stage's output (no text asked for: an
+image request) runs its entry-stage part as a task of the entry stage's pool, like any
+other stage's: on the head's own engine or on a headless replica of the entry stage
+(``vllm serve --headless --stage-id <entry>``). Its companion prompts
+(:attr:`OmniRequest.companions`, e.g. a CFG branch's context) follow it to the same
+replica. Text, and anything with multimodal input, stays on the head's engine.
+
 When the entry stage is a decode stage (``pd.role: decode``), every request first
 runs on a replica of its prefill stage: the prompt's token ids, one output token,
 ``ignore_eos``, vLLM's ``kv_transfer_params`` asking the prefill engine to keep the KV
@@ -42,6 +49,7 @@ from vllm.sampling_params import RequestOutputKind
 from vllm_omni_plugin import extra_args as xargs
 from vllm_omni_plugin.engine.admission import AdmissionGate, AdmissionRefused
 from vllm_omni_plugin.engine.omni_request import (
+    TEXT,
     OmniRequest,
     StageResult,
     current_omni_request,
@@ -66,6 +74,7 @@ class StageError(RuntimeError):
     def __init__(self, stage_id: int, stage_name: str, message: str, status: int = 500,
                  retry_after: float | None = None):
         super().__init__(f"stage {stage_id} ({stage_name}): {message}")
+        self.detail = message
         self.stage_id = stage_id
         self.stage_name = stage_name
         self.status = status
@@ -84,17 +93,21 @@ class Orchestrator:
         pipeline: the ``PipelineConfig``.
         store: the payload store stages exchange tensors through.
         pools: stage id -> ``StagePool`` of every downstream stage and of the entry
-            stage's prefill stage, if any.
+            stage's prefill stage, if any; and of the entry stage itself, if it runs
+            tasks (see :meth:`generate`).
         admission: the gate bounding pipeline requests per downstream stage.
         processors: stage id -> the stage input processor of every downstream stage.
+        tokenize: text -> the entry stage's prompt token ids (for companion prompts
+            run as tasks); None when the entry stage runs no tasks.
 
     Raises:
         ValueError: a downstream stage has no pool or no processor (names it).
     """
 
     def __init__(self, entry_generate, hf_config, pipeline, store: PayloadStore, pools: dict,
-                 admission: AdmissionGate, processors: dict) -> None:
+                 admission: AdmissionGate, processors: dict, tokenize=None) -> None:
         self.entry_generate = entry_generate
+        self.tokenize = tokenize
         self.hf_config = hf_config
         self.pipeline = pipeline
         self.store = store
@@ -114,6 +127,11 @@ class Orchestrator:
         if self.prefill is not None and self.prefill.stage_id not in pools:
             raise ValueError(f"stage {self.prefill.stage_id} ({self.prefill.name}): "
                              "no stage pool")
+        #: the pool of the entry stage's replicas (the head's engine and headless ones)
+        self._entry_pool = pools.get(self.entry.stage_id)
+        if self._entry_pool is not None and tokenize is None:
+            raise ValueError(f"stage {self.entry.stage_id} ({self.entry.name}): a stage "
+                             "pool but no tokenizer")
         self._inflight: dict[str, set[tuple[int, str]]] = {}
         self._stage_of: dict[str, int] = {}  # pipeline request -> the stage it is at
         self._aborted: set[str] = set()
@@ -155,39 +173,44 @@ class Orchestrator:
         downstream = None
         outputs: dict = {}
         try:
-            prefilled = await self._remote_prefill(request_id, prompt, params, publish=True)
-            if prefilled is _ABORTED:
-                return
-            params.extra_args = {**extra, **_decode_extra(prefilled),
-                                 xargs.PAYLOAD: {"out": entry_out_key,
-                                                 **({"prefilled": True} if prefilled else {})}}
-            self._stage_of[request_id] = self.entry.stage_id
-            # streamed requests get only each step's new tokens (RequestOutputKind.DELTA)
-            deltas = [] if params.output_kind == RequestOutputKind.DELTA else None
-            async for out in self.entry_generate(prompt, params, request_id, *args, **kwargs):
-                if deltas is not None and out.outputs:
-                    deltas.extend(out.outputs[0].token_ids)
-                if feed is not None and out.outputs:
-                    feed.update(out.prompt_token_ids,
-                                deltas if deltas is not None else out.outputs[0].token_ids)
-                    if downstream is None:
-                        downstream = asyncio.ensure_future(self._run_downstream(
-                            request, request_id, outputs, extra, admission, feed))
-                if out.finished:
-                    final = out
-                else:
-                    yield out
-            if final is None:
-                return
-            self._check_kv_loaded(prefilled, final)
-            payload = await self._payload(self.entry, entry_out_key)
-            if prefilled:
-                payload = _join_rows(prefilled.payload, payload)
-            outputs[self.entry.stage_id] = _stage_output(self.entry.stage_id, final, payload,
-                                                         deltas)
+            token_ids = self._entry_task_ids(request, prompt, params, request_id)
+            if token_ids is not None:
+                final = await self._run_entry_task(request_id, token_ids, params, outputs)
+                if final is None:
+                    return
+            else:
+                prefilled = await self._remote_prefill(request_id, prompt, params, publish=True)
+                if prefilled is _ABORTED:
+                    return
+                params.extra_args = {**extra, **_decode_extra(prefilled),
+                                     xargs.PAYLOAD: {"out": entry_out_key,
+                                                     **({"prefilled": True} if prefilled else {})}}
+                self._stage_of[request_id] = self.entry.stage_id
+                # streamed requests get only each step's new tokens (RequestOutputKind.DELTA)
+                deltas = [] if params.output_kind == RequestOutputKind.DELTA else None
+                async for out in self.entry_generate(prompt, params, request_id, *args, **kwargs):
+                    if deltas is not None and out.outputs:
+                        deltas.extend(out.outputs[0].token_ids)
+                    if feed is not None and out.outputs:
+                        feed.update(out.prompt_token_ids,
+                                    deltas if deltas is not None else out.outputs[0].token_ids)
+                        if downstream is None:
+                            downstream = asyncio.ensure_future(self._run_downstream(
+                                request, request_id, outputs, extra, admission, feed))
+                    if out.finished:
+                        final = out
+                    else:
+                        yield out
+                if final is None:
+                    return
+                self._check_kv_loaded(prefilled, final)
+                payload = await self._payload(self.entry, entry_out_key)
+                if prefilled:
+                    payload = _join_rows(prefilled.payload, payload)
+                outputs[self.entry.stage_id] = _stage_output(self.entry.stage_id, final, payload,
+                                                             deltas)
             if request.companions:
-                companions = await self._run_companions(request, request_id, params, base,
-                                                        keys)
+                companions = await self._run_companions(request, request_id)
                 if companions is None:
                     return
                 extra = {**extra, "companions": companions}
@@ -212,6 +235,8 @@ class Orchestrator:
             self._inflight.pop(request_id, None)
             self._stage_of.pop(request_id, None)
             self._aborted.discard(request_id)
+            if self._entry_pool is not None:
+                self._entry_pool.forget(request_id)  # its companions' affinity
             # shielded: a client that goes away can cancel this generator again while it
             # cleans up, and a deletion not started yet would then never run
             await asyncio.shield(asyncio.ensure_future(asyncio.to_thread(self._delete, keys)))
@@ -220,34 +245,81 @@ class Orchestrator:
         if final is not None:
             yield final
 
-    async def _run_companions(self, request: OmniRequest, request_id, params, base: str,
-                              keys: list[str]) -> dict | None:
-        """Run the request's companion prompts (:attr:`OmniRequest.companions`) on the
-        entry stage, one after another, each publishing its rows under a key added to
-        ``keys``; their :class:`UpstreamOutput` by name, None when aborted meanwhile.
+    def _entry_task_ids(self, request: OmniRequest, prompt, params, request_id):
+        """The prompt's token ids when the request's entry-stage part runs as a task on
+        one of the entry stage's replicas, else None (it runs on the head's engine).
+
+        It does when the entry stage has a pool (no PD) and the client reads nothing of
+        the entry stage's output: no text asked for (an image request), not streamed,
+        ``n`` 1, and a prompt of plain token ids (multimodal data stays on the head)."""
+        if self._entry_pool is None or TEXT in request.modalities \
+                or request.partials is not None or getattr(params, "n", 1) != 1:
+            return None
+        token_ids = prompt_token_ids_of(prompt)
+        if token_ids is None:
+            logger.info("request %s: stage %d (%s) runs on the head's engine (the prompt is "
+                        "not plain token ids)", request_id, self.entry.stage_id,
+                        self.entry.name)
+        return token_ids
+
+    async def _run_entry_task(self, request_id, token_ids: list[int], params,
+                              outputs: dict):
+        """Run the request's entry-stage part as a task on a replica of the entry stage
+        (its companions follow it there: ``parent_request_id``); its output goes into
+        ``outputs``. Returns the final ``RequestOutput`` for vLLM's handler (no text: the
+        client reads none), None when aborted.
 
         Raises:
-            StageError: a companion failed (names the entry stage and the companion).
+            StageError: the task failed (names the entry stage).
         """
+        from vllm_omni_plugin.processors.hookspecs import UpstreamOutput
+        from vllm_omni_plugin.replicas.task import StageTask
+
+        stage = self.entry
+        task = StageTask(request_id=f"{request_id}-s{stage.stage_id}",
+                         prompt_token_ids=token_ids, sampling=_task_sampling(params),
+                         parent_request_id=request_id)
+        run = await self._run_task(request_id, stage, task)
+        if run is None or request_id in self._aborted:
+            return None
+        outputs[stage.stage_id] = UpstreamOutput(
+            stage_id=stage.stage_id, prompt_token_ids=run.prompt_token_ids,
+            output_token_ids=run.output_token_ids, payload=run.payload)
+        return _request_output(request_id, run)
+
+    async def _run_companions(self, request: OmniRequest, request_id) -> dict | None:
+        """Run the request's companion prompts (:attr:`OmniRequest.companions`) as tasks
+        of the entry stage, one after another, on the replica the request's own task ran
+        on while it is up (``parent_request_id``); their :class:`UpstreamOutput` by name,
+        None when aborted meanwhile.
+
+        Raises:
+            StageError: a companion failed, or the entry stage runs no tasks (PD); names
+                the entry stage and the companion.
+        """
+        from vllm_omni_plugin.processors.hookspecs import UpstreamOutput
+        from vllm_omni_plugin.replicas.task import StageTask
+
+        stage = self.entry
+        if self._entry_pool is None:
+            raise StageError(stage.stage_id, stage.name, "companion prompts need the entry "
+                             "stage to run tasks, which it does not as a decode stage (pd)")
         outputs = {}
         for name, text in request.companions.items():
-            key = f"{base}.s{self.entry.stage_id}.{safe_key(name)}"
-            keys.append(key)
-            self.store.create(key)
-            companion = params.clone()
-            companion.max_tokens, companion.output_kind = 1, RequestOutputKind.FINAL_ONLY
-            companion.extra_args = {xargs.PAYLOAD: {"out": key}}
-            final = None
-            async for out in self.entry_generate(text, companion, f"{request_id}-{name}"):
-                final = out
-            if request_id in self._aborted or final is None or not final.finished:
-                return None
+            task = StageTask(request_id=f"{request_id}-{safe_key(name)}",
+                             prompt_token_ids=list(self.tokenize(text)),
+                             sampling={"max_tokens": 1, "temperature": 0.0},
+                             parent_request_id=request_id)
             try:
-                payload = await asyncio.to_thread(self.store.get, key)
-            except PayloadError as exc:
-                raise StageError(self.entry.stage_id, self.entry.name,
-                                 f"companion {name!r}: {exc}") from exc
-            outputs[name] = _stage_output(self.entry.stage_id, final, payload, None)
+                run = await self._run_task(request_id, stage, task)
+            except StageError as exc:
+                raise StageError(stage.stage_id, stage.name, f"companion {name!r}: "
+                                 f"{exc.detail}", exc.status, exc.retry_after) from exc
+            if run is None or request_id in self._aborted:
+                return None
+            outputs[name] = UpstreamOutput(
+                stage_id=stage.stage_id, prompt_token_ids=run.prompt_token_ids,
+                output_token_ids=run.output_token_ids, payload=run.payload)
         return outputs
 
     async def _generate_text(self, request: OmniRequest, prompt, params, extra, request_id,
@@ -612,6 +684,33 @@ _ABORTED = object()
 
 def _decode_extra(prefilled: _Prefilled | None) -> dict:
     return {KV_TRANSFER_PARAMS: prefilled.decode_params} if prefilled else {}
+
+
+#: ``SamplingParams`` fields an entry-stage task takes from the client's request
+_TASK_SAMPLING = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed",
+                  "ignore_eos", "stop_token_ids")
+
+
+def _task_sampling(params) -> dict:
+    """The ``StageTask.sampling`` of the client's ``SamplingParams`` (its
+    :data:`_TASK_SAMPLING` fields that are set)."""
+    values = {name: getattr(params, name, None) for name in _TASK_SAMPLING}
+    if values["stop_token_ids"] is not None:
+        values["stop_token_ids"] = list(values["stop_token_ids"])
+    return {name: value for name, value in values.items() if value is not None}
+
+
+def _request_output(request_id: str, run):
+    """The finished ``RequestOutput`` of an entry-stage task's :class:`StageRun`, for
+    vLLM's handler: its token ids and finish reason, no text (the client reads none)."""
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    completion = CompletionOutput(index=0, text="", token_ids=list(run.output_token_ids),
+                                  cumulative_logprob=None, logprobs=None,
+                                  finish_reason=run.finish_reason)
+    return RequestOutput(request_id=request_id, prompt=None,
+                         prompt_token_ids=list(run.prompt_token_ids), prompt_logprobs=None,
+                         outputs=[completion], finished=True)
 
 
 def _join_rows(*payloads: dict) -> dict:

@@ -34,7 +34,9 @@ replacement when the entry stage's worker failed them; streamed ones pass
 through untouched (vLLM reports the failure in the stream).
 
 It also serves OpenAI's ``POST /v1/images/generations`` (:mod:`.images`: a completion
-whose downstream stages draw the image, for a model whose plugin plans images),
+whose downstream stages draw the image, for a model whose plugin plans images), and
+chat completions with ``"modalities": ["image"]`` the same way, answered with an image
+content part,
 ``POST /v1/audio/speech`` (:mod:`.speech`: a chat completion
 with the text as an open assistant turn, answered as audio) and ``GET
 /v1/audio/voices`` (the checkpoint's voices, from the ``omni_list_voices`` hook); a
@@ -67,6 +69,8 @@ from vllm_omni_plugin.entrypoints.audio_encoding import (
 )
 from vllm_omni_plugin.entrypoints.images import (
     IMAGES_PATH,
+    chat_image_body,
+    chat_image_response,
     completion_body,
     encode_image,
     images_response,
@@ -294,10 +298,14 @@ class OmniAudioMiddleware:
             body = None  # vLLM answers malformed JSON itself
         path = scope["path"]
         asked = speech = image = None
+        chat_image = False
         if isinstance(body, dict):
             try:
                 check_vllm_xargs(body)
-                if path == CHAT_PATH:
+                if path == CHAT_PATH and _asks_image(body):
+                    image = self.plan_image(scope, chat_image_body(body), "modalities")
+                    chat_image = True
+                elif path == CHAT_PATH:
                     asked = parse_audio_request(body)
                     self.check_voice(scope, asked and asked.voice, "audio.voice")
                     # decoding inline media takes a while: off the event loop
@@ -313,7 +321,7 @@ class OmniAudioMiddleware:
         if speech is not None:
             return await self._speech(scope, receive, send, speech)
         if image is not None:
-            return await self._image(scope, receive, send, *image)
+            return await self._image(scope, receive, send, *image, chat=chat_image)
         forwarded = json.dumps(body).encode() if isinstance(body, dict) else raw
         if path not in (CHAT_PATH, COMPLETIONS_PATH) or not isinstance(body, dict):
             return await self.app(scope, _replay(forwarded, receive), send)
@@ -341,28 +349,29 @@ class OmniAudioMiddleware:
             payload = json.dumps(attach_audio(response, result, asked.format)).encode()
         await captured.replay(send, payload)
 
-    def plan_image(self, scope, body: dict):
+    def plan_image(self, scope, body: dict, field: str = "model"):
         """Validate an image request and plan it with the served model's plugin.
 
         Returns:
             ``(ImageRequest, ImagePlan, output_format, output_compression)``.
 
         Raises:
-            RequestError: naming the field; ``model`` when the served model draws no
+            RequestError: naming the field; ``field`` when the served model draws no
                 images.
         """
         request, fmt, compression = parse_image_request(body)
         hf_config = _hf_config(scope)
         plan = None if hf_config is None else plan_image(hf_config, request)
         if plan is None:
-            raise RequestError("model", "the served model does not generate images")
+            raise RequestError(field, "the served model does not generate images")
         return request, plan, fmt, compression
 
     async def _image(self, scope, receive, send, request, plan, fmt: str,
-                     compression: int | None) -> None:
-        """``POST /v1/images/generations``: the completion of :func:`completion_body`,
-        whose downstream stages draw the image, answered as OpenAI's ``ImagesResponse``
-        (see :mod:`.images`)."""
+                     compression: int | None, chat: bool = False) -> None:
+        """``POST /v1/images/generations``, or a chat completion asking for an image
+        (``chat``): the completion of :func:`completion_body`, whose downstream stages
+        draw the image, answered as OpenAI's ``ImagesResponse`` or as a
+        ``chat.completion`` with an image content part (see :mod:`.images`)."""
         omni = OmniRequest(modalities=(IMAGE,), options={"image": plan.options},
                            companions=dict(plan.companions))
         completions = {**scope, "path": COMPLETIONS_PATH, "raw_path": COMPLETIONS_PATH.encode()}
@@ -379,8 +388,10 @@ class OmniAudioMiddleware:
                 "the pipeline's final stage produced no image", 500))
         encoded = await asyncio.to_thread(encode_image, result.payload["image"], fmt,
                                           compression)
-        await _send_json(send, 200, json.dumps(images_response(
-            encoded, fmt, plan.width, plan.height)).encode())
+        answer = chat_image_response(encoded, fmt, request.model,
+                                     json.loads(captured.body).get("usage")) if chat \
+            else images_response(encoded, fmt, plan.width, plan.height)
+        await _send_json(send, 200, json.dumps(answer).encode())
 
     async def _captured(self, scope, receive, body: bytes, request: OmniRequest) -> _Capture:
         """vLLM's whole answer to ``body`` at ``scope``, run in ``request``'s scope."""
@@ -468,6 +479,12 @@ class OmniAudioMiddleware:
                         "body": encoded if speech.stream_format == "audio"
                         else sse_delta(encoded)})
             partials.task_done()
+
+
+def _asks_image(body: dict) -> bool:
+    """Whether a chat body's ``modalities`` ask for an image."""
+    modalities = body.get("modalities")
+    return isinstance(modalities, list) and IMAGE in modalities
 
 
 def _vllm_config(scope):

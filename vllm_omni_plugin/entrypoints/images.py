@@ -12,6 +12,13 @@ Fields: ``model``, ``prompt`` (at most :data:`MAX_PROMPT_CHARS` characters), ``n
 ``output_format`` (:data:`IMAGE_FORMATS`, default ``png``), ``output_compression``
 (0-100, for ``jpeg`` and ``webp``), ``user`` (ignored), ``seed``, ``negative_prompt``;
 any other field goes to the model, which refuses what it does not know.
+
+Chat completions with ``"modalities": ["image"]`` draw the same way
+(:func:`chat_image_body`): the last user message's text is the prompt, the image fields
+above and the model's knobs may stand in the chat body, and the answer is a
+``chat.completion`` whose ``choices[0].message.content`` is one image content part,
+``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``
+(:func:`chat_image_response`).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import base64
 import io
 import time
+import uuid
 
 from vllm_omni_plugin.entrypoints.media_input import required_text
 from vllm_omni_plugin.processors.hookspecs import ImageRequest, RequestError
@@ -27,6 +35,10 @@ IMAGES_PATH = "/v1/images/generations"
 MAX_PROMPT_CHARS = 32000
 #: ``output_format`` -> Pillow's format name
 IMAGE_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
+#: ``output_format`` -> the media type of the answer's data URL (chat)
+MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
+#: chat fields of text sampling an image chat accepts and does not use
+CHAT_IGNORED = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "stream")
 #: OpenAI fields this server does not serve (refused by name, not passed to the model)
 UNSUPPORTED = ("quality", "style", "background", "moderation", "stream", "partial_images",
                "input_fidelity")
@@ -104,3 +116,64 @@ def images_response(encoded: bytes, fmt: str, width: int, height: int) -> dict:
     return {"created": int(time.time()),
             "data": [{"b64_json": base64.b64encode(encoded).decode("ascii")}],
             "output_format": fmt, "size": f"{width}x{height}"}
+
+
+def chat_image_body(body: dict) -> dict:
+    """The ``/v1/images/generations`` body of a chat completion asking for
+    ``"modalities": ["image"]``: ``model``, the last user message's text as ``prompt``
+    (text parts joined by newlines; earlier turns are not part of the image's context),
+    and every other field but ``messages``, ``modalities`` and :data:`CHAT_IGNORED`.
+
+    Raises:
+        RequestError: naming ``modalities`` (image with other modalities), ``stream``
+            (true), ``messages`` (no user message, or no text in it, or too long) or
+            ``messages[i].content[j]`` (a part other than text: image editing is not
+            served).
+    """
+    if body.get("modalities") != ["image"]:
+        raise RequestError("modalities", "image output is answered on its own: use "
+                           "[\"image\"]")
+    if body.get("stream"):
+        raise RequestError("stream", "image output is not streamed")
+    messages = body.get("messages")
+    users = [i for i, m in enumerate(messages) if isinstance(m, dict)
+             and m.get("role") == "user"] if isinstance(messages, list) else []
+    if not users:
+        raise RequestError("messages", "needs a user message saying what to draw")
+    index = users[-1]
+    content = messages[index].get("content")
+    if isinstance(content, str):
+        texts = [content]
+    elif isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" \
+                    or not isinstance(part.get("text"), str):
+                raise RequestError(f"messages[{index}].content[{j}]", "image output takes "
+                                   "text parts only (image editing is not served)")
+            texts.append(part["text"])
+    else:
+        texts = []
+    prompt = "\n".join(texts)
+    if not prompt.strip():
+        raise RequestError("messages", "the last user message has no text saying what "
+                           "to draw")
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise RequestError("messages", f"the last user message is {len(prompt)} characters "
+                           f"long; at most {MAX_PROMPT_CHARS}")
+    rest = {k: v for k, v in body.items()
+            if k not in ("messages", "modalities", "model", *CHAT_IGNORED)}
+    return {"model": body.get("model"), "prompt": prompt, **rest}
+
+
+def chat_image_response(encoded: bytes, fmt: str, model: str, usage: dict | None) -> dict:
+    """OpenAI's ``chat.completion`` answering one image: ``choices[0].message.content`` is
+    ``[{"type": "image_url", "image_url": {"url": "data:<media type>;base64,..."}}]``;
+    ``usage`` as the AR stage's completion counted it."""
+    url = f"data:{MEDIA_TYPES[fmt]};base64,{base64.b64encode(encoded).decode('ascii')}"
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+            "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "finish_reason": "stop", "logprobs": None, "message": {
+                "role": "assistant",
+                "content": [{"type": "image_url", "image_url": {"url": url}}]}}],
+            "usage": usage}
