@@ -272,7 +272,6 @@ class Orchestrator:
         Raises:
             StageError: the task failed (names the entry stage).
         """
-        from vllm_omni_plugin.processors.hookspecs import UpstreamOutput
         from vllm_omni_plugin.replicas.task import StageTask
 
         stage = self.entry
@@ -282,9 +281,7 @@ class Orchestrator:
         run = await self._run_task(request_id, stage, task)
         if run is None or request_id in self._aborted:
             return None
-        outputs[stage.stage_id] = UpstreamOutput(
-            stage_id=stage.stage_id, prompt_token_ids=run.prompt_token_ids,
-            output_token_ids=run.output_token_ids, payload=run.payload)
+        outputs[stage.stage_id] = _run_output(stage.stage_id, run)
         return _request_output(request_id, run)
 
     async def _run_companions(self, request: OmniRequest, request_id) -> dict | None:
@@ -297,7 +294,6 @@ class Orchestrator:
             StageError: a companion failed, or the entry stage runs no tasks (PD); names
                 the entry stage and the companion.
         """
-        from vllm_omni_plugin.processors.hookspecs import UpstreamOutput
         from vllm_omni_plugin.replicas.task import StageTask
 
         stage = self.entry
@@ -317,9 +313,7 @@ class Orchestrator:
                                  f"{exc.detail}", exc.status, exc.retry_after) from exc
             if run is None or request_id in self._aborted:
                 return None
-            outputs[name] = UpstreamOutput(
-                stage_id=stage.stage_id, prompt_token_ids=run.prompt_token_ids,
-                output_token_ids=run.output_token_ids, payload=run.payload)
+            outputs[name] = _run_output(stage.stage_id, run)
         return outputs
 
     async def _generate_text(self, request: OmniRequest, prompt, params, extra, request_id,
@@ -425,7 +419,6 @@ class Orchestrator:
         for a request the client streams (:attr:`OmniRequest.partials`). With ``feed``
         this starts while the entry stage runs: the stage with ``stream_input`` is fed
         from it, and a stage reading the entry stage's output otherwise waits for it."""
-        from vllm_omni_plugin.processors.hookspecs import UpstreamOutput
 
         last = None
         extras = {**extra, xargs.SPEAKER: request.voice, "hf_config": self.hf_config,
@@ -459,9 +452,7 @@ class Orchestrator:
                 admission.release(stage.stage_id)
             if run is None or request_id in self._aborted:
                 return None
-            outputs[stage.stage_id] = UpstreamOutput(
-                stage_id=stage.stage_id, prompt_token_ids=run.prompt_token_ids,
-                output_token_ids=run.output_token_ids, payload=run.payload)
+            outputs[stage.stage_id] = _run_output(stage.stage_id, run)
             last = stage
         if last is None or not last.final_output:
             raise StageError(self.entry.stage_id, self.entry.name,
@@ -844,6 +835,14 @@ def _record_failure(request: OmniRequest, request_id: str, exc: StageError) -> N
     """Log a failed request and hand its error to the API layer."""
     logger.error("request %s failed: %s", request_id, exc)
     request.result = StageResult.failure(str(exc), exc.status, exc.retry_after)
+
+
+def _run_output(stage_id: int, run):
+    """The :class:`UpstreamOutput` of a stage task's :class:`StageRun`."""
+    from vllm_omni_plugin.processors.hookspecs import UpstreamOutput
+
+    return UpstreamOutput(stage_id=stage_id, prompt_token_ids=run.prompt_token_ids,
+                          output_token_ids=run.output_token_ids, payload=run.payload)
 
 
 def _stage_output(stage_id: int, request_output, payload, generated: list[int] | None):

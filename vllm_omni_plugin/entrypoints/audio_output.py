@@ -13,7 +13,8 @@ For a chat completion request it
 * checks its media content parts (:mod:`.media_input`: part types, data-URL media
   types, inline images and audio that do not decode, item counts, audio length),
   answering HTTP 400 naming the field;
-* validates ``modalities`` (``["text"]`` or ``["text", "audio"]``) and the
+* validates ``modalities`` (``["text"]`` or ``["text", "audio"]``; ``["image"]`` is
+  an image request, see below) and the
   optional ``audio`` object (``{"voice": str, "format": str}``, a format of
   :data:`~vllm_omni_plugin.entrypoints.audio_encoding.AUDIO_FORMATS`; streamed:
   ``pcm16`` only, as OpenAI); anything else is answered with HTTP 400 naming the
