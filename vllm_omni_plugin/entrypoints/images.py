@@ -35,8 +35,6 @@ IMAGES_PATH = "/v1/images/generations"
 MAX_PROMPT_CHARS = 32000
 #: ``output_format`` -> Pillow's format name
 IMAGE_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
-#: ``output_format`` -> the media type of the answer's data URL (chat)
-MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 #: chat fields of text sampling an image chat accepts and does not use
 CHAT_IGNORED = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "stream")
 #: OpenAI fields this server does not serve (refused by name, not passed to the model)
@@ -170,7 +168,8 @@ def chat_image_response(encoded: bytes, fmt: str, model: str, usage: dict | None
     """OpenAI's ``chat.completion`` answering one image: ``choices[0].message.content`` is
     ``[{"type": "image_url", "image_url": {"url": "data:<media type>;base64,..."}}]``;
     ``usage`` as the AR stage's completion counted it."""
-    url = f"data:{MEDIA_TYPES[fmt]};base64,{base64.b64encode(encoded).decode('ascii')}"
+    # each output format's media type is image/<format> (IANA's media type registry)
+    url = f"data:image/{fmt};base64,{base64.b64encode(encoded).decode('ascii')}"
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
             "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "finish_reason": "stop", "logprobs": None, "message": {
