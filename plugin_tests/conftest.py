@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import pytest
 
@@ -39,3 +40,28 @@ def tiny_bagel(tmp_path_factory) -> str:
 PYTHON = sys.executable
 #: the `vllm` console script of the interpreter running the tests
 VLLM = os.path.join(os.path.dirname(sys.executable), "vllm")
+
+
+#: Test kinds in the order they run: the cheap, broad ones first (a run cut short by
+#: its time budget keeps them).
+KIND_ORDER = ("unit", "engine", "e2e")
+#: Unix time after which no further test starts (each is skipped, saying so); set by
+#: .ci/run for the releases it tests within CI's time limit. Unset: no budget.
+DEADLINE_ENV = "VLLM_OMNI_PLUGIN_TEST_DEADLINE"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Run unit tests, then engine tests, then end-to-end tests (each kind in file
+    order)."""
+    def kind(item) -> int:
+        parts = os.path.relpath(str(item.path), os.path.join(REPO, "plugin_tests")).split(os.sep)
+        return KIND_ORDER.index(parts[0]) if parts[0] in KIND_ORDER else len(KIND_ORDER)
+
+    items.sort(key=kind)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    deadline = os.environ.get(DEADLINE_ENV)
+    if deadline and time.time() > float(deadline):
+        pytest.skip(f"the run's time budget is spent ({DEADLINE_ENV})")

@@ -37,9 +37,11 @@ def _declared_vllm() -> SpecifierSet:
 
 
 def _ci_matrix() -> list[tuple[str, str]]:
-    """[(vLLM release, "fast" | "full")] from ``.ci/run``'s MATRIX line."""
+    """[(vLLM release, "fast" | "full")] from ``.ci/run``'s MATRIX line, oldest release
+    first (CI runs them in the line's order)."""
     (line,) = re.findall(r'^MATRIX="([^"]*)"$', (ROOT / ".ci/run").read_text(), re.M)
-    return [tuple(entry.split(":")) for entry in line.split()]
+    return sorted((tuple(entry.split(":")) for entry in line.split()),
+                  key=lambda entry: Version(entry[0]))
 
 
 def _setup_env_default(name: str) -> str:
