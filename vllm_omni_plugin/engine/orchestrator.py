@@ -163,8 +163,9 @@ class Orchestrator:
             return
         base = safe_key(f"{request_id}.{uuid.uuid4().hex[:6]}")
         entry_out_key = f"{base}.s{self.entry.stage_id}.out"
-        keys = [entry_out_key]
-        self.store.create(entry_out_key)
+        token_ids = self._entry_task_ids(request, prompt, params, request_id)
+        if token_ids is None:  # the head's engine publishes the entry stage's rows here
+            self.store.create(entry_out_key)
         self._inflight[request_id] = set()
         final = None
         # a stage fed while the entry stage runs: for requests the client streams
@@ -173,7 +174,6 @@ class Orchestrator:
         downstream = None
         outputs: dict = {}
         try:
-            token_ids = self._entry_task_ids(request, prompt, params, request_id)
             if token_ids is not None:
                 final = await self._run_entry_task(request_id, token_ids, params, outputs)
                 if final is None:
@@ -239,7 +239,8 @@ class Orchestrator:
                 self._entry_pool.forget(request_id)  # its companions' affinity
             # shielded: a client that goes away can cancel this generator again while it
             # cleans up, and a deletion not started yet would then never run
-            await asyncio.shield(asyncio.ensure_future(asyncio.to_thread(self._delete, keys)))
+            await asyncio.shield(asyncio.ensure_future(
+                asyncio.to_thread(self.store.delete, entry_out_key)))
             if downstream is not None:
                 await asyncio.wait({downstream})
         if final is not None:
@@ -639,10 +640,6 @@ class Orchestrator:
             return await asyncio.to_thread(self.store.get, key)
         except PayloadError as exc:
             raise StageError(stage.stage_id, stage.name, str(exc)) from exc
-
-    def _delete(self, keys: list[str]) -> None:
-        for key in keys:
-            self.store.delete(key)
 
     async def abort(self, request_id) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
