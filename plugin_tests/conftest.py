@@ -60,6 +60,21 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=kind)
 
 
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Each test leaves ``os.environ`` as it found it. Engine and end-to-end tests hand this
+    process's environment to vLLM's processes, and unit tests run first: a variable a
+    unit test's code under test sets (``advertise_host`` sets ``VLLM_HOST_IP``, which
+    ``monkeypatch.delenv`` of an unset name does not undo) would otherwise reach every
+    engine after it (a foreign ``VLLM_HOST_IP`` makes vLLM's Mooncake side channel fail
+    to bind and the PD engines hang)."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     deadline = os.environ.get(DEADLINE_ENV)

@@ -1,11 +1,16 @@
 """Helpers shared by the tests: waiting for a condition (every wait in the
-suite is for a condition with a bound, never a bare sleep) and raw sockets."""
+suite is for a condition with a bound, never a bare sleep), raw sockets and child
+processes that take their own children with them."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
+import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import zmq
 
@@ -43,14 +48,39 @@ def dealer(ctx: zmq.Context, addr: str) -> zmq.Socket:
     return sock
 
 
+@contextlib.contextmanager
+def process_group(cmd: list[str], **popen) -> Iterator[subprocess.Popen]:
+    """``subprocess.Popen(cmd, **popen)`` in a session of its own; on leaving the block,
+    the whole process group is killed (SIGKILL) and the child reaped. vLLM's engine core
+    and worker processes outlive a script that timed out or crashed; left behind, they
+    keep the cores busy (a worker spins waiting for its engine) for every test after."""
+    proc = subprocess.Popen(cmd, start_new_session=True, **popen)
+    try:
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def run_process_group(cmd: list[str], *, timeout: float, **popen) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, timeout=timeout, **popen)`` through :func:`process_group`:
+    what the command started dies with it, on a timeout too.
+
+    Raises:
+        subprocess.TimeoutExpired: the command ran past ``timeout`` seconds.
+    """
+    with process_group(cmd, **popen) as proc:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
 def run_engine_script(script, spec: dict, logdir, *, env: dict | None = None,
                       timeout: float = 600, engine: str = "default") -> dict:
     """Run an engine script (``plugin_tests/engine/scripts/*.py``) on its JSON spec, with
     the repository importable, offline; returns the result of its engine ``engine``.
     Fails the test with the script's output when it crashed or that engine failed."""
     import json
-    import os
-    import subprocess
     import sys
 
     import pytest
@@ -63,8 +93,9 @@ def run_engine_script(script, spec: dict, logdir, *, env: dict | None = None,
                 **(env or {})}
     err_path = os.path.join(str(logdir), f"{engine}.err")
     with open(err_path, "w") as err:
-        proc = subprocess.run([sys.executable, str(script), json.dumps(spec)], env=full_env,
-                              stdout=subprocess.PIPE, stderr=err, text=True, timeout=timeout)
+        proc = run_process_group([sys.executable, str(script), json.dumps(spec)],
+                                 env=full_env, stdout=subprocess.PIPE, stderr=err, text=True,
+                                 timeout=timeout)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines or not lines[-1].startswith("{"):
         with open(err_path) as err:

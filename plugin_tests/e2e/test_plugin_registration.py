@@ -10,12 +10,14 @@ import pytest
 
 from plugin_tests.conftest import PYTHON, QWEN3_OMNI_YAML, VLLM
 from plugin_tests.env_utils import FAKE_VLLM, child_env, shadow_vllm_version
+from plugin_tests.helpers import run_process_group
 
 
 def _run(code: str, env_extra: dict | None = None,
          timeout: int = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([PYTHON, "-c", code], capture_output=True, text=True,
-                          timeout=timeout, env=child_env(env_extra))
+    return run_process_group([PYTHON, "-c", code], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, timeout=timeout,
+                             env=child_env(env_extra))
 
 
 def test_register_is_idempotent_and_patches_once():
@@ -91,8 +93,9 @@ def _loader(env_extra: dict) -> dict:
 
 
 def _serve_help(section: str, env_extra: dict) -> subprocess.CompletedProcess:
-    out = subprocess.run([VLLM, "serve", f"--help={section}"], capture_output=True, text=True,
-                         timeout=180, env=child_env(env_extra))
+    out = run_process_group([VLLM, "serve", f"--help={section}"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, timeout=180,
+                            env=child_env(env_extra))
     assert out.returncode == 0, out.stderr[-3000:]
     return out
 

@@ -10,14 +10,16 @@ import subprocess
 import pytest
 
 from plugin_tests.conftest import PYTHON, QWEN3_OMNI_PD_YAML, QWEN3_OMNI_YAML, VLLM
+from plugin_tests.helpers import run_process_group
 
 
 def _serve(tmp_path, yaml_text: str) -> subprocess.CompletedProcess:
     path = tmp_path / "pipeline.yaml"
     path.write_text(yaml_text)
     env = {**os.environ}
-    return subprocess.run([VLLM, "serve", str(tmp_path), "--stage-configs-path", str(path),
-                           "--port", "0"], capture_output=True, text=True, timeout=240, env=env)
+    return run_process_group([VLLM, "serve", str(tmp_path), "--stage-configs-path", str(path),
+                              "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, timeout=240, env=env)
 
 
 @pytest.mark.parametrize("yaml_text, expected", [

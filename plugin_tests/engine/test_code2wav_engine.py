@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from plugin_tests.helpers import process_group
 
 pytestmark = pytest.mark.engine
 
@@ -153,25 +154,20 @@ def runs(tiny_qwen3_omni, hf_model, tmp_path_factory):
     }
     (logdir / "spec.json").write_text(json.dumps(spec))  # too long for one argv string
     with open(logdir / "spec.json") as stdin, open(logdir / "engine.out", "w") as out, \
-            open(logdir / "engine.err", "w") as err:
-        proc = subprocess.Popen([sys.executable, str(SCRIPT)], stdin=stdin, stdout=out,
-                                stderr=err, text=True, env=_child_env())
-    try:
+            open(logdir / "engine.err", "w") as err, \
+            process_group([sys.executable, str(SCRIPT)], stdin=stdin, stdout=out, stderr=err,
+                          text=True, env=_child_env()) as proc:
         with torch.inference_mode():
             hf = [hf_model.code2wav.chunked_decode(c.T.unsqueeze(0), chunk_size=300,
                                                    left_context_size=25).reshape(-1).float()
                   for c in codes]
         proc.wait(timeout=ENGINE_TIMEOUT_S)
-        stdout = (logdir / "engine.out").read_text()
-        lines = stdout.strip().splitlines()
-        if proc.returncode != 0 or not lines or not lines[-1].startswith("{"):
-            pytest.fail(f"engine script exited {proc.returncode}:\n{stdout[-3000:]}\n"
-                        f"{(logdir / 'engine.err').read_text()[-6000:]}")
-        result = json.loads(lines[-1])["engines"]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    stdout = (logdir / "engine.out").read_text()
+    lines = stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines or not lines[-1].startswith("{"):
+        pytest.fail(f"engine script exited {proc.returncode}:\n{stdout[-3000:]}\n"
+                    f"{(logdir / 'engine.err').read_text()[-6000:]}")
+    result = json.loads(lines[-1])["engines"]
     return {"engines": result, "store": PayloadStore(spec["payload_dir"]), "hf": hf,
             "prompts": prompts, "kinds": kinds}
 

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from plugin_tests.conftest import PYTHON, QWEN3_OMNI_PD_YAML, QWEN3_OMNI_YAML
+from plugin_tests.helpers import run_process_group
 
 pytestmark = pytest.mark.engine
 
@@ -38,8 +39,9 @@ def _yaml(root, talker_max_tokens, talker_engine_args=None, source=QWEN3_OMNI_YA
 def _run(ckpt, yaml_path, out_dir, *scenarios, log: list | None = None) -> dict:
     """The script's report; its output lines are appended to ``log`` when given."""
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ}
-    proc = subprocess.run([PYTHON, SCRIPT, ckpt, yaml_path, str(out_dir), *scenarios],
-                          capture_output=True, text=True, timeout=600, env=env)
+    proc = run_process_group([PYTHON, SCRIPT, ckpt, yaml_path, str(out_dir), *scenarios],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     if log is not None:
         log.extend((proc.stdout + proc.stderr).splitlines())

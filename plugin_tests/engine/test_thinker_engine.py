@@ -24,11 +24,12 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from plugin_tests.helpers import process_group
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "thinker_generate.py"
 ENGINE_TIMEOUT_S = 900
@@ -186,23 +187,18 @@ def runs(tiny_qwen3_omni, tmp_path_factory):
     engines = [_with_payloads(e, logdir) for e in ENGINES]
     spec = json.dumps({"model": tiny_qwen3_omni, "engines": engines})
     # files, not pipes: vLLM logs to stdout and nobody reads while HF runs
-    with open(logdir / "engines.out", "w") as out, open(logdir / "engines.err", "w") as err:
-        proc = subprocess.Popen([sys.executable, str(SCRIPT), spec], stdout=out, stderr=err,
-                                text=True, env=_child_env())
-    try:
+    with open(logdir / "engines.out", "w") as out, open(logdir / "engines.err", "w") as err, \
+            process_group([sys.executable, str(SCRIPT), spec], stdout=out, stderr=err,
+                          text=True, env=_child_env()) as proc:
         result = {"hf": _hf_greedy(tiny_qwen3_omni), "logdir": logdir}
         proc.wait(timeout=ENGINE_TIMEOUT_S)
-        stdout = (logdir / "engines.out").read_text()
-        lines = stdout.strip().splitlines()
-        if proc.returncode != 0 or not lines or not lines[-1].startswith("{"):
-            err = (logdir / "engines.err").read_text()
-            pytest.fail(f"engine script exited {proc.returncode}:\n"
-                        f"{stdout[-3000:]}\n{err[-6000:]}")
-        result["engines"] = json.loads(lines[-1])["engines"]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    stdout = (logdir / "engines.out").read_text()
+    lines = stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines or not lines[-1].startswith("{"):
+        err = (logdir / "engines.err").read_text()
+        pytest.fail(f"engine script exited {proc.returncode}:\n"
+                    f"{stdout[-3000:]}\n{err[-6000:]}")
+    result["engines"] = json.loads(lines[-1])["engines"]
     return result
 
 

@@ -400,8 +400,8 @@ def test_prefill_stage_takes_the_decode_engines_kv_layout():
 
 
 @pytest.mark.parametrize("host,preset,want", [
-    ("10.0.0.7", None, "10.0.0.7"),        # the address peers reach this process at
-    ("10.0.0.7", "10.9.9.9", "10.9.9.9"),  # the operator's VLLM_HOST_IP wins
+    ("127.0.0.2", None, "127.0.0.2"),         # the address peers reach this process at
+    ("127.0.0.2", "127.0.0.3", "127.0.0.3"),  # the operator's VLLM_HOST_IP wins
     ("0.0.0.0", None, None),               # a wildcard says nothing: vLLM decides
     ("head.example", None, None),          # a host name: vLLM decides
 ])
@@ -413,6 +413,23 @@ def test_advertise_host(monkeypatch, host, preset, want):
         monkeypatch.setenv(HOST_IP_ENV, preset)
     assert advertise_host(host, 0) == want
     assert os.environ.get(HOST_IP_ENV) == want
+
+
+@pytest.mark.parametrize("host,preset", [
+    ("198.51.100.7", None),         # a head's --omni-master-address of another host
+    ("127.0.0.1", "198.51.100.7"),  # an operator's VLLM_HOST_IP of another host
+])
+def test_advertise_host_refuses_an_address_of_another_host(monkeypatch, host, preset):
+    """198.51.100.0/24 is TEST-NET-2 (RFC 5737), never an address of this host: vLLM's side
+    channel could not bind it, so start-up stops naming the variable."""
+    from vllm_omni_plugin.kv_transfer import HOST_IP_ENV, advertise_host
+
+    monkeypatch.delenv(HOST_IP_ENV, raising=False)
+    if preset:
+        monkeypatch.setenv(HOST_IP_ENV, preset)
+    with pytest.raises(ValueError, match=r"VLLM_HOST_IP=198\.51\.100\.7 is not an address of "
+                                         r"this host .*stage 3"):
+        advertise_host(host, 3)
 
 
 def test_headless_prefill_replica_takes_the_decode_stage_model(tmp_path):

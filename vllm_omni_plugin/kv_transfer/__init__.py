@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
 import uuid
 
 from vllm_omni_plugin.logger import init_logger
@@ -57,7 +58,13 @@ def advertise_host(host: str, stage_id: int) -> str | None:
     already; logs the outcome. ``host`` is the address the plugin's own peers reach this
     process at (a head's ``--omni-master-address``, a headless replica's route-probe
     address); a wildcard or a host name is left to vLLM. Returns the address now in
-    ``VLLM_HOST_IP``, or None."""
+    ``VLLM_HOST_IP``, or None.
+
+    Raises:
+        ValueError: ``VLLM_HOST_IP`` is not an address of this host (vLLM's side channel
+            binds it; without this check the engine fails deep in its start-up, and a
+            prefill engine of vLLM's offline ``LLM`` hangs).
+    """
     try:
         address = ipaddress.ip_address(host)
     except ValueError:
@@ -65,9 +72,24 @@ def advertise_host(host: str, stage_id: int) -> str | None:
     if address is not None and not address.is_unspecified:
         os.environ.setdefault(HOST_IP_ENV, str(address))
     advertised = os.environ.get(HOST_IP_ENV)
+    if advertised:
+        _check_local(advertised, stage_id)
     logger.info("stage %d: KV transfers advertise %s (%s)", stage_id, advertised,
                 HOST_IP_ENV)
     return advertised
+
+
+def _check_local(address: str, stage_id: int) -> None:
+    """Raise ValueError naming ``VLLM_HOST_IP`` unless ``address`` can be bound here."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((address, 0))
+    except OSError as exc:
+        raise ValueError(
+            f"{HOST_IP_ENV}={address} is not an address of this host ({exc.strerror}): stage "
+            f"{stage_id}'s KV transfers bind it; set it to one of this host's addresses, or "
+            f"unset it") from None
 
 
 #: The ``SamplingParams.extra_args`` key vLLM's KV connectors read per request.
