@@ -60,19 +60,30 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=kind)
 
 
-@pytest.fixture(autouse=True)
-def _environment_restored():
-    """Each test leaves ``os.environ`` as it found it. Engine and end-to-end tests hand this
-    process's environment to vLLM's processes, and unit tests run first: a variable a
-    unit test's code under test sets (``advertise_host`` sets ``VLLM_HOST_IP``, which
-    ``monkeypatch.delenv`` of an unset name does not undo) would otherwise reach every
-    engine after it (a foreign ``VLLM_HOST_IP`` makes vLLM's Mooncake side channel fail
-    to bind and the PD engines hang)."""
+def _environment_kept():
+    """Leave ``os.environ`` as it was before the ``yield``."""
     saved = dict(os.environ)
     yield
     if os.environ != saved:
         os.environ.clear()
         os.environ.update(saved)
+
+
+#: Each test, and each test module with its fixtures, leaves ``os.environ`` as it found
+#: it. Engine and end-to-end tests hand this process's environment to vLLM's processes,
+#: and unit tests run first: a variable a unit test or module fixture sets would reach
+#: every engine after it. Seen in CI: ``advertise_host`` under test set ``VLLM_HOST_IP``
+#: (``monkeypatch.delenv`` of an unset name does not undo it), and vLLM's Mooncake side
+#: channel then failed to bind and the PD engines hung; a module fixture's
+#: ``HF_HUB_OFFLINE`` made vLLM look a model name up in the local hub cache.
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    yield from _environment_kept()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _module_environment_restored():
+    yield from _environment_kept()
 
 
 @pytest.hookimpl(tryfirst=True)

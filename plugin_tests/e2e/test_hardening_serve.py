@@ -31,6 +31,8 @@ pytestmark = pytest.mark.e2e
 TALKER_MAX_TOKENS = 48
 TALKER_BOUND = 2
 ADMISSION_TIMEOUT_S = 0.5
+#: seconds a request waits for a restarting replica (default 30)
+REPLICA_WAIT_S = 180
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +58,10 @@ def server(tiny_qwen3_omni, tmp_path_factory):
     env["VLLM_OMNI_PLUGIN_PAYLOAD_DIR"] = str(payload_base)
     with serving(tiny_qwen3_omni, ["--stage-configs-path", str(yaml_path),
                                    "--max-model-len", "2048", "--dtype", "float32",
-                                   "--omni-admission-timeout", str(ADMISSION_TIMEOUT_S)],
+                                   "--omni-admission-timeout", str(ADMISSION_TIMEOUT_S),
+                                   # a request sent while the talker restarts waits for it:
+                                   # a restart took 46 s on a 2-core host without AVX-512
+                                   "--omni-replica-wait-timeout", str(REPLICA_WAIT_S)],
                  str(root / "serve.log"), env=env) as proc:
         proc.payload_base = payload_base
         proc.stale_dirs = (stale, live)

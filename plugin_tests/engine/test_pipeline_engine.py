@@ -89,16 +89,52 @@ def _hf_model(ckpt):
     return model, GenerationConfig.from_pretrained(ckpt).eos_token_id
 
 
-def _hf_reference(ckpt, prompts):
-    """HF ``generate`` (greedy) per prompt: (thinker tokens, codes [T, 16], waveform)."""
+@pytest.fixture(scope="module")
+def hf_reference(tiny_qwen3_omni):
+    """``reference(prompts)``: HF ``generate`` (greedy) per prompt, (thinker tokens, codes
+    [T, 16], waveform); computed once per list of prompts (every run here serves the
+    script's same prompts)."""
     import torch
 
-    model, eos = _hf_model(ckpt)
-    out = []
-    for prompt in prompts:
-        sequences, codes, wav, _ = _hf_speak(model, eos, input_ids=torch.tensor([prompt]))
-        out.append((sequences[0, len(prompt):].tolist(), codes, wav))
-    return out
+    cache: dict[str, list] = {}
+
+    def reference(prompts):
+        key = json.dumps(prompts)
+        if key not in cache:
+            model, eos = _hf_model(tiny_qwen3_omni)
+            out = []
+            for prompt in prompts:
+                sequences, codes, wav, _ = _hf_speak(model, eos,
+                                                     input_ids=torch.tensor([prompt]))
+                out.append((sequences[0, len(prompt):].tolist(), codes, wav))
+            cache[key] = out
+        return cache[key]
+
+    return reference
+
+
+#: 96 x 64 pixels: a 6 x 4 patch grid, 6 tokens after the 2 x 2 merge (not square, so the
+#: M-RoPE height and width rows differ)
+IMAGE_SIZE = (96, 64)
+AUDIO_SECONDS = 1.5
+
+
+@pytest.fixture(scope="module")
+def default_run(tiny_qwen3_omni, tmp_path_factory):
+    """One run of the script on the shipped pipeline (talker at TALKER_MAX_TOKENS) for the
+    scenarios that need no other engine settings: streamed, parity and media (an image
+    and an audio clip in ``OUT_DIR/media``). ``(report, OUT_DIR)``; three engine starts
+    instead of one per scenario."""
+    from plugin_tests import media
+
+    out = tmp_path_factory.mktemp("pipeline")
+    folder = out / "media"
+    folder.mkdir()
+    (folder / "image.png").write_bytes(media.png_bytes(*IMAGE_SIZE))
+    (folder / "audio.wav").write_bytes(media.wav_bytes(AUDIO_SECONDS))
+    report = _run(tiny_qwen3_omni, _yaml(out, TALKER_MAX_TOKENS), out, "streamed", "parity",
+                  "media")
+    return report, out
 
 
 def _assert_served_equal_hf(report, served, reference):
@@ -125,27 +161,27 @@ def _assert_served_equal_hf(report, served, reference):
                                            rtol=0, atol=WAVEFORM_ATOL)
 
 
-def test_codes_and_waveform_match_hf_alone_and_batched(tiny_qwen3_omni, tmp_path):
-    report = _run(tiny_qwen3_omni, _yaml(tmp_path, TALKER_MAX_TOKENS), tmp_path, "parity")
+def test_codes_and_waveform_match_hf_alone_and_batched(default_run, hf_reference):
+    report, out = default_run
     assert report["client_class"] == "OmniEngineClient"
-    served = np.load(tmp_path / "served.npz")
-    reference = _hf_reference(tiny_qwen3_omni, report["prompt_ids"])
+    served = np.load(out / "served.npz")
+    reference = hf_reference(report["prompt_ids"])
     assert len({len(np.unique(codes)) for _, codes, _ in reference}) > 1  # distinct prompts
     assert all(len(np.unique(codes)) > 10 for _, codes, _ in reference)  # non-trivial codes
     _assert_served_equal_hf(report, served, reference)
 
 
-def test_streamed_requests_feed_the_talker_while_the_thinker_runs(tiny_qwen3_omni, tmp_path):
+def test_streamed_requests_feed_the_talker_while_the_thinker_runs(default_run, hf_reference):
     """Requests the API layer streams: the talker starts on the thinker's first rows and
     is fed the rest as one resumable vLLM request (``stream_input``), code2wav decodes in
     chunks, each continuing its stream's state; codes still equal HF's, alone and 8 at
     once, and the joined waveform is HF's up to float rounding."""
     from plugin_tests.engine.test_code2wav_engine import ATOL_HF
 
-    report = _run(tiny_qwen3_omni, _yaml(tmp_path, TALKER_MAX_TOKENS), tmp_path, "streamed")
+    report, out = default_run
     assert report["talker_fed"] and all(report["talker_fed"].values()), report["talker_fed"]
-    served = np.load(tmp_path / "streamed.npz")
-    reference = _hf_reference(tiny_qwen3_omni, report["prompt_ids"])
+    served = np.load(out / "streamed.npz")
+    reference = hf_reference(report["prompt_ids"])
     n = len(reference)
     for kind, count in (("solo", n), ("concurrent", 8)):
         for i in range(count):
@@ -158,7 +194,7 @@ def test_streamed_requests_feed_the_talker_while_the_thinker_runs(tiny_qwen3_omn
             assert float(np.abs(wav - hf_wav).max()) <= ATOL_HF, (kind, i)
 
 
-def test_prefill_decode_disaggregation_keeps_parity(tiny_qwen3_omni, tmp_path):
+def test_prefill_decode_disaggregation_keeps_parity(tiny_qwen3_omni, tmp_path, hf_reference):
     """The PD pipeline (stage_configs/qwen3_omni_moe_pd.yaml: the thinker's prefill on its
     own engine, KV cache pulled by the entry engine through OmniMooncakeConnector over
     TCP): text-only and text+audio requests, alone and 8 at once, give HF's thinker tokens,
@@ -168,12 +204,12 @@ def test_prefill_decode_disaggregation_keeps_parity(tiny_qwen3_omni, tmp_path):
     report = _run(tiny_qwen3_omni, _yaml(tmp_path, TALKER_MAX_TOKENS, source=QWEN3_OMNI_PD_YAML),
                   tmp_path, "parity")
     served = np.load(tmp_path / "served.npz")
-    _assert_served_equal_hf(report, served,
-                            _hf_reference(tiny_qwen3_omni, report["prompt_ids"]))
+    _assert_served_equal_hf(report, served, hf_reference(report["prompt_ids"]))
     assert report["prefill_requests"] == len(report["thinker_tokens"])  # one per request
 
 
-def test_talker_chunked_prefill_and_preemption_keep_parity(tiny_qwen3_omni, tmp_path):
+def test_talker_chunked_prefill_and_preemption_keep_parity(tiny_qwen3_omni, tmp_path,
+                                                           hf_reference):
     """A talker engine with a 16-token budget (talker prompts of 14-25 positions are
     chunked) and 5 KV blocks of 32 (4 usable; 8 requests of about 50 positions need 16): vLLM
     preempts and recomputes talker requests; the codes still equal HF's."""
@@ -185,8 +221,7 @@ def test_talker_chunked_prefill_and_preemption_keep_parity(tiny_qwen3_omni, tmp_
     resumed = [line for line in log if "resumed after preemption" in line]
     assert resumed, "the talker was never preempted"
     served = np.load(tmp_path / "served.npz")
-    _assert_served_equal_hf(report, served, _hf_reference(tiny_qwen3_omni,
-                                                          report["prompt_ids"]))
+    _assert_served_equal_hf(report, served, hf_reference(report["prompt_ids"]))
 
 
 def _thinker_media_positions_match_hf() -> bool:
@@ -200,12 +235,6 @@ def _thinker_media_positions_match_hf() -> bool:
     from vllm_omni_plugin.compat.version import vllm_version
 
     return Version(vllm_version()).release >= (0, 32)
-
-
-#: 96 x 64 pixels: a 6 x 4 patch grid, 6 tokens after the 2 x 2 merge (not square, so the
-#: M-RoPE height and width rows differ)
-IMAGE_SIZE = (96, 64)
-AUDIO_SECONDS = 1.5
 
 
 def _hf_media_reference(ckpt, media_dir):
@@ -265,7 +294,7 @@ def _first_near_tie(logits, codes, model) -> int:
     return codes.shape[0]
 
 
-def test_image_and_audio_input_match_hf(tiny_qwen3_omni, tmp_path):
+def test_image_and_audio_input_match_hf(tiny_qwen3_omni, default_run):
     """An image and an audio clip through vLLM's Qwen3-Omni processor: prompt ids and
     thinker tokens equal HF's (HF's own processor on the same files). For the image, the
     talker's codes (on HF's 3-D M-RoPE positions; with plain positions they differed from
@@ -275,15 +304,9 @@ def test_image_and_audio_input_match_hf(tiny_qwen3_omni, tmp_path):
     thinker's own media positions are off by one token (see
     :func:`_thinker_media_positions_match_hf`); there the image's codes are only checked
     for shape."""
-    from plugin_tests import media
-
-    folder = tmp_path / "media"
-    folder.mkdir()
-    (folder / "image.png").write_bytes(media.png_bytes(*IMAGE_SIZE))
-    (folder / "audio.wav").write_bytes(media.wav_bytes(AUDIO_SECONDS))
-    report = _run(tiny_qwen3_omni, _yaml(tmp_path, TALKER_MAX_TOKENS), tmp_path, "media")
-    served = np.load(tmp_path / "media.npz")
-    reference = _hf_media_reference(tiny_qwen3_omni, folder)
+    report, out = default_run
+    served = np.load(out / "media.npz")
+    reference = _hf_media_reference(tiny_qwen3_omni, out / "media")
     for kind, (prompt, tokens, hf_codes, hf_wav, exact) in reference.items():
         got = report["media"][kind]
         assert got["prompt_ids"] == prompt, kind

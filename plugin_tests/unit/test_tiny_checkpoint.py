@@ -42,8 +42,10 @@ def _offline(monkeypatch):
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("qwen3_omni_tiny") / "seed0"
-    os.environ.update(OFFLINE_ENV)
-    summary = tc.build_qwen3_omni(out, seed=0)
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in OFFLINE_ENV.items():
+            env.setenv(key, value)
+        summary = tc.build_qwen3_omni(out, seed=0)
     assert summary["parameters"] > 0 and summary["bytes"] > 0
     return out
 
