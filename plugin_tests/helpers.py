@@ -75,6 +75,20 @@ def run_process_group(cmd: list[str], *, timeout: float, **popen) -> subprocess.
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
+def script_report(script, returncode: int, stdout: str, stderr: str) -> dict:
+    """The JSON object an engine script printed on its last stdout line. Fails the test
+    with the script's output when it exited non-zero or printed none."""
+    import json
+
+    import pytest
+
+    lines = stdout.strip().splitlines()
+    if returncode != 0 or not lines or not lines[-1].startswith("{"):
+        pytest.fail(f"{os.path.basename(str(script))} exited {returncode}:\n"
+                    f"{stdout[-3000:]}\n{stderr[-6000:]}")
+    return json.loads(lines[-1])
+
+
 def run_engine_script(script, spec: dict, logdir, *, env: dict | None = None,
                       timeout: float = 600, engine: str = "default") -> dict:
     """Run an engine script (``plugin_tests/engine/scripts/*.py``) on its JSON spec, with
@@ -96,13 +110,9 @@ def run_engine_script(script, spec: dict, logdir, *, env: dict | None = None,
         proc = run_process_group([sys.executable, str(script), json.dumps(spec)],
                                  env=full_env, stdout=subprocess.PIPE, stderr=err, text=True,
                                  timeout=timeout)
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines or not lines[-1].startswith("{"):
-        with open(err_path) as err:
-            pytest.fail(f"{os.path.basename(str(script))} exited {proc.returncode}:\n"
-                        f"{proc.stdout[-3000:]}\n"
-                        f"{err.read()[-6000:]}")
-    result = json.loads(lines[-1])["engines"][engine]
+    with open(err_path) as err:
+        report = script_report(script, proc.returncode, proc.stdout, err.read())
+    result = report["engines"][engine]
     if "error" in result:
         pytest.fail(f"engine {engine!r} failed:\n{result['error']}")
     return result

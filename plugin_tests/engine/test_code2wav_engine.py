@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pytest
 
-from plugin_tests.helpers import process_group
+from plugin_tests.helpers import process_group, script_report
 
 pytestmark = pytest.mark.engine
 
@@ -162,12 +162,8 @@ def runs(tiny_qwen3_omni, hf_model, tmp_path_factory):
                                                    left_context_size=25).reshape(-1).float()
                   for c in codes]
         proc.wait(timeout=ENGINE_TIMEOUT_S)
-    stdout = (logdir / "engine.out").read_text()
-    lines = stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines or not lines[-1].startswith("{"):
-        pytest.fail(f"engine script exited {proc.returncode}:\n{stdout[-3000:]}\n"
-                    f"{(logdir / 'engine.err').read_text()[-6000:]}")
-    result = json.loads(lines[-1])["engines"]
+    result = script_report(SCRIPT, proc.returncode, (logdir / "engine.out").read_text(),
+                           (logdir / "engine.err").read_text())["engines"]
     return {"engines": result, "store": PayloadStore(spec["payload_dir"]), "hf": hf,
             "prompts": prompts, "kinds": kinds}
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from plugin_tests.helpers import process_group
+from plugin_tests.helpers import process_group, script_report
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "thinker_generate.py"
 ENGINE_TIMEOUT_S = 900
@@ -192,13 +192,9 @@ def runs(tiny_qwen3_omni, tmp_path_factory):
                           text=True, env=_child_env()) as proc:
         result = {"hf": _hf_greedy(tiny_qwen3_omni), "logdir": logdir}
         proc.wait(timeout=ENGINE_TIMEOUT_S)
-    stdout = (logdir / "engines.out").read_text()
-    lines = stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines or not lines[-1].startswith("{"):
-        err = (logdir / "engines.err").read_text()
-        pytest.fail(f"engine script exited {proc.returncode}:\n"
-                    f"{stdout[-3000:]}\n{err[-6000:]}")
-    result["engines"] = json.loads(lines[-1])["engines"]
+    result["engines"] = script_report(SCRIPT, proc.returncode,
+                                      (logdir / "engines.out").read_text(),
+                                      (logdir / "engines.err").read_text())["engines"]
     return result
 
 

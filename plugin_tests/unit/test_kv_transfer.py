@@ -402,8 +402,8 @@ def test_prefill_stage_takes_the_decode_engines_kv_layout():
 @pytest.mark.parametrize("host,preset,want", [
     ("127.0.0.2", None, "127.0.0.2"),         # the address peers reach this process at
     ("127.0.0.2", "127.0.0.3", "127.0.0.3"),  # the operator's VLLM_HOST_IP wins
-    ("0.0.0.0", None, None),               # a wildcard says nothing: vLLM decides
-    ("head.example", None, None),          # a host name: vLLM decides
+    ("0.0.0.0", None, None),                  # a wildcard says nothing: vLLM decides
+    ("head.example", None, None),             # a host name: vLLM decides
 ])
 def test_advertise_host(monkeypatch, host, preset, want):
     from vllm_omni_plugin.kv_transfer import HOST_IP_ENV, advertise_host
