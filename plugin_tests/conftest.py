@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny checkpoints are made once per session by the project's tool."""
+"""Shared fixtures (tiny checkpoints, made by the project's tool once per machine) and the
+suite's run order and time guard."""
 
 from __future__ import annotations
 
@@ -17,24 +18,95 @@ BAGEL_YAML = os.path.join(REPO, "stage_configs", "bagel.yaml")
 BAGEL_REFERENCE = os.path.join(REPO, "plugin_tests", "fixtures", "bagel_reference")
 
 
-@pytest.fixture(scope="session")
-def tiny_qwen3_omni(tmp_path_factory) -> str:
-    """Path of a tiny Qwen3-Omni checkpoint (seed 0) written by tools.tiny_checkpoint."""
-    from vllm_omni_plugin.tools.tiny_checkpoint import main
+#: where the suite keeps what outlives a run (tiny checkpoints); .ci/run and
+#: scripts/lint.sh use the same directory for their venvs
+CACHE = os.environ.get("VLLM_OMNI_PLUGIN_CACHE",
+                       os.path.join(os.path.expanduser("~"), ".cache", "vllm-omni-plugin"))
 
-    out = str(tmp_path_factory.mktemp("ckpt") / "qwen3-omni")
-    main(["qwen3-omni", out, "--seed", "0"])
+
+def _checkpoint_key() -> str:
+    """What a tiny checkpoint's bytes depend on: the sources of the tool and of the model
+    packages it reads names and shapes from, and the libraries that write the files."""
+    import hashlib
+    from importlib.metadata import version
+
+    import vllm_omni_plugin
+
+    package = os.path.dirname(vllm_omni_plugin.__file__)
+    digest = hashlib.sha256()
+    for folder in ("tools", "models"):
+        for root, dirs, files in os.walk(os.path.join(package, folder)):
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+            for name in sorted(f for f in files if f.endswith(".py")):
+                path = os.path.join(root, name)
+                digest.update(os.path.relpath(path, package).encode())
+                with open(path, "rb") as f:
+                    digest.update(f.read())
+    for dist in ("torch", "transformers", "tokenizers", "safetensors"):
+        digest.update(f"{dist}=={version(dist)}".encode())
+    return digest.hexdigest()[:16]
+
+
+def _file_hashes(path: str) -> dict[str, str]:
+    import hashlib
+
+    hashes = {}
+    for root, _, files in os.walk(path):
+        for name in files:
+            full = os.path.join(root, name)
+            with open(full, "rb") as f:
+                hashes[os.path.relpath(full, path)] = hashlib.sha256(f.read()).hexdigest()
+    return hashes
+
+
+def cached_tiny_checkpoint(model: str, seed: int = 0) -> str:
+    """Path of the tiny ``model`` checkpoint (``tools.tiny_checkpoint``, ``seed``), built
+    once per machine under ``CACHE/ckpt/<key>/`` (key: :func:`_checkpoint_key`) and
+    checked against the SHA-256 of each file recorded when it was built; a changed or
+    partial copy is built again. A stable path lets vLLM's compile cache, whose key
+    includes the model path, hit across runs."""
+    import fcntl
+    import json
+    import shutil
+    import tempfile
+
+    from vllm_omni_plugin.tools.tiny_checkpoint import build
+
+    root = os.path.join(CACHE, "ckpt", _checkpoint_key())
+    out = os.path.join(root, f"{model}-seed{seed}")
+    manifest = out + ".sha256.json"
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder at a time on this machine
+        if os.path.isdir(out) and os.path.isfile(manifest):
+            with open(manifest) as f:
+                if json.load(f) == _file_hashes(out):
+                    return out
+        staging = tempfile.mkdtemp(prefix=f".{model}-", dir=root)
+        try:
+            with pytest.MonkeyPatch.context() as env:
+                env.setenv("HF_HUB_OFFLINE", "1")
+                env.setenv("TRANSFORMERS_OFFLINE", "1")
+                build(model, os.path.join(staging, "ckpt"), seed=seed)
+            shutil.rmtree(out, ignore_errors=True)
+            os.replace(os.path.join(staging, "ckpt"), out)
+            with open(manifest, "w") as f:
+                json.dump(_file_hashes(out), f)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return out
 
 
 @pytest.fixture(scope="session")
-def tiny_bagel(tmp_path_factory) -> str:
-    """Path of a tiny BAGEL checkpoint (seed 0) written by tools.tiny_checkpoint."""
-    from vllm_omni_plugin.tools.tiny_checkpoint import main
+def tiny_qwen3_omni() -> str:
+    """Path of the tiny Qwen3-Omni checkpoint (seed 0): :func:`cached_tiny_checkpoint`."""
+    return cached_tiny_checkpoint("qwen3-omni")
 
-    out = str(tmp_path_factory.mktemp("ckpt") / "bagel")
-    main(["bagel", out, "--seed", "0"])
-    return out
+
+@pytest.fixture(scope="session")
+def tiny_bagel() -> str:
+    """Path of the tiny BAGEL checkpoint (seed 0): :func:`cached_tiny_checkpoint`."""
+    return cached_tiny_checkpoint("bagel")
 
 
 PYTHON = sys.executable
@@ -42,11 +114,13 @@ PYTHON = sys.executable
 VLLM = os.path.join(os.path.dirname(sys.executable), "vllm")
 
 
-#: Test kinds in the order they run: the cheap, broad ones first (a run cut short by
-#: its time budget keeps them).
-KIND_ORDER = ("unit", "engine", "e2e")
-#: Unix time after which no further test starts (each is skipped, saying so); set by
-#: .ci/run for the releases it tests within CI's time limit. Unset: no budget.
+#: Test kinds (folders of plugin_tests/) in the order they run: the cheap, broad ones
+#: first. unit: in-process; cli: vLLM's CLI and plugin loading in child processes;
+#: engine: real vLLM engines driven by scripts; e2e: real `vllm serve` processes.
+KIND_ORDER = ("unit", "cli", "engine", "e2e")
+#: Unix time after which no further test starts: .ci/run's guard against CI's time
+#: limit. A test that would start after it fails, saying so (a cut run never passes).
+#: Unset: no limit.
 DEADLINE_ENV = "VLLM_OMNI_PLUGIN_TEST_DEADLINE"
 
 
@@ -90,4 +164,5 @@ def _module_environment_restored():
 def pytest_runtest_setup(item):
     deadline = os.environ.get(DEADLINE_ENV)
     if deadline and time.time() > float(deadline):
-        pytest.skip(f"the run's time budget is spent ({DEADLINE_ENV})")
+        pytest.fail(f"not started: the run's time budget is spent ({DEADLINE_ENV})",
+                    pytrace=False)

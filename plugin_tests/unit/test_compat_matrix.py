@@ -37,11 +37,15 @@ def _declared_vllm() -> SpecifierSet:
 
 
 def _ci_matrix() -> list[tuple[str, str]]:
-    """[(vLLM release, "fast" | "full")] from ``.ci/run``'s MATRIX line, oldest release
-    first (CI runs them in the line's order)."""
+    """[(vLLM release, its test kinds, e.g. "unit, cli, engine")] from ``.ci/run``'s
+    MATRIX line (rows of ``release:kind,kind``; a release may have several rows), oldest
+    release first."""
     (line,) = re.findall(r'^MATRIX="([^"]*)"$', (ROOT / ".ci/run").read_text(), re.M)
-    return sorted((tuple(entry.split(":")) for entry in line.split()),
-                  key=lambda entry: Version(entry[0]))
+    kinds: dict[str, list[str]] = {}
+    for entry in line.split():
+        release, row = entry.split(":")
+        kinds.setdefault(release, []).extend(row.split(","))
+    return [(release, ", ".join(kinds[release])) for release in sorted(kinds, key=Version)]
 
 
 def _setup_env_default(name: str) -> str:
@@ -83,15 +87,17 @@ def test_declared_range_is_the_version_module_range():
 def test_ci_tests_every_supported_minor_release():
     matrix = _ci_matrix()
     releases = [release for release, _ in matrix]
-    assert len(set(releases)) == len(releases)
     assert all(compat_version.is_supported(r) and r in _declared_vllm() for r in releases)
     low, high = compat_version.SUPPORTED_MIN, compat_version.SUPPORTED_MAX_EXCLUSIVE
     assert low[0] == high[0] == 0, "a major-version range needs its own minor list"
     assert {_minor(r) for r in releases} == {(0, m) for m in range(low[1], high[1])}
-    # the end-to-end suite runs against the newest release, the fast suite elsewhere
+    # every release runs the unit, CLI and engine tests; the end-to-end tests run
+    # against the newest release
     newest = max(releases, key=Version)
-    assert [r for r, suite in matrix if suite == "full"] == [newest]
-    assert {suite for _, suite in matrix} <= {"fast", "full"}
+    for release, kinds in matrix:
+        expected = ["unit", "cli", "engine"] + (["e2e"] if release == newest else [])
+        assert sorted(kinds.split(", ")) == sorted(expected), (release, kinds)
+        assert len(set(kinds.split(", "))) == len(kinds.split(", ")), (release, kinds)
     # the README's two-command path and test.sh install the newest release
     assert _setup_env_default("VLLM_VERSION") == newest
 
@@ -101,7 +107,7 @@ def test_readme_table_is_the_ci_matrix():
     plugin_version = _setup_cfg()["metadata"]["version"]
     assert plugin_version == vllm_omni_plugin.__version__
     current = [row for row in rows if row["plugin"] == plugin_version]
-    assert [(row["vLLM"], row["CI suite"].split()[0]) for row in current] == _ci_matrix()
+    assert [(row["vLLM"], row["CI suite"]) for row in current] == _ci_matrix()
     torch_default = _setup_env_default("TORCH_VERSION")
     assert {row["torch"] for row in current} == {torch_default}
     readme = (ROOT / "README.md").read_text()

@@ -354,22 +354,9 @@ def _fallback_config() -> Qwen3OmniMoeConfig:
 
 
 @pytest.fixture(scope="session")
-def talker_parity_model(tmp_path_factory):
-    model = None
-    try:
-        from vllm_omni_plugin.tools.tiny_checkpoint import main as tiny_main
-
-        out = tmp_path_factory.mktemp("talker_inputs_tiny_qwen3_omni")
-        rc = tiny_main(["qwen3-omni", str(out), "--seed", "0"])
-        if rc not in (0, None):
-            raise RuntimeError(f"tiny_checkpoint returned {rc}")
-        model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(str(out), dtype=torch.float32)
-    except Exception as exc:  # pragma: no cover - depends on the other tool being present
-        warnings.warn(f"tiny_checkpoint unavailable ({exc!r}); using the in-process config",
-                      stacklevel=2)
-        torch.manual_seed(0)
-        model = Qwen3OmniMoeForConditionalGeneration(_fallback_config()).to(torch.float32)
-    return model.eval()
+def talker_parity_model(tiny_qwen3_omni):
+    return Qwen3OmniMoeForConditionalGeneration.from_pretrained(
+        tiny_qwen3_omni, dtype=torch.float32).eval()
 
 
 def _prompt_ids(config) -> torch.Tensor:
