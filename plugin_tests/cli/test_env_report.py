@@ -1,34 +1,51 @@
-"""`python -m vllm_omni_plugin.tools.env_report`: run as a user would, in a fresh process."""
+"""`python -m vllm_omni_plugin.tools.env_report`: run as a user would, in a fresh process.
+
+One child per environment (:class:`plugin_tests.cli.children.Environments`): in the
+clean one the JSON report runs first and the text report after it, in the same child."""
 
 from __future__ import annotations
 
 import json
-import subprocess
 from importlib.metadata import version
 
-from plugin_tests.conftest import PYTHON
-from plugin_tests.env_utils import FAKE_VLLM, child_env, shadow_vllm_version
+import pytest
+
+from plugin_tests.cli.children import Environments, Output
+from plugin_tests.env_utils import FAKE_VLLM, shadow_vllm_version
 from vllm_omni_plugin.compat import PATCH_MODULES
 from vllm_omni_plugin.compat.version import SUPPORTED_RANGE, vllm_build
 from vllm_omni_plugin.models import STAGE_MODELS
 
+pytestmark = pytest.mark.cli
+
 _CLEAN = {"VLLM_PLUGINS": None, "VLLM_OMNI_PLUGIN_ALLOW_UNSUPPORTED_VLLM": None}
 
 
-def _report(*args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([PYTHON, "-m", "vllm_omni_plugin.tools.env_report", *args],
-                          capture_output=True, text=True, timeout=180,
-                          env=child_env({**_CLEAN, **(env_extra or {})}))
+_MODULE = "vllm_omni_plugin.tools.env_report"
+_JSON = {"name": "json", "module": _MODULE, "argv": ["--json"]}
+_TEXT = {"name": "text", "module": _MODULE, "argv": []}
 
 
-def _json(env_extra: dict | None = None, rc: int = 0) -> dict:
-    out = _report("--json", env_extra=env_extra)
-    assert out.returncode == rc, out.stdout[-2000:] + out.stderr[-3000:]
+@pytest.fixture(scope="module")
+def envs(tmp_path_factory) -> Environments:
+    """The report's child in the clean environment (JSON, then text), with vLLM
+    reporting an out-of-range version, and with VLLM_PLUGINS naming another plugin."""
+    fake = shadow_vllm_version(tmp_path_factory.mktemp("shadow-vllm"))
+    return Environments(tmp_path_factory, {
+        "clean": (_CLEAN, [_JSON, _TEXT]),
+        "fake-vllm": ({**_CLEAN, **fake}, [_JSON]),
+        "plugins-other": ({**_CLEAN, "VLLM_PLUGINS": "some_other"}, [_JSON]),
+    })
+
+
+def _json(envs: Environments, env: str, rc: int = 0) -> dict:
+    out: Output = envs[env].steps["json"]
+    assert out.rc == rc, out.stdout[-2000:] + out.stderr[-3000:]
     return json.loads(out.stdout)  # stdout holds the report and nothing else
 
 
-def test_json_report():
-    r = _json()
+def test_json_report(envs):
+    r = _json(envs, "clean")
     packages = {p["name"]: p for p in r["packages"]}
     assert list(packages) == ["vllm", "torch", "transformers", "pyzmq", "msgspec", "mooncake"]
     for name, dist in [("vllm", "vllm"), ("torch", "torch"), ("transformers", "transformers"),
@@ -80,9 +97,9 @@ def test_json_report():
                           "platform": type(current_platform).__name__}
 
 
-def test_text_report():
-    out = _report()
-    assert out.returncode == 0, out.stderr[-3000:]
+def test_text_report(envs):
+    out = envs["clean"].steps["text"]
+    assert out.rc == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     assert lines[1] == f"plugin: enabled (vLLM {version('vllm')} is in {SUPPORTED_RANGE})"
     row = next(line.split() for line in lines if line.startswith("vllm "))
@@ -94,9 +111,9 @@ def test_text_report():
     assert lines[-1].startswith(f"vLLM build: {vllm_build()[0]} {version('vllm')} (")
 
 
-def test_out_of_range_vllm_is_reported(tmp_path):
+def test_out_of_range_vllm_is_reported(envs):
     """vLLM reporting 0.12.0: the plugin is off, nothing patched, exit status 1."""
-    r = _json(shadow_vllm_version(tmp_path), rc=1)
+    r = _json(envs, "fake-vllm", rc=1)
     vllm = next(p for p in r["packages"] if p["name"] == "vllm")
     assert vllm["installed"] == FAKE_VLLM and vllm["in_range"] is False
     assert r["plugin"]["enabled"] is False and r["ok"] is False
@@ -107,10 +124,10 @@ def test_out_of_range_vllm_is_reported(tmp_path):
     assert r["extension_points"]["model_registry"]["registered"] == []
 
 
-def test_vllm_plugins_filter():
+def test_vllm_plugins_filter(envs):
     """VLLM_PLUGINS naming another plugin: reported as filtered, nothing applied,
     the environment itself still fine."""
-    r = _json({"VLLM_PLUGINS": "some_other"})
+    r = _json(envs, "plugins-other")
     assert r["ok"] is True
     assert not [e for e in r["extension_points"]["vllm"] if e["allowed_by_VLLM_PLUGINS"]]
     assert not [p for p in r["patches"] if p["active"]]
