@@ -89,30 +89,40 @@ def script_report(script, returncode: int, stdout: str, stderr: str) -> dict:
     return json.loads(lines[-1])
 
 
-def run_engine_script(script, spec: dict, logdir, *, env: dict | None = None,
-                      timeout: float = 600, engine: str = "default") -> dict:
+def engine_script_results(script, spec: dict, logdir, *, name: str, env: dict | None = None,
+                          timeout: float = 600) -> dict:
     """Run an engine script (``plugin_tests/engine/scripts/*.py``) on its JSON spec, with
-    the repository importable, offline; returns the result of its engine ``engine``.
-    Fails the test with the script's output when it crashed or that engine failed."""
+    the repository importable, offline: the spec in ``{name}.json`` in ``logdir``, the
+    script's stdout and stderr (vLLM's logs, and those of the engine core processes it
+    starts) in ``{name}.out`` and ``{name}.err`` there. Returns the result of each engine
+    of the spec by name: ``{"error": traceback}`` for one that failed (see
+    :func:`engine_result`). Fails the test with the script's output when it crashed."""
     import json
     import sys
-
-    import pytest
+    from pathlib import Path
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                "TOKENIZERS_PARALLELISM": "false",
+                "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
                 "PYTHONPATH": os.pathsep.join(filter(None, (repo,
                                                             os.environ.get("PYTHONPATH")))),
                 **(env or {})}
-    err_path = os.path.join(str(logdir), f"{engine}.err")
-    with open(err_path, "w") as err:
-        proc = run_process_group([sys.executable, str(script), json.dumps(spec)],
-                                 env=full_env, stdout=subprocess.PIPE, stderr=err, text=True,
-                                 timeout=timeout)
-    with open(err_path) as err:
-        report = script_report(script, proc.returncode, proc.stdout, err.read())
-    result = report["engines"][engine]
+    paths = {ext: Path(logdir) / f"{name}.{ext}" for ext in ("json", "out", "err")}
+    paths["json"].write_text(json.dumps(spec))
+    with open(paths["json"]) as stdin, open(paths["out"], "w") as out, \
+            open(paths["err"], "w") as err:
+        proc = run_process_group([sys.executable, str(script)], env=full_env, stdin=stdin,
+                                 stdout=out, stderr=err, timeout=timeout)
+    return script_report(script, proc.returncode, paths["out"].read_text(),
+                         paths["err"].read_text())["engines"]
+
+
+def engine_result(results: dict, name: str) -> dict:
+    """``results[name]`` (from :func:`engine_script_results`); fails the test with the
+    engine's traceback where it failed."""
+    import pytest
+
+    result = results[name]
     if "error" in result:
-        pytest.fail(f"engine {engine!r} failed:\n{result['error']}")
+        pytest.fail(f"engine {name!r} failed:\n{result['error']}")
     return result

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from plugin_tests.conftest import BAGEL_REFERENCE
-from plugin_tests.helpers import run_engine_script
+from plugin_tests.helpers import engine_result, engine_script_results
 
 pytestmark = pytest.mark.engine
 
@@ -66,8 +66,10 @@ def results(tiny_bagel, tmp_path_factory):
     spec = {"model": tiny_bagel, "payload_dir": str(logdir / "payloads"),
             "fixtures": BAGEL_REFERENCE, "yaml": str(logdir / "pipeline.yaml"),
             "engines": [{"name": "default", "batches": [REQUESTS]}]}
-    out = run_engine_script(SCRIPT, spec, logdir, timeout=ENGINE_TIMEOUT_S,
-                            env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    out = engine_result(engine_script_results(SCRIPT, spec, logdir, name="engines",
+                                              timeout=ENGINE_TIMEOUT_S,
+                                              env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
+                        "default")
     store = PayloadStore(spec["payload_dir"])
     keys = out["batches"][0]["keys"]
     return [{"error": store.error(k)} if store.error(k) else store.get(k) for k in keys]

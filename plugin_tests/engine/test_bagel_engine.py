@@ -5,10 +5,11 @@ The official code's greedy understanding tokens after each reference prompt
 (``<|im_start|> prompt <|im_end|>``, then the start token ``<|im_start|>``, as its
 ``gen_text`` feeds them) are fixtures (``scripts/bagel_reference.sh``; the official code
 computes in bfloat16, vLLM here in float32). A child process
-(``scripts/bagel_generate.py``) runs vLLM's ``BagelForConditionalGeneration`` on its own
-worker and model runner, then the plugin's ``OmniPluginBagelAR`` on the plugin's
-worker, which publishes each prompt's keys and values: the DiT's context, compared with
-the official code's (its ``NaiveCache`` after the prompt).
+(``scripts/bagel_generate.py``, engine cores in that process) runs vLLM's
+``BagelForConditionalGeneration`` on its own worker and model runner, then the plugin's
+``OmniPluginBagelAR`` on the plugin's worker, which publishes each prompt's keys and
+values: the DiT's context, compared with the official code's (its ``NaiveCache`` after
+the prompt).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from plugin_tests.conftest import BAGEL_REFERENCE
-from plugin_tests.helpers import run_engine_script
+from plugin_tests.helpers import engine_result, engine_script_results
 
 pytestmark = pytest.mark.engine
 
@@ -44,6 +45,10 @@ def _reference(case: str) -> dict:
 
 @pytest.fixture(scope="module")
 def result(tiny_bagel, tmp_path_factory):
+    """``{"engines": each engine's result by name, "store": the AR stage's payload
+    store}``."""
+    from vllm_omni_plugin.payload_store import PayloadStore
+
     bos = json.loads((Path(BAGEL_REFERENCE) / "reference.json").read_text())[
         "special_token_ids"]["bos_token_id"]
     prompts = [_reference(c)["text_ids"].tolist() + [bos] for c in CASES]
@@ -61,21 +66,17 @@ def result(tiny_bagel, tmp_path_factory):
                 {"name": "ar", "stage": "ar", "engine_args": {"max_model_len": 256},
                  "prompts": [_reference(c)["text_ids"].tolist() for c in CASES],
                  "max_tokens": 1}]}
-    out = {"default": run_engine_script(SCRIPT, {**spec, "engines": spec["engines"][:1]},
-                                        logdir, timeout=ENGINE_TIMEOUT_S,
-                                        env={"VLLM_CPU_KVCACHE_SPACE": "1"}),
-           "ar": run_engine_script(SCRIPT, {**spec, "engines": spec["engines"][1:]}, logdir,
-                                   engine="ar", timeout=ENGINE_TIMEOUT_S,
-                                   env={"VLLM_CPU_KVCACHE_SPACE": "1"})}
-    from vllm_omni_plugin.payload_store import PayloadStore
-
-    store = PayloadStore(spec["payload_dir"])
-    out["ar_rows"] = [store.get(key) for key in out["ar"]["keys"]]
-    return out
+    # both engines in one process, one after the other, each engine core in it
+    engines = engine_script_results(SCRIPT, spec, logdir, name="engines",
+                                    timeout=ENGINE_TIMEOUT_S,
+                                    env={"VLLM_CPU_KVCACHE_SPACE": "1",
+                                         "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    return {"engines": engines, "store": PayloadStore(spec["payload_dir"])}
 
 
 def test_understanding_tokens_equal_the_official_code(result):
-    for case, got in zip(CASES, result["default"]["token_ids"], strict=True):
+    tokens = engine_result(result["engines"], "default")["token_ids"]
+    for case, got in zip(CASES, tokens, strict=True):
         assert got == _reference(case)["understanding_ids"].tolist(), case
 
 
@@ -85,7 +86,7 @@ def test_image_understanding_depends_on_the_image(result, tiny_bagel):
     logprob, another one another)."""
     served = json.loads((Path(tiny_bagel) / "config.json").read_text())
     patches = served["vit_max_num_patch_per_side"] ** 2
-    result = result["default"]
+    result = engine_result(result["engines"], "default")
     for with_image, text in zip(result["image_prompt_lens"], result["image_text_lens"],
                                 strict=True):
         assert with_image == text - 1 + patches
@@ -97,7 +98,9 @@ def test_image_understanding_depends_on_the_image(result, tiny_bagel):
 def test_ar_stage_publishes_the_official_context(result):
     """The AR stage's rows of a prompt are the official context's keys (after RoPE) and
     values, layer by layer."""
-    for case, rows in zip(CASES, result["ar_rows"], strict=True):
+    keys = engine_result(result["engines"], "ar")["keys"]
+    for case, key in zip(CASES, keys, strict=True):
+        rows = result["store"].get(key)
         ref = _reference(case)
         n = ref["text_ids"].shape[0]
         assert rows["k"].shape[0] == rows["v"].shape[0] == n  # the prompt's positions

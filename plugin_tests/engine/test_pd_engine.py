@@ -6,6 +6,8 @@ with Mooncake's real transfer engine over TCP on loopback. The decode engine's o
 generation (no KV transfer) is the reference; with PD the decode engine computes only the
 last prompt token and pulls the rest of the prompt's KV cache from the prefill engine. Writes
 are limited to a few descriptors per batch, so the connector's batching is exercised too.
+Both engines have the plugin's transfer timeout; after the batches, the same pair goes
+through the failure cases (``scripts/pd_failures.py``), the prefill engine's kill last.
 """
 
 from __future__ import annotations
@@ -15,10 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from plugin_tests.helpers import run_engine_script
+from plugin_tests.helpers import engine_result, engine_script_results
 
-SCRIPTS = Path(__file__).resolve().parent / "scripts"
-SCRIPT = SCRIPTS / "pd_generate.py"
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "pd_generate.py"
 ENGINE_TIMEOUT_S = 600
 BLOCK = 32
 NEW = 24
@@ -47,25 +48,34 @@ BATCHES = (
     + [{"mode": "pd", "prompts": [ALONE[3]], "prefill_prompts": [OTHER], "max_tokens": NEW}]
 )
 
-
-def _run_script(script: Path, name: str, spec: dict, logdir: Path) -> dict:
-    """Run an engine script on ``spec`` (one engine entry, ``name``); its result."""
-    pytest.importorskip("mooncake.engine", reason="the plugin's `pd` extra is not installed "
-                        "(scripts/setup_env.sh installs it)")
-    # each engine core in its own process: the prefill engine must keep stepping (to
-    # hand finished requests to its sender) while the decode engine runs
-    return run_engine_script(script, {**spec, "engines": [{"name": name}]}, logdir,
-                             engine=name, timeout=ENGINE_TIMEOUT_S,
-                             env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1",
-                                  "PYTHONUNBUFFERED": "1"})
+#: The transfer timeout both engines get (``omni_plugin_transfer_timeout_s``); vLLM's own
+#: limits are 3 bootstrap attempts of 30 s (5 s on 0.30) and 540 s per pull. The prefill
+#: engine holds a finished request's KV cache half that long: each PD batch's pulls start
+#: within it.
+TRANSFER_TIMEOUT_S = 4.0
 
 
 @pytest.fixture(scope="module")
-def pd_run(tiny_qwen3_omni, tmp_path_factory):
-    return _run_script(SCRIPT, "pd", {"model": tiny_qwen3_omni, "block_size": BLOCK,
-                                      "max_descs_per_peer": MAX_DESCS_PER_PEER,
-                                      "batches": BATCHES},
-                       tmp_path_factory.mktemp("pd"))["batches"]
+def pd_result(tiny_qwen3_omni, tmp_path_factory):
+    """The script's result: ``"batches"`` (:data:`BATCHES`), then ``"failures"``."""
+    pytest.importorskip("mooncake.engine", reason="the plugin's `pd` extra is not installed "
+                        "(scripts/setup_env.sh installs it)")
+    spec = {"model": tiny_qwen3_omni, "block_size": BLOCK,
+            "max_descs_per_peer": MAX_DESCS_PER_PEER, "timeout_s": TRANSFER_TIMEOUT_S,
+            "engines": [{"name": "pd"}], "batches": BATCHES,
+            "failures": {"max_tokens": 12, "prompt": ALONE[3]}}
+    # each engine core in its own process: the prefill engine must keep stepping (to
+    # hand finished requests to its sender) while the decode engine runs
+    results = engine_script_results(SCRIPT, spec, tmp_path_factory.mktemp("pd"), name="pd",
+                                    timeout=ENGINE_TIMEOUT_S,
+                                    env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    return engine_result(results, "pd")
+
+
+@pytest.fixture(scope="module")
+def pd_run(pd_result):
+    """The results of :data:`BATCHES`, in order."""
+    return pd_result["batches"]
 
 
 def _split(batches):
@@ -100,19 +110,16 @@ def test_pd_uses_the_transferred_kv(pd_run):
 
 
 # -- failures: real processes, the connector's transfer timeout -------------------------
-#: The transfer timeout both engines get (``omni_plugin_transfer_timeout_s``); vLLM's own
-#: limits are 3 bootstrap attempts of 30 s (5 s on 0.30) and 540 s per pull.
-TRANSFER_TIMEOUT_S = 4.0
 #: Slack over the timeout for the engine step that reports the failure (2 busy cores).
 SLACK_S = 6.0
 FAILURES = ("unreachable_bootstrap", "transfer_never_completes", "prefill_killed")
 
 
 @pytest.fixture(scope="module")
-def pd_failures(tiny_qwen3_omni, tmp_path_factory):
-    return _run_script(SCRIPTS / "pd_failures.py", "failures", {
-        "model": tiny_qwen3_omni, "block_size": BLOCK, "timeout_s": TRANSFER_TIMEOUT_S,
-        "max_tokens": 12, "prompt": ALONE[3]}, tmp_path_factory.mktemp("pd-failures"))
+def pd_failures(pd_result):
+    """The failure cases' results (``scripts/pd_failures.py``), on the pair after
+    :data:`BATCHES`."""
+    return engine_result(pd_result, "failures")
 
 
 @pytest.mark.engine

@@ -16,7 +16,8 @@ that the feature was really exercised:
   recomputing in chunks,
 * the published hidden states (the talker's input) equal HF's, one row per fed
   position, across chunked prefills and recomputes after preemption,
-* bad payload keys fail only their own request.
+* bad payload keys fail only their own request (on the default engine, after its
+  other batches: the engine serves on).
 """
 
 from __future__ import annotations
@@ -72,13 +73,20 @@ PREEMPT_BLOCKS = 7
 POISON_ARGS = [{"omni_plugin_payload": "x"}, {"omni_plugin_payload": {"out": "../escape"}},
                {"omni_plugin_payload": {"bogus": "key"}}, {"omni_plugin_payload": [1, 2]}, None]
 
+#: The default engine's batches: 0, all of BATCH_PROMPTS together; then each alone
+#: (ALONE); then the poison batch and the good batch after it (POISON).
+ALONE = slice(1, 1 + len(BATCH_PROMPTS))
+POISON = slice(ALONE.stop, ALONE.stop + 2)
+
 ENGINES = [
     {
         "name": "default",
         "engine_args": {"enable_prefix_caching": False, **SMALL_KV},
-        # batch 0: all together; batches 1-4: each prompt alone.
         "batches": [{"prompts": BATCH_PROMPTS, "max_tokens": BATCH_NEW}]
-        + [{"prompts": [p], "max_tokens": BATCH_NEW} for p in BATCH_PROMPTS],
+        + [{"prompts": [p], "max_tokens": BATCH_NEW} for p in BATCH_PROMPTS]
+        + [{"prompts": [BATCH_PROMPTS[0]] * len(POISON_ARGS), "max_tokens": BATCH_NEW,
+            "extra_args": POISON_ARGS},
+           {"prompts": [BATCH_PROMPTS[1]], "max_tokens": BATCH_NEW}],
     },
     {
         "name": "chunked",
@@ -103,13 +111,6 @@ ENGINES = [
             "max_num_seqs": 4,
         },
         "batches": [{"prompts": PREEMPT_PROMPTS, "max_tokens": PREEMPT_NEW}],
-    },
-    {
-        "name": "poison",
-        "engine_args": {"enable_prefix_caching": False, **SMALL_KV},
-        "batches": [{"prompts": [BATCH_PROMPTS[0]] * len(POISON_ARGS), "max_tokens": BATCH_NEW,
-                     "extra_args": POISON_ARGS},
-                    {"prompts": [BATCH_PROMPTS[1]], "max_tokens": BATCH_NEW}],
     },
 ]
 
@@ -166,13 +167,13 @@ def _hf_greedy(model_dir: str) -> dict[tuple[tuple[int, ...], int], list[int]]:
     return out
 
 
-PUBLISHING = ("default", "chunked", "preempt")
+#: Every engine; each publishes the thinker's payloads in its first batch.
+PUBLISHING = tuple(e["name"] for e in ENGINES)
 
 
 def _with_payloads(engine: dict, root) -> dict:
-    """These engines' first batch also publishes the thinker's payloads (omni-mode path)."""
-    if engine["name"] not in PUBLISHING:
-        return engine
+    """The engine with its first batch publishing the thinker's payloads (omni-mode
+    path)."""
     return {**engine, "payload_dir": str(root / "payloads"),
             "batches": [{**engine["batches"][0], "publish": True}, *engine["batches"][1:]]}
 
@@ -220,7 +221,7 @@ def _assert_same(got: list[list[int]], prompts, n: int, hf) -> None:
 @pytest.mark.engine
 def test_greedy_tokens_equal_hf(runs):
     result = _engine(runs, "default")
-    alone = [b["token_ids"][0] for b in result["batches"][1:]]
+    alone = [b["token_ids"][0] for b in result["batches"][ALONE]]
     assert all(len(t) == BATCH_NEW for t in alone)
     _assert_same(alone, BATCH_PROMPTS, BATCH_NEW, runs["hf"])
 
@@ -231,8 +232,8 @@ def test_bad_internal_extra_args_fail_only_their_request(runs):
     emits its stop-token fallback every step (which id depends on the vLLM
     release's stop ids under ignore_eos); the engine keeps serving: the good
     request of the same batch and the next batch equal HF."""
-    result = _engine(runs, "poison")
-    first, second = result["batches"]
+    result = _engine(runs, "default")
+    first, second = result["batches"][POISON]
     *poisoned, good = first["token_ids"]
     fallback = poisoned[0][0]
     assert all(tokens == [fallback] * BATCH_NEW for tokens in poisoned), poisoned
@@ -249,10 +250,11 @@ def test_batched_requests_equal_each_alone(runs):
     """8 requests served together: each equals its solo run and HF."""
     result = _engine(runs, "default")
     batched = result["batches"][0]["token_ids"]
-    alone = [b["token_ids"][0] for b in result["batches"][1:]]
+    alone = [b["token_ids"][0] for b in result["batches"][ALONE]]
     assert batched == alone
     _assert_same(batched, BATCH_PROMPTS, BATCH_NEW, runs["hf"])
-    assert result["metrics"]["vllm:request_success"] == 2 * len(BATCH_PROMPTS)
+    after = result["batches"][ALONE.stop - 1]["metrics"]  # before the poison batch
+    assert after["vllm:request_success"] == 2 * len(BATCH_PROMPTS)
 
 
 @pytest.mark.engine

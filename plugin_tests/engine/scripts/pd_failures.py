@@ -1,9 +1,9 @@
 """Failures of a prefill/decode pair of real vLLM engines, and the time each takes to fail.
 
-Run as a subprocess by ``plugin_tests/engine/test_pd_engine.py``. A prefill engine and a
-decode engine of the thinker stage (as ``pd_generate.py`` builds them, each engine core in
-its own process, Mooncake over TCP on loopback), both with the plugin's transfer timeout
-``timeout_s``. In order:
+Run by ``pd_generate.py`` on its pair after its batches (``"failures"`` in its spec): a
+prefill engine and a decode engine of the thinker stage, each engine core in its own
+process, Mooncake over TCP on loopback, both with the plugin's transfer timeout. In
+order:
 
 1. ``reference``: the decode engine generates the prompt itself; ``warm``: with PD.
 2. ``unreachable_bootstrap``: the decode request names a bootstrap address where a real
@@ -16,9 +16,8 @@ its own process, Mooncake over TCP on loopback), both with the plugin's transfer
    is killed (SIGKILL) before the decode engine pulls.
 5. ``after``: the decode engine generates the prompt itself again.
 
-Output: the last stdout line is ``{"engines": {"failures": {case: {"token_ids": [...],
-"finish": str, "elapsed_s": float}, "decode_unfinished": int,
-"decode_kv_usage": float}}}``, or ``{"error": traceback}``.
+Result: ``{case: {"token_ids": [...], "finish": str, "elapsed_s": float},
+"decode_unfinished": int, "decode_kv_usage": float}``.
 """
 
 from __future__ import annotations
@@ -30,11 +29,9 @@ import time
 import uuid
 
 import psutil
-from _engines import run_engines
-from pd_generate import _free_port, _llm, _prompts, _shutdown
 
 
-def _engine_processes(before: set[int]) -> list[psutil.Process]:
+def engine_processes(before: set[int]) -> list[psutil.Process]:
     """The engine core process started since ``before`` and its worker processes (where
     the connector's sender runs), engine core first."""
     (core,) = [p for p in psutil.Process().children(recursive=True)
@@ -42,13 +39,14 @@ def _engine_processes(before: set[int]) -> list[psutil.Process]:
     return [core, *core.children(recursive=True)]
 
 
+def children() -> set[int]:
+    """The pids of this process's descendants."""
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
 def _signal(processes: list[psutil.Process], sig: int) -> None:
     for process in processes:
         process.send_signal(sig)
-
-
-def _children() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
 def _kv_usage(model_name: str) -> float:
@@ -63,39 +61,22 @@ def _kv_usage(model_name: str) -> float:
     raise LookupError(f"no KV cache usage gauge for {model_name}")
 
 
-def run_failures(spec: dict) -> dict:
+def run_failures(spec: dict, prefill, decode, prefill_procs: list[psutil.Process],
+                 prefill_engine: dict, decode_name: str) -> dict:
+    """The cases above on ``spec["prompt"]`` (``spec["max_tokens"]`` tokens each), in
+    order; ``prefill_procs``: the prefill engine's processes (:func:`engine_processes`),
+    killed at the end; ``prefill_engine``: its ``remote_engine_id`` and
+    ``remote_bootstrap_addr``; ``decode_name``: the decode engine's served model name.
+    The decode engine was built last in this process."""
     from vllm import SamplingParams
-    from vllm.config import KVTransferConfig
 
     from vllm_omni_plugin.kv_transfer import (
-        CONNECTOR_NAME,
-        EXTRA_BOOTSTRAP_PORT,
-        EXTRA_TRANSFER_TIMEOUT,
         KV_TRANSFER_PARAMS,
         decode_request_params,
         prefill_request_params,
     )
 
-    port = _free_port()
-    timeout = spec["timeout_s"]
-    ids = {role: f"pd-fail-{role}-{uuid.uuid4().hex[:8]}" for role in ("prefill", "decode")}
-    prefill_engine = {"remote_engine_id": ids["prefill"],
-                      "remote_bootstrap_addr": f"http://127.0.0.1:{port}"}
-    before = _children()
-    prefill = _llm(spec["model"], spec, KVTransferConfig(
-        kv_connector=CONNECTOR_NAME, kv_role="kv_producer", engine_id=ids["prefill"],
-        kv_connector_extra_config={"mooncake_protocol": "tcp", EXTRA_BOOTSTRAP_PORT: port,
-                                   EXTRA_TRANSFER_TIMEOUT: timeout}),
-        served_model_name="pd-prefill")
-    prefill_procs = _engine_processes(before)
-    print("prefill engine processes:", [(p.pid, p.name()) for p in prefill_procs],
-          file=sys.stderr, flush=True)
-    decode = _llm(spec["model"], spec, KVTransferConfig(
-        kv_connector=CONNECTOR_NAME, kv_role="kv_consumer", engine_id=ids["decode"],
-        kv_connector_extra_config={"mooncake_protocol": "tcp",
-                                   EXTRA_TRANSFER_TIMEOUT: timeout}),
-        served_model_name="pd-decode")
-    prompt = _prompts([spec["prompt"]])
+    prompt = [{"prompt_token_ids": list(spec["prompt"])}]
     greedy = {"temperature": 0.0, "max_tokens": spec["max_tokens"], "ignore_eos": True}
     results: dict = {}
 
@@ -126,39 +107,30 @@ def run_failures(spec: dict) -> dict:
                          "elapsed_s": time.perf_counter() - start}
         print(f"{case}: {results[case]}", file=sys.stderr, flush=True)
 
+    local("reference")
+    pull("warm", prefill_now(), prefill_engine)
+
+    with socket.socket() as silent:  # accepts (the kernel's backlog), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        pull("unreachable_bootstrap", uuid.uuid4().hex,
+             {"remote_engine_id": f"pd-fail-ghost-{uuid.uuid4().hex[:8]}",
+              "remote_bootstrap_addr": f"http://127.0.0.1:{silent.getsockname()[1]}"})
+
+    transfer_id = prefill_now()
+    _signal(prefill_procs, signal.SIGSTOP)
     try:
-        local("reference")
-        pull("warm", prefill_now(), prefill_engine)
-
-        with socket.socket() as silent:  # accepts (the kernel's backlog), never answers
-            silent.bind(("127.0.0.1", 0))
-            silent.listen(8)
-            pull("unreachable_bootstrap", uuid.uuid4().hex,
-                 {"remote_engine_id": f"pd-fail-ghost-{uuid.uuid4().hex[:8]}",
-                  "remote_bootstrap_addr": f"http://127.0.0.1:{silent.getsockname()[1]}"})
-
-        transfer_id = prefill_now()
-        _signal(prefill_procs, signal.SIGSTOP)
-        try:
-            pull("transfer_never_completes", transfer_id, prefill_engine)
-        finally:
-            _signal(prefill_procs, signal.SIGCONT)
-        pull("after_resume", prefill_now(), prefill_engine)
-
-        transfer_id = prefill_now()
-        _signal(prefill_procs, signal.SIGKILL)
-        psutil.wait_procs(prefill_procs, timeout=30)
-        pull("prefill_killed", transfer_id, prefill_engine)
-
-        local("after")
-        results["decode_unfinished"] = decode.llm_engine.get_num_unfinished_requests()
-        results["decode_kv_usage"] = _kv_usage("pd-decode")
-        return results
+        pull("transfer_never_completes", transfer_id, prefill_engine)
     finally:
-        _shutdown(decode)
-        if all(p.is_running() for p in prefill_procs):
-            _shutdown(prefill)
+        _signal(prefill_procs, signal.SIGCONT)
+    pull("after_resume", prefill_now(), prefill_engine)
 
+    transfer_id = prefill_now()
+    _signal(prefill_procs, signal.SIGKILL)
+    psutil.wait_procs(prefill_procs, timeout=30)
+    pull("prefill_killed", transfer_id, prefill_engine)
 
-if __name__ == "__main__":
-    sys.exit(run_engines(sys.argv, lambda spec, engine: run_failures(spec)))
+    local("after")
+    results["decode_unfinished"] = decode.llm_engine.get_num_unfinished_requests()
+    results["decode_kv_usage"] = _kv_usage(decode_name)
+    return results

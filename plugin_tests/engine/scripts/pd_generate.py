@@ -16,16 +16,25 @@ Each batch runs one of two ways:
   ``transfer_id`` per request), which pulls each prompt's KV cache from the prefill engine
   and generates. ``prefill_prompts`` may give the prefill engine other prompts.
 
+Then the same pair goes through the failure cases of ``pd_failures.py`` on
+``"failures"``'s prompt (the prefill engine is killed in the last of them).
+``timeout_s``: the plugin's transfer timeout of both engines
+(``omni_plugin_transfer_timeout_s``; the prefill engine holds a finished request's KV
+cache half that long).
+
 Input (``argv[1]`` or stdin)::
 
     {"model": DIR, "block_size": 32, "max_descs_per_peer": null or N,
+     "timeout_s": 4.0,
      "engines": [{"name": "pd"}],
      "batches": [{"mode": "local" | "pd", "prompts": [[ids], ...], "max_tokens": N,
-                  "prefill_prompts": [[ids], ...]}]}
+                  "prefill_prompts": [[ids], ...]}],
+     "failures": {"prompt": [ids], "max_tokens": N}}
 
 Output: the last stdout line is ``{"engines": {"pd": {"batches": [{"token_ids": [...],
-"finish": [...], "prefill_finish": [...]}], "engine_ids": {...}}}}``, or
-``{"error": traceback}``.
+"finish": [...], "prefill_finish": [...]}], "engine_ids": {...},
+"failures": {...}}}}`` (``failures``: ``pd_failures.run_failures``'s result, or
+``{"error": traceback}`` when the failure cases raised), or ``{"error": traceback}``.
 """
 
 from __future__ import annotations
@@ -33,9 +42,11 @@ from __future__ import annotations
 import gc
 import socket
 import sys
+import traceback
 import uuid
 
 from _engines import run_engines
+from pd_failures import children, engine_processes, run_failures
 from thinker_generate import BASE_ENGINE_ARGS
 
 
@@ -71,26 +82,32 @@ def run_pd(spec: dict) -> dict:
         CONNECTOR_NAME,
         EXTRA_BOOTSTRAP_PORT,
         EXTRA_MAX_DESCS_PER_PEER,
+        EXTRA_TRANSFER_TIMEOUT,
         KV_TRANSFER_PARAMS,
         decode_request_params,
         prefill_request_params,
     )
 
     port = _free_port()
-    extra = {"mooncake_protocol": "tcp", EXTRA_BOOTSTRAP_PORT: port}
+    common = {"mooncake_protocol": "tcp", EXTRA_TRANSFER_TIMEOUT: spec["timeout_s"]}
+    extra = {**common, EXTRA_BOOTSTRAP_PORT: port}
     if spec.get("max_descs_per_peer"):
         extra[EXTRA_MAX_DESCS_PER_PEER] = spec["max_descs_per_peer"]
     ids = {role: f"pd-test-{role}-{uuid.uuid4().hex[:8]}" for role in ("prefill", "decode")}
     prefill_engine = {"remote_engine_id": ids["prefill"],
                       "remote_bootstrap_addr": f"http://127.0.0.1:{port}"}
+    before = children()
     prefill = _llm(spec["model"], spec, KVTransferConfig(
         kv_connector=CONNECTOR_NAME, kv_role="kv_producer", engine_id=ids["prefill"],
-        kv_connector_extra_config=extra))
+        kv_connector_extra_config=extra), served_model_name="pd-prefill")
+    prefill_procs = engine_processes(before)
+    print("prefill engine processes:", [(p.pid, p.name()) for p in prefill_procs],
+          file=sys.stderr, flush=True)
     decode = None
     try:
         decode = _llm(spec["model"], spec, KVTransferConfig(
             kv_connector=CONNECTOR_NAME, kv_role="kv_consumer", engine_id=ids["decode"],
-            kv_connector_extra_config={"mooncake_protocol": "tcp"}))
+            kv_connector_extra_config=common), served_model_name="pd-decode")
         batches = []
         for batch in spec["batches"]:
             if batch["mode"] == "local":
@@ -117,9 +134,16 @@ def run_pd(spec: dict) -> dict:
                 "finish": [o.outputs[0].finish_reason for o in outs],
                 "prefill_finish": [o.outputs[0].finish_reason for o in pre],
             })
-        return {"batches": batches, "engine_ids": ids}
+        try:
+            failures = run_failures(spec["failures"], prefill, decode, prefill_procs,
+                                    prefill_engine, "pd-decode")
+        except Exception:  # report it beside the batches' results
+            traceback.print_exc()
+            failures = {"error": traceback.format_exc()[-6000:]}
+        return {"batches": batches, "engine_ids": ids, "failures": failures}
     finally:
-        _shutdown(*(x for x in (decode, prefill) if x is not None))
+        running = all(p.is_running() for p in prefill_procs)  # killed by a failure case?
+        _shutdown(*(x for x in (decode, prefill if running else None) if x is not None))
 
 
 if __name__ == "__main__":

@@ -31,11 +31,12 @@ greedy decoding and ``ignore_eos=True``, so each request yields exactly ``max_to
 tokens.
 
 Output: the last stdout line is ``{"engines": {name: result}}`` where ``result`` is
-``{"batches": [{"token_ids": [[...], ...], "num_cached_tokens": [...]}, ...],
-"metrics": {counter name: value}, "scheduler": {...}}`` (counters and gauges from
-``llm.get_metrics()``; what the scheduler asked of the worker, see
-:class:`SchedulerObserver`, or None when the engine core runs in another process,
-i.e. unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+``{"batches": [{"token_ids": [[...], ...], "num_cached_tokens": [...],
+"metrics": {...}}, ...], "metrics": {counter name: value}, "scheduler": {...}}``
+(counters and gauges from ``llm.get_metrics()``, a batch's as they stood after it;
+what the scheduler asked of the worker, see :class:`SchedulerObserver`, or None when
+the engine core runs in another process, i.e. unless
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
 or ``{"error": traceback}`` when that engine failed (the others still run).
 """
 
@@ -198,6 +199,7 @@ def run_engine(model: str, spec: dict) -> dict:
             "token_ids": [list(o.outputs[0].token_ids) for o in outs],
             "num_cached_tokens": [o.num_cached_tokens or 0 for o in outs],
             "payload_keys": keys,
+            "metrics": _metrics(llm),
         })
     result = {
         "batches": batches,
