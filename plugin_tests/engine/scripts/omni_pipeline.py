@@ -12,7 +12,7 @@ growing input), media (one request per file in
 OUT_DIR/media: ``image.png``, ``audio.wav``; the user turn is the medium then
 :data:`MEDIA_TEXT`; codes and waveforms saved to OUT_DIR/media.npz as
 ``{image,audio}_{codes,waveform}``), cancel (client disconnect while the talker
-runs), abort (explicit abort()).
+engine holds the request), abort (explicit abort(), likewise).
 """
 
 from __future__ import annotations
@@ -31,13 +31,28 @@ CONCURRENT = 8
 MEDIA_TEXT = "What is this?"
 
 
-async def _wait_for_stage(orchestrator, request_id, stage_id, timeout=120.0):
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        if any(s == stage_id for s, _ in orchestrator._inflight.get(request_id, ())):
+#: Seconds: bound on waiting for a request to reach the talker, and for the pipeline to
+#: clean up after an abort
+WAIT_S = 120.0
+
+
+async def _wait_for(pred, timeout=WAIT_S) -> bool:
+    """True as soon as ``pred()`` holds (polled every 10 ms); its last value after
+    ``timeout`` seconds. Returns to the caller without yielding to the event loop once
+    it holds, so the caller acts while it still does."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
             return True
         await asyncio.sleep(0.01)
-    return False
+    return pred()
+
+
+def chat_prompt_ids(tokenizer) -> list[list[int]]:
+    """:data:`PROMPTS` as user turns through the chat template: the token ids served."""
+    return [tokenizer(tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False).input_ids for text in PROMPTS]
 
 
 async def main(ckpt, yaml_path, out_dir, scenarios):
@@ -62,9 +77,7 @@ async def main(ckpt, yaml_path, out_dir, scenarios):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(ckpt)
-    prompts = [tokenizer(tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False),
-        add_special_tokens=False).input_ids for text in PROMPTS]
+    prompts = chat_prompt_ids(tokenizer)
     report["prompt_ids"] = [list(p) for p in prompts]
 
     results = {}
@@ -115,11 +128,12 @@ async def main(ckpt, yaml_path, out_dir, scenarios):
         np.savez(os.path.join(out_dir, f"{'streamed' if streamed else 'served'}.npz"),
                  **served)
 
-    talker = client.orchestrator.pools[1].replicas[0].engine
+    orchestrator = client.orchestrator
+    talker = orchestrator.pools[1].replicas[0].engine
     try:
         if "streamed" in scenarios:
             report["talker_fed"] = fed = {}
-            pool = client.orchestrator.pools[1]
+            pool = orchestrator.pools[1]
             pool_run = pool.run
 
             async def spy(task, on_rows=None):
@@ -131,10 +145,10 @@ async def main(ckpt, yaml_path, out_dir, scenarios):
             pool.run = pool_run
         if "parity" in scenarios:
             await served_alone_and_batched(streamed=False)
-            prefill = client.orchestrator.prefill
+            prefill = orchestrator.prefill
             report["prefill_requests"] = sum(
                 r.requests_total
-                for r in client.orchestrator.pools[prefill.stage_id].replicas.values()
+                for r in orchestrator.pools[prefill.stage_id].replicas.values()
             ) if prefill is not None else None
         if "media" in scenarios:
             report["media"] = {}
@@ -152,7 +166,11 @@ async def main(ckpt, yaml_path, out_dir, scenarios):
             if scenario not in scenarios:
                 continue
             task = asyncio.create_task(run(scenario))
-            in_talker = await _wait_for_stage(client.orchestrator, scenario, 1)
+            # stopped while the talker stage runs it and the talker engine holds it
+            # unfinished: both still hold when the cancel or abort below is issued
+            in_talker = await _wait_for(lambda scenario=scenario: any(
+                s == 1 for s, _ in orchestrator._inflight.get(scenario, ()))
+                and talker.output_processor.get_num_unfinished_requests() > 0)
             if scenario == "cancel":
                 task.cancel()
             else:
@@ -161,15 +179,19 @@ async def main(ckpt, yaml_path, out_dir, scenarios):
                 await task
             except asyncio.CancelledError:
                 pass
-            await asyncio.sleep(1.0)
-            run_dir = client.orchestrator.store.root
-            report[scenario] = {
-                "was_in_talker": in_talker,
-                "talker_unfinished": talker.output_processor.get_num_unfinished_requests(),
-                "result_stored": results.pop(scenario, None) is not None,
-                "payload_dirs_left": sorted(os.listdir(run_dir)),
-                "inflight_left": scenario in client.orchestrator._inflight,
-            }
+
+            def left(scenario=scenario) -> dict:
+                return {
+                    "talker_unfinished": talker.output_processor.get_num_unfinished_requests(),
+                    "payload_dirs_left": sorted(os.listdir(orchestrator.store.root)),
+                    "inflight_left": scenario in orchestrator._inflight,
+                }
+
+            await _wait_for(lambda: left() == {"talker_unfinished": 0, "payload_dirs_left": [],
+                                               "inflight_left": False})
+            report[scenario] = {"was_in_talker": in_talker,
+                                "result_stored": results.pop(scenario, None) is not None,
+                                **left()}
         after = await run("after")
         result = results.pop("after", None)
         report["after_ok"] = bool(after and after.finished and result and result.error is None)
