@@ -272,11 +272,13 @@ def wav_seconds(b64: str) -> float:
 
 def write_short_talker_yaml(src: Path, dst: Path, max_tokens: int,
                             streaming: dict | None = None,
-                            stream_input: bool | None = None) -> Path:
+                            stream_input: bool | None = None,
+                            devices: list[str] | None = None) -> Path:
     """Copy the pipeline YAML ``src`` to ``dst`` with the talker's (stage 1)
     ``max_tokens`` (codec frames) set to ``max_tokens`` (and its ``stream_input`` to
-    ``stream_input`` unless None), and code2wav's (stage 2) ``streaming`` fields updated
-    from ``streaming``."""
+    ``stream_input`` unless None), code2wav's (stage 2) ``streaming`` fields updated
+    from ``streaming``, and stage ``i``'s ``runtime.devices`` set to ``devices[i]``
+    (``-``: left as is)."""
     import yaml
 
     data = yaml.safe_load(src.read_text())
@@ -288,6 +290,9 @@ def write_short_talker_yaml(src: Path, dst: Path, max_tokens: int,
         stages[1]["stream_input"] = stream_input
     if streaming:
         stages[2].setdefault("streaming", {}).update(streaming)
+    for stage_id, value in enumerate(devices or []):
+        if value != "-":
+            stages[stage_id].setdefault("runtime", {})["devices"] = value
     dst.write_text(
         f"# benchmark copy of {src} with stage 1 max_tokens={max_tokens}, stream_input "
         f"{'as is' if stream_input is None else stream_input}, stage 2 streaming "
@@ -344,6 +349,10 @@ def add_audio_chat_args(parser) -> None:
                         help="talker max_tokens (codec frames, 12.5 per second of speech)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--stage-devices", nargs="+", metavar="DEVICES",
+                        help="runtime.devices per stage, in stage order ('-': as in the "
+                             "YAML); on vLLM's CPU build, the cores of each stage's "
+                             "workers, e.g. '- 1 1'")
 
 
 def audio_pipeline_serve(args, tmp: Path) -> tuple[Path, list[str], dict, str]:
@@ -360,7 +369,8 @@ def audio_pipeline_serve(args, tmp: Path) -> tuple[Path, list[str], dict, str]:
     after = getattr(args, "talker_after_thinker", False)
     yaml_path = write_short_talker_yaml(REPO / "stage_configs" / "qwen3_omni_moe.yaml",
                                         tmp / "pipeline.yaml", args.talker_frames, streaming,
-                                        stream_input=False if after else None)
+                                        stream_input=False if after else None,
+                                        devices=getattr(args, "stage_devices", None))
     port = free_port()
     argv = [venv_bin("vllm"), "serve", str(ckpt), "--max-model-len", "2048", "--dtype",
             "float32", "--gpu-memory-utilization", "0.3", "--host", "127.0.0.1",

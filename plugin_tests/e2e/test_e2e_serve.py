@@ -33,6 +33,9 @@ STREAM_CHUNK = 5
 
 #: --limit-mm-per-prompt of the module's server
 MEDIA_LIMITS = {"image": 2, "audio": 2, "video": 1}
+#: the talker's runtime.devices: on vLLM's CPU build, the core its worker runs on (the
+#: last one this process may use; vLLM's own binding puts the thinker's on the first)
+TALKER_CORE = max(os.sched_getaffinity(0))
 
 
 def _trust_request_mm_kwargs() -> list[str]:
@@ -66,6 +69,7 @@ def server(tiny_qwen3_omni, tmp_path_factory):
     with open(QWEN3_OMNI_YAML) as f:
         pipeline = yaml.safe_load(f)
     pipeline["stages"][1]["default_sampling_params"]["max_tokens"] = TALKER_MAX_TOKENS
+    pipeline["stages"][1]["runtime"] = {"devices": TALKER_CORE}
     pipeline["stages"][2]["input_processor"] = "faulty_talker2code2wav"
     pipeline["stages"][2]["streaming"] = {"chunk_size": STREAM_CHUNK, "left_context": 25,
                                           "first_chunk_size": 2}
@@ -99,6 +103,23 @@ def test_stages_run_on_the_workers_the_yaml_names(server):
     for stage in (0, 1, 2):
         assert f"stage {stage}: OmniWorker (vLLM's {base} with the stage payload channel)" \
             in log
+
+
+def test_placed_stage_runs_on_its_cores(server):
+    """``runtime.devices`` on vLLM's CPU build: the talker's EngineCore binds its
+    worker's OpenMP threads to the YAML's core (the worker process's CPU affinity);
+    the thinker keeps vLLM's own binding."""
+    import psutil
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("runtime.devices are CPU cores on vLLM's CPU build only")
+    log = server.log()
+    assert f"stage 1: workers' OpenMP threads on cores {TALKER_CORE}" in log
+    assert "stage 0: workers' OpenMP threads" not in log
+    pids = [int(pid) for pid in re.findall(r"\(\S+ pid=(\d+)\).*stage 1: OmniWorker", log)]
+    assert pids, "the talker worker's pid is not in the log"
+    assert psutil.Process(pids[-1]).cpu_affinity() == [TALKER_CORE]
 
 
 def test_chat_returns_text_and_wav(server):

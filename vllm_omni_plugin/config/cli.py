@@ -286,9 +286,11 @@ def apply_omni_args(args: argparse.Namespace, engine_args) -> None:
     if entry.pd is not None:
         _set_decode_kv_transfer_config(engine_args, entry, path, args.omni_heartbeat_timeout,
                                        args.omni_master_address)
+    from vllm_omni_plugin.worker.cpu_placement import cpu_placement
+
     settings = OmniSettings(
         stage_configs_path=os.path.abspath(path), stage_id=entry.stage_id, entry=True,
-        payload_dir=default_run_dir(),
+        payload_dir=default_run_dir(), cpu_cores=cpu_placement(entry, engine_args, path),
         cluster=ClusterSettings(
             host=args.omni_master_address, port=args.omni_master_port,
             heartbeat_timeout=args.omni_heartbeat_timeout, lb_policy=args.omni_lb_policy,

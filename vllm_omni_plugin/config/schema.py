@@ -92,7 +92,9 @@ class RuntimeConfig(BaseModel):
     """Placement of a stage's engine.
 
     ``devices``: comma-separated device indices (``"0"``, ``"0,1"``); a YAML
-    int or list of ints is accepted. ``num_replicas``: engine copies the head
+    int or list of ints is accepted. On vLLM's CPU build they are the CPU cores the
+    stage's workers run on (:mod:`vllm_omni_plugin.worker.cpu_placement`); on other
+    platforms they are not applied yet. ``num_replicas``: engine copies the head
     runs for this stage; ``0`` (not for the entry stage) leaves the stage to
     headless replicas (``vllm serve --headless --stage-id N``).
     ``max_inflight``: pipeline requests allowed in flight at this downstream

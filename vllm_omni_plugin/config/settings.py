@@ -54,6 +54,10 @@ class OmniSettings(BaseModel):
         entry: True for the engine ``vllm serve`` builds (the entry stage),
             False for downstream stage engines.
         payload_dir: the inter-stage payload store's run directory, or None.
+        cpu_cores: on vLLM's CPU build, the cores this engine's workers' OpenMP threads
+            run on (``VLLM_CPU_OMP_THREADS_BIND`` syntax, from the stage's
+            ``runtime.devices``; see :mod:`vllm_omni_plugin.worker.cpu_placement`),
+            or None: vLLM's own binding.
         cluster: the head's control-plane settings.
     """
 
@@ -62,6 +66,7 @@ class OmniSettings(BaseModel):
     stage_id: int = Field(default=0, ge=0)
     entry: bool = True
     payload_dir: str | None = None
+    cpu_cores: str | None = None
     cluster: ClusterSettings = Field(default_factory=ClusterSettings)
 
     def for_stage(self, stage_id: int, **changes: Any) -> OmniSettings:

@@ -50,7 +50,11 @@ def start_stage_engine(stage, base_args: dict, settings: OmniSettings,
     if stage.pd is not None:
         args.kv_transfer_config = _kv_transfer_config(
             stage, settings.cluster.heartbeat_timeout, bootstrap_port)
-    args.additional_config = settings.for_stage(stage.stage_id).additional_config()
+    from vllm_omni_plugin.worker.cpu_placement import cpu_placement
+
+    cores = cpu_placement(stage, args, settings.stage_configs_path)
+    args.additional_config = settings.for_stage(stage.stage_id,
+                                                cpu_cores=cores).additional_config()
     start = time.perf_counter()
     try:
         apply_stage_engine_args(args, {"hf_overrides": _model_hf_overrides(args)})
