@@ -63,6 +63,22 @@ def process_group(cmd: list[str], **popen) -> Iterator[subprocess.Popen]:
         proc.wait()
 
 
+#: vLLM's CPU-CI switch (.ci/run sets it): torch.compile traces with dynamo's eager
+#: backend instead of generating inductor kernels, and the CPU worker skips its warm-up
+CPU_CI_ENV = "VLLM_CPU_CI_ENV"
+
+
+def inductor_env(env: dict | None = None) -> dict:
+    """``env`` (default: this process's environment) without :data:`CPU_CI_ENV`: the
+    engines it starts compile the thinker with inductor and warm up, as users' do.
+
+    For the run that checks parity with the compiled thinker, and for every pipeline
+    with a prefill/decode thinker: with the switch on, the decode thinker's worker died
+    on its first forward (vLLM 0.30 and 0.32, in `.ci/run`; cause not found yet), while
+    the offline PD engine pair ran fine."""
+    return {k: v for k, v in (os.environ if env is None else env).items() if k != CPU_CI_ENV}
+
+
 def run_process_group(cmd: list[str], *, timeout: float, **popen) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, timeout=timeout, **popen)`` through :func:`process_group`:
     what the command started dies with it, on a timeout too.

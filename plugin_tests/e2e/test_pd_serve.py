@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from plugin_tests.conftest import QWEN3_OMNI_PD_YAML
+from plugin_tests.helpers import inductor_env
 from plugin_tests.serve_utils import serving
 
 pytestmark = pytest.mark.e2e
@@ -32,7 +33,7 @@ def server(tiny_qwen3_omni, tmp_path_factory):
     yaml_path.write_text(yaml.safe_dump(pipeline))
     with serving(tiny_qwen3_omni, ["--stage-configs-path", str(yaml_path),
                                    "--max-model-len", "2048", "--dtype", "float32"],
-                 str(root / "serve.log")) as proc:
+                 str(root / "serve.log"), env=inductor_env()) as proc:
         yield proc
 
 

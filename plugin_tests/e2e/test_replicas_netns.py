@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from plugin_tests.conftest import QWEN3_OMNI_PD_YAML, QWEN3_OMNI_YAML
+from plugin_tests.helpers import inductor_env
 from plugin_tests.serve_utils import ServeProcess, free_port
 
 pytestmark = pytest.mark.e2e
@@ -111,7 +112,7 @@ def test_headless_prefill_replica_in_another_network_namespace(netns, tiny_qwen3
     prefill["runtime"] = {"num_replicas": 0}
     yaml_path = tmp_path / "pipeline.yaml"
     yaml_path.write_text(yaml.safe_dump(pipeline))
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_HOST_IP"}
+    env = {k: v for k, v in inductor_env().items() if k != "VLLM_HOST_IP"}
     # vLLM's CPU build pins every engine's worker to core 0 of this 2-core machine; the
     # decode worker busy-waits for the KV cache and starved the prefill replica's
     # bootstrap server on that core (separate hosts share no core)

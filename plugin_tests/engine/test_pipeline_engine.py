@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from plugin_tests.conftest import PYTHON, QWEN3_OMNI_PD_YAML, QWEN3_OMNI_YAML
-from plugin_tests.helpers import process_group, script_report
+from plugin_tests.helpers import inductor_env, process_group, script_report
 
 pytestmark = pytest.mark.engine
 
@@ -167,13 +167,12 @@ def default_run(tiny_qwen3_omni, hf_reference):
     scenarios that need no other engine settings: streamed, parity, media, then cancel
     and abort (each stopped while the talker holds the request). ``(report, OUT_DIR)``.
 
-    Its thinker is compiled with inductor (``VLLM_CPU_CI_ENV`` unset: `.ci/run` sets it
-    for every other engine, to skip inductor's code generation), so each release checks
-    parity with the compiled thinker."""
+    Its thinker is compiled with inductor (:func:`inductor_env`: `.ci/run` skips
+    inductor's code generation elsewhere), so each release checks parity with the
+    compiled thinker."""
     out = hf_reference.media_dir.parent
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_CI_ENV"}
     report, _ = _run(tiny_qwen3_omni, _yaml(out, TALKER_MAX_TOKENS), out,
-                     ("streamed", "parity", "media", "cancel", "abort"), env=env)
+                     ("streamed", "parity", "media", "cancel", "abort"), env=inductor_env())
     return report, out
 
 
@@ -202,7 +201,7 @@ def tight_run(tiny_qwen3_omni, tmp_path_factory):
     source = QWEN3_OMNI_PD_YAML if _pd_installed() else QWEN3_OMNI_YAML
     report, output = _run(tiny_qwen3_omni,
                           _yaml(out, TALKER_MAX_TOKENS, TIGHT_TALKER, source=source), out,
-                          ("parity",))
+                          ("parity",), env=inductor_env())
     return report, out, output
 
 
