@@ -72,10 +72,11 @@ def inductor_env(env: dict | None = None) -> dict:
     """``env`` (default: this process's environment) without :data:`CPU_CI_ENV`: the
     engines it starts compile the thinker with inductor and warm up, as users' do.
 
-    For the run that checks parity with the compiled thinker, and for every pipeline
-    with a prefill/decode thinker: with the switch on, the decode thinker's worker died
-    on its first forward (vLLM 0.30 and 0.32, in `.ci/run`; cause not found yet), while
-    the offline PD engine pair ran fine."""
+    For the run that checks parity with the compiled thinker; for every pipeline with
+    a prefill/decode thinker (with the switch on, the decode thinker's worker died on
+    its first forward: vLLM 0.30 and 0.32, in `.ci/run`; cause not found yet, while the
+    offline PD engine pair ran fine); and for the hardening server, whose fuzzed
+    requests may generate up to ``--max-model-len`` tokens within a client timeout."""
     return {k: v for k, v in (os.environ if env is None else env).items() if k != CPU_CI_ENV}
 
 

@@ -24,6 +24,7 @@ import requests
 import yaml
 
 from plugin_tests.conftest import QWEN3_OMNI_YAML
+from plugin_tests.helpers import inductor_env
 from plugin_tests.serve_utils import serving
 
 pytestmark = pytest.mark.e2e
@@ -54,7 +55,10 @@ def server(tiny_qwen3_omni, tmp_path_factory):
     live = payload_base / f"vllm-omni-plugin-{os.getpid()}-0123abcd"
     for d in (stale, live):
         (d / "leftover.out").mkdir(parents=True)
-    env = dict(os.environ)
+    # the thinker compiled with inductor, as users run it: the fuzz's valid bodies include
+    # `max_tokens: null` (up to --max-model-len tokens), which dynamo's eager backend
+    # (VLLM_CPU_CI_ENV) made too slow for the client's 120 s timeout
+    env = inductor_env()
     env["VLLM_OMNI_PLUGIN_PAYLOAD_DIR"] = str(payload_base)
     with serving(tiny_qwen3_omni, ["--stage-configs-path", str(yaml_path),
                                    "--max-model-len", "2048", "--dtype", "float32",
