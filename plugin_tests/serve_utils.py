@@ -63,6 +63,15 @@ class ServeProcess:
         with open(self.log_path, errors="replace") as f:
             return f.read()
 
+    def stage_worker(self, stage: int) -> tuple[str, int]:
+        """``(process name, pid)`` of the process that last logged starting stage
+        ``stage``'s ``OmniWorker``: vLLM's worker process, or the EngineCore where the
+        worker runs inside it. Fails the test when the log has none."""
+        found = re.findall(rf"\((\S+) pid=(\d+)\).*stage {stage}: OmniWorker", self.log())
+        assert found, f"stage {stage}'s worker pid is not in the log"
+        name, pid = found[-1]
+        return name, int(pid)
+
     def wait_ready(self, timeout_s: float = 420) -> float:
         """Seconds until ``/health`` answers 200. Raises RuntimeError with the log tail."""
         start = time.monotonic()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import threading
 import time
@@ -102,10 +101,8 @@ def _engine_pid(server, stage: int) -> int:
     that process itself when the worker runs inside the EngineCore."""
     import psutil
 
-    found = re.findall(rf"\((\S+) pid=(\d+)\).*stage {stage}: OmniWorker", server.log())
-    assert found, f"stage {stage} engine pid not found in the log"
-    name, pid = found[-1]
-    return int(pid) if name.startswith("EngineCore") else psutil.Process(int(pid)).ppid()
+    name, pid = server.stage_worker(stage)
+    return pid if name.startswith("EngineCore") else psutil.Process(pid).ppid()
 
 
 def _assert_no_stack_trace_hint(message: str) -> None:
