@@ -100,6 +100,40 @@ def test_engine_client_seam_is_what_vllm_calls():
     assert "AsyncLLM.from_vllm_config(" in source
 
 
+# -- compile_cache_key: every additional_config entry enters the compile-cache key ---
+def _config(run_dir: str | None = None, **user):
+    """A ``VllmConfig`` whose ``additional_config`` holds ``user``'s entries and, with
+    ``run_dir``, the plugin's settings naming that payload directory."""
+    from vllm.config import VllmConfig
+
+    from vllm_omni_plugin.config.settings import OmniSettings
+
+    if run_dir:
+        settings = OmniSettings(stage_configs_path="/p.yaml", payload_dir=run_dir)
+        return VllmConfig(additional_config=settings.additional_config(user))
+    return VllmConfig(additional_config=user)
+
+
+def test_shim_needed_compile_cache_key_hashes_all_additional_config():
+    """vLLM's own compute_hash: two configs that differ only in the plugin's settings
+    (a per-run payload directory) get different compile-cache keys."""
+    from vllm.config import VllmConfig
+
+    original = inspect.unwrap(VllmConfig.compute_hash)
+    assert original(_config("/dev/shm/run-1")) != original(_config("/dev/shm/run-2"))
+
+
+def test_compile_cache_key_ignores_the_plugins_settings_only():
+    import vllm_omni_plugin
+    from vllm_omni_plugin.config.settings import OmniSettings
+
+    vllm_omni_plugin.register()
+    first, second = _config("/dev/shm/run-1", user_key=1), _config("/dev/shm/run-2", user_key=1)
+    assert first.compute_hash() == second.compute_hash() == _config(user_key=1).compute_hash()
+    assert _config(user_key=1).compute_hash() != _config(user_key=2).compute_hash()
+    assert OmniSettings.from_vllm_config(first).payload_dir == "/dev/shm/run-1"  # untouched
+
+
 # -- serve_headless: no hook for what a headless `vllm serve` runs -----------------
 def _vllm_source(module: str) -> ast.Module:
     """Parsed source of a vLLM module, read without importing it (importing the CLI's
@@ -184,7 +218,7 @@ def test_patch_status_after_register():
     vllm_omni_plugin.register()
     status = {p.name: p for p in patch_status()}
     assert list(status) == [m.rsplit(".", 1)[1] for m in PATCH_MODULES]
-    for name in ("serve_args", "engine_client"):
+    for name in ("serve_args", "engine_client", "compile_cache_key"):
         assert status[name].targets and status[name].active is True, status[name]
     for p in status.values():
         for target in p.targets:  # every declared target names a real attribute

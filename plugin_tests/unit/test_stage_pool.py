@@ -175,3 +175,42 @@ def test_resubmission_goes_to_the_restarted_incarnation_of_the_same_replica():
 
     result, pool = asyncio.run(scenario())
     assert result.output_token_ids == [0] and pool.resubmissions == 1
+
+
+class SlowToStopReplica(ScriptedReplica):
+    """``release`` stands for a local engine's shutdown: it returns once every replica
+    of the head is being released at the same time (a barrier), or fails after 10 s."""
+
+    def __init__(self, replica_id: int, barrier):
+        super().__init__(replica_id)
+        self.barrier = barrier
+        self.events: list[str] = []
+
+    def close(self) -> None:
+        super().close()
+        self.events.append("closed")
+
+    def release(self) -> None:
+        self.barrier.wait(timeout=10)  # BrokenBarrierError: released one after another
+        self.events.append("released")
+
+
+def test_head_shutdown_releases_every_stages_replicas_at_once(tmp_path):
+    """Each local engine takes seconds to stop: the head closes every pool, then
+    releases all their replicas concurrently, not stage after stage."""
+    import threading
+    from types import SimpleNamespace
+
+    from vllm_omni_plugin.engine.bootstrap import Head
+    from vllm_omni_plugin.payload_store import PayloadStore
+
+    barrier = threading.Barrier(3)
+    replicas = [SlowToStopReplica(i, barrier) for i in range(3)]
+    pools = {1: _pool(replicas[0]), 2: _pool(*replicas[1:])}
+    closed = SimpleNamespace(cluster=False)
+    head = Head(settings=None, pipeline=None, store=PayloadStore(str(tmp_path / "run")),
+                cluster=SimpleNamespace(close=lambda: setattr(closed, "cluster", True)),
+                pools=pools, admission=None, orchestrator=None, metrics=object())
+    head.shutdown()
+    assert all(r.events == ["closed", "released"] and r.status == "down" for r in replicas)
+    assert closed.cluster and head.pools == {} and not pools[1].replicas

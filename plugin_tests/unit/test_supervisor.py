@@ -164,7 +164,8 @@ def test_no_restart_when_disabled_or_closed(tmp_path):
         await until(lambda: replica.status == "down")
         closed = Starter()
         second, other, _, _, _ = _supervised(tmp_path / "b", closed, max_restarts=3)
-        other.close()  # shuts its engine down: the exit must not trigger a restart
+        other.close()
+        other.release()  # shuts its engine down: the exit must not trigger a restart
         await until(lambda: not second.proc.is_alive())
         await asyncio.sleep(0.2)
         return disabled, closed, other

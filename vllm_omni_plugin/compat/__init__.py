@@ -14,6 +14,7 @@ PATCH_MODULES = (
     "vllm_omni_plugin.compat.serve_args",
     "vllm_omni_plugin.compat.engine_client",
     "vllm_omni_plugin.compat.serve_headless",
+    "vllm_omni_plugin.compat.compile_cache_key",
 )
 
 MARKER = "__vllm_omni_plugin_patched__"

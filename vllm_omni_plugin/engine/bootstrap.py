@@ -54,15 +54,21 @@ class Head:
         self.cluster.start(self.pools)
 
     def shutdown(self) -> None:
-        """Stop everything the head started; idempotent."""
+        """Stop everything the head started; idempotent. The replicas are released
+        concurrently: each local engine takes seconds to stop (its workers exit, then
+        its EngineCore), and one after another those add up."""
         from vllm_omni_plugin.replicas.metrics import unregister_collector
 
         unregister_collector(self.metrics)
         for supervisor in self.supervisors:
             supervisor.close()
         self.cluster.close()
-        for pool in self.pools.values():
-            pool.close()
+        closed = [replica for pool in self.pools.values() for replica in pool.close()]
+        if closed:
+            with ThreadPoolExecutor(max_workers=len(closed),
+                                    thread_name_prefix="omni-stage-stop") as executor:
+                for future in [executor.submit(r.release) for r in closed]:
+                    future.result()
         self.pools = {}
         if os.path.isdir(self.store.root):
             self.store.close()

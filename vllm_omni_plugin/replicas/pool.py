@@ -88,6 +88,7 @@ class StagePool:
             logger.warning("%s detached: %s", replica.name, reason)
             replica.lost(reason)
             replica.close()
+            replica.release()
 
     def candidates(self, exclude: frozenset[tuple[int, int]] = frozenset()) -> list[Replica]:
         """Attached replicas, less the incarnations in ``exclude``."""
@@ -190,7 +191,14 @@ class StagePool:
         if replica is not None:
             await replica.abort(request_id)
 
-    def close(self) -> None:
-        for replica_id in list(self.replicas):
-            replica = self.replicas.pop(replica_id)
+    def close(self) -> list[Replica]:
+        """Close every replica and forget it.
+
+        Returns:
+            The closed replicas, whose :meth:`~Replica.release` is the caller's to call
+            (the head releases all stages' replicas at once).
+        """
+        closed = [self.replicas.pop(replica_id) for replica_id in list(self.replicas)]
+        for replica in closed:
             replica.close()
+        return closed

@@ -103,7 +103,13 @@ class Replica:
         self.status = "error"
 
     def close(self) -> None:
+        """Detach: no task reaches it after this (quick; on the head's thread)."""
         self.status = "down"
+
+    def release(self) -> None:
+        """Free what :meth:`close` left running, which may block for seconds (a local
+        engine's processes); thread-safe, called once after :meth:`close`. Nothing by
+        default."""
 
 
 class LocalReplica(Replica):
@@ -187,11 +193,13 @@ class LocalReplica(Replica):
             await self.engine.abort(request_id)
 
     def close(self) -> None:
-        """Stop supervising and shut the engine down; the payload directory
-        belongs to the orchestrator."""
+        """Stop supervising; the payload directory belongs to the orchestrator."""
         if self.supervisor is not None:
             self.supervisor.close()
         super().close()
+
+    def release(self) -> None:
+        """Shut the engine down (its EngineCore and workers)."""
         try:
             self.engine.shutdown()
         except Exception:

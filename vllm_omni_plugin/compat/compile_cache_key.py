@@ -1,0 +1,54 @@
+"""Patch: the plugin's settings stay out of vLLM's compile-cache key.
+
+Why: vLLM keys its ``torch.compile`` cache
+(``$VLLM_CACHE_ROOT/torch_compile_cache/...``) on ``VllmConfig.compute_hash()``,
+which hashes the whole of ``additional_config``. The plugin's settings travel
+there (:mod:`vllm_omni_plugin.config.settings`) and carry values that differ at
+every start: the payload store's run directory (named after the head's pid) and
+the pipeline YAML's path. So every start of a compiled stage missed the cache and
+compiled again (about 20 s for the tiny thinker on a 2-core CPU, minutes for
+Qwen3-Omni's thinker on a GPU). None of the settings changes a model's graph: the
+model classes never read them, only the worker's payload channel and the head do.
+The wrapper hashes a shallow copy of the config whose ``additional_config`` lacks
+the plugin's key (:data:`~vllm_omni_plugin.config.settings.ADDITIONAL_CONFIG_KEY`);
+the config itself is not changed, and a config without the key hashes as before.
+Upstream reason: ``VllmConfig.compute_hash`` hashes every ``additional_config``
+entry and has no way for a plugin to mark one as not affecting the computation
+(vllm/config/vllm.py, 0.30-0.32).
+Remove when: vLLM lets a plugin keep an ``additional_config`` entry out of the hash,
+or the settings travel to the engine processes some other way.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+from vllm_omni_plugin.compat import MARKER
+
+#: What :func:`apply` patches (``module:attribute path``), for the environment report.
+TARGETS = ("vllm.config.vllm:VllmConfig.compute_hash",)
+
+
+def apply() -> bool:
+    from vllm.config.vllm import VllmConfig
+
+    if getattr(VllmConfig.compute_hash, MARKER, False):
+        return False
+    original = VllmConfig.compute_hash
+
+    @functools.wraps(original)
+    def compute_hash(self) -> str:
+        from vllm_omni_plugin.config.settings import ADDITIONAL_CONFIG_KEY
+
+        extra = self.additional_config
+        if not isinstance(extra, dict) or ADDITIONAL_CONFIG_KEY not in extra:
+            return original(self)
+        hashed = copy.copy(self)  # no validation, no __post_init__: only the hash reads it
+        object.__setattr__(hashed, "additional_config",
+                           {k: v for k, v in extra.items() if k != ADDITIONAL_CONFIG_KEY})
+        return original(hashed)
+
+    setattr(compute_hash, MARKER, True)
+    VllmConfig.compute_hash = compute_hash
+    return True
