@@ -124,14 +124,61 @@ KIND_ORDER = ("unit", "cli", "engine", "e2e")
 DEADLINE_ENV = "VLLM_OMNI_PLUGIN_TEST_DEADLINE"
 
 
-def pytest_collection_modifyitems(config, items):
-    """Run unit tests, then engine tests, then end-to-end tests (each kind in file
-    order)."""
-    def kind(item) -> int:
-        parts = os.path.relpath(str(item.path), os.path.join(REPO, "plugin_tests")).split(os.sep)
-        return KIND_ORDER.index(parts[0]) if parts[0] in KIND_ORDER else len(KIND_ORDER)
+#: vLLM's CPU build binds an engine's worker threads to cores
+#: (``VLLM_CPU_OMP_THREADS_BIND``, default ``auto``), and ``auto`` puts every engine's
+#: worker on the same core. Under pytest-xdist (``-n``), each test worker process pins
+#: the engines it starts to a core of its own (worker i: the i-th allowed core, modulo
+#: their number), so two test files run side by side on two cores instead of one; a
+#: binding already in the environment is kept.
+def pytest_configure(config):
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        cores = sorted(os.sched_getaffinity(0))
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[int(worker[2:]) % len(cores)])
 
-    items.sort(key=kind)
+
+def _recorded_seconds() -> dict[str, float]:
+    """Seconds per test module (``plugin_tests/<kind>/<module>.py``, its tests' JUnit
+    times summed, the most over the rows) in the newest `.ci/run` record under
+    :data:`CACHE` that has any (``ci-runs/<time>/<row>/junit.xml``); empty without one.
+    Every test worker reads the same finished record, so all collect the same order."""
+    import glob
+    import xml.etree.ElementTree as ET
+
+    for run in sorted(glob.glob(os.path.join(CACHE, "ci-runs", "*")), reverse=True):
+        rows = glob.glob(os.path.join(run, "*", "junit.xml"))
+        seconds: dict[str, float] = {}
+        for junit in rows:
+            per_row: dict[str, float] = {}
+            try:
+                cases = list(ET.parse(junit).getroot().iter("testcase"))
+            except (ET.ParseError, OSError):
+                continue
+            for case in cases:
+                module = case.get("classname", "").replace(".", "/") + ".py"
+                per_row[module] = per_row.get(module, 0.0) + float(case.get("time") or 0)
+            for module, value in per_row.items():
+                seconds[module] = max(seconds.get(module, 0.0), value)
+        if seconds:
+            return seconds
+    return {}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Run unit tests, then cli, engine and end-to-end tests; within a kind, the modules
+    that took longest in the last recorded run first (longest-processing-time first:
+    with test files run side by side, `-n 2`, a long module started last would run
+    alone at the end), modules the record lacks before them, ties in file order. A
+    module's tests stay together, in order."""
+    recorded = _recorded_seconds()
+
+    def key(item) -> tuple:
+        module = os.path.relpath(str(item.path), REPO)
+        kind = module.split(os.sep)[1] if module.count(os.sep) > 1 else ""
+        rank = KIND_ORDER.index(kind) if kind in KIND_ORDER else len(KIND_ORDER)
+        return rank, -recorded.get(module, float("inf"))  # a new module: maybe long
+
+    items.sort(key=key)
 
 
 def _environment_kept():

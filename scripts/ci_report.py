@@ -1,11 +1,13 @@
 """Summarise one `.ci/run`: per row (a vLLM release and the test kinds it ran), the tests
-run, passed, failed and skipped (with the reasons), the wall time per test folder, the
+run, passed, failed and skipped (with the reasons), the test time per folder, the
 slowest tests, and the vLLM EngineCores started.
 
 Usage: ``python3 scripts/ci_report.py RUN_DIR`` (standard library only). RUN_DIR holds one
 folder per row, as `.ci/run` writes them:
 
-* ``row.json``: ``{"release", "kinds", "seconds", "exit", "transformers"}``;
+* ``row.json``: ``{"release", "kinds", "seconds", "exit", "transformers", "workers"}``
+  (``seconds``: the row's wall time; ``workers``: pytest-xdist workers, test files run
+  side by side, so the per-folder times, summed over tests, may add up to more);
 * ``junit.xml``: pytest's JUnit XML (a test's time includes its fixtures' set-up, so a
   module's first test carries the start of the server or engines it shares);
 * ``tmp/``: pytest's base temporary directory, where every engine script, `vllm serve`
@@ -65,7 +67,8 @@ def report_row(row_dir: str) -> list[str]:
     with open(os.path.join(row_dir, "row.json")) as f:
         row = json.load(f)
     title = (f"vLLM {row['release']} [{row['kinds']}] (transformers {row['transformers']}): "
-             f"exit {row['exit']}, {row['seconds']} s")
+             f"exit {row['exit']}, {row['seconds']} s wall with {row.get('workers', 1)} "
+             "test worker(s)")
     junit = os.path.join(row_dir, "junit.xml")
     if not os.path.isfile(junit):
         return [title, "  no JUnit XML: pytest did not finish collecting"]
@@ -80,7 +83,7 @@ def report_row(row_dir: str) -> list[str]:
     folders: dict[str, list[float]] = defaultdict(list)
     for _, folder, seconds, _, _ in cases:
         folders[folder].append(seconds)
-    lines.append("  time per folder: " + ", ".join(
+    lines.append("  test time per folder (summed over its tests): " + ", ".join(
         f"{folder} {sum(times):.0f} s ({len(times)} tests)"
         for folder, times in sorted(folders.items(), key=lambda kv: -sum(kv[1]))))
     reasons = Counter(c[4] for c in cases if c[3] == "skipped")

@@ -54,16 +54,34 @@ ensure_libibverbs() {
          && "${sudo[@]}" apt-get install -y -q --no-install-recommends libibverbs1 >/dev/null; }
 }
 ensure_libibverbs
-key="$(cat setup.cfg scripts/setup_env.sh | sha1sum | cut -c1-12)"
+# Two stamps: the base (Python, torch, vLLM and its requirements), keyed by this script,
+# and the plugin's own requirements and extras, keyed by setup.cfg. A change to setup.cfg
+# (a new test dependency, say) updates those in place instead of rebuilding the venv.
+key="$(sha1sum < scripts/setup_env.sh | cut -c1-12)"
 stamp="$VENV/.omni-plugin-env-$VLLM_VERSION-$VLLM_OMNI_PLUGIN_BUILD-$key"
+deps_stamp="$VENV/.omni-plugin-deps-$(sha1sum < setup.cfg | cut -c1-12)"
+if [ "$VLLM_OMNI_PLUGIN_BUILD" = cuda ]; then extras="test,pd-cuda"; else extras="test,pd"; fi
 install_self() {
   # Always (cheap): the checkout may have moved since the venv was made.
   "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e . 2>/dev/null \
     || "$VENV/bin/pip" install --no-deps --no-build-isolation -e .
 }
-if [ -f "$stamp" ]; then
-  echo "[setup] reusing $VENV (vLLM $VLLM_VERSION, $VLLM_OMNI_PLUGIN_BUILD build)"
+install_deps() {
+  "$VENV/bin/pip" install -q --no-build-isolation -e ".[$extras]"
   install_self
+  "$VENV/bin/python" -c 'import mooncake.engine' \
+    || { echo "[setup] Mooncake's transfer engine does not import (see above)" >&2; exit 3; }
+  rm -f "$VENV"/.omni-plugin-deps-*
+  touch "$deps_stamp"
+}
+if [ -f "$stamp" ]; then
+  if [ -f "$deps_stamp" ]; then
+    echo "[setup] reusing $VENV (vLLM $VLLM_VERSION, $VLLM_OMNI_PLUGIN_BUILD build)"
+    install_self
+  else
+    echo "[setup] setup.cfg changed: updating the plugin's requirements in $VENV"
+    install_deps
+  fi
   exit 0
 fi
 echo "[setup] creating $VENV with vLLM $VLLM_VERSION, $VLLM_OMNI_PLUGIN_BUILD build (a few minutes the first time)"
@@ -112,11 +130,7 @@ with open(os.path.join(info, "RECORD"), "w") as f:
     f.writelines(f"{base}/{name},,\n" for name in [*files, "RECORD"])
 EOF
 fi
-if [ "$VLLM_OMNI_PLUGIN_BUILD" = cuda ]; then extras="test,pd-cuda"; else extras="test,pd"; fi
-"$PIP" install -q --no-build-isolation -e ".[$extras]"
-install_self
-"$PY" -c 'import mooncake.engine' \
-  || { echo "[setup] Mooncake's transfer engine does not import (see above)" >&2; exit 3; }
+install_deps
 rm -f "$VENV"/.omni-plugin-env-*
 touch "$stamp"
 echo "[setup] done: $("$PY" -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)')"

@@ -4,7 +4,7 @@ pulling each prompt's KV cache from it through OmniMooncakeConnector over TCP, t
 code2wav) answering chats through the official ``openai`` SDK.
 
 Token-for-token parity of PD with the non-PD pipeline and with HF is in
-``engine/test_pipeline_engine.py``; here: the served flow, streamed and not, with audio,
+``engine/test_pipeline_pd_engine.py``; here: the served flow, streamed and not, with audio,
 and that every request went through the prefill stage.
 """
 
