@@ -112,6 +112,7 @@ def test_killed_engine_is_seen_and_replaced(tmp_path):
             return first, replica, supervisor, starter
         finally:
             replica.close()
+            replica.release()
 
     first, replica, supervisor, starter = asyncio.run(scenario())
     assert first.shut_down and replica.engine is starter.engines[0]
@@ -130,6 +131,7 @@ def test_failed_restarts_back_off_then_succeed(tmp_path):
                 statuses.append(replica.status)
             await asyncio.sleep(0.001)
         replica.close()
+        replica.release()
         return replica, supervisor, starter, statuses
 
     replica, supervisor, starter, statuses = asyncio.run(scenario())
@@ -148,6 +150,7 @@ def test_gives_up_after_max_restarts_and_the_pool_fails_at_once(tmp_path):
             await pool.run(StageTask("req", [1], {}))
         waited = time.monotonic() - start
         replica.close()
+        replica.release()
         return starter, info.value, waited, pool
 
     starter, error, waited, pool = asyncio.run(scenario())
@@ -185,6 +188,7 @@ def test_task_on_an_engine_that_dies_fails_over_instead_of_hanging(tmp_path):
             await asyncio.wait_for(running, 10)
         await asyncio.wait_for(up.wait(), 10)
         replica.close()
+        replica.release()
         return info.value
 
     error = asyncio.run(scenario())

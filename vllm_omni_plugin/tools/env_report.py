@@ -301,10 +301,12 @@ def format_text(r: dict) -> str:
         lines.append(f"{p['name']:<14}{p['installed'] or 'not installed':<16}"
                      f"{_yes(p['in_range']):<10}{reqs}")
     lines += ["", "patches (compat/):"]
+    width = max((len(p["name"]) for p in r["patches"]), default=0) + 2
     for p in r["patches"]:
         state = {True: "applied", False: "not applied", None: "unknown (declares no TARGETS)"}
         note = "" if p["loaded"] else " (module not loaded in this process)"
-        lines.append(f"  {p['name']:<16}{state[p['active']]:<13}{', '.join(p['targets'])}{note}")
+        lines.append(f"  {p['name']:<{width}}{state[p['active']]:<13}"
+                     f"{', '.join(p['targets'])}{note}")
     if not r["patches"]:
         lines.append("  (none)")
     if r["load_error"]:
