@@ -1,22 +1,23 @@
-"""Head and headless replica in separate network namespaces (real veth link).
+"""Head and headless replicas in separate network namespaces (real veth link).
 
 The head runs in this namespace and binds its omni master to the veth
-address; the headless replica runs in its own namespace, finds its address
-through the route probe toward the master and is reached over the link.
+address; the headless replicas (the prefill/decode pipeline's prefill thinker and
+its talker) run in another namespace, find their address through the route probe
+toward the master and are reached over the link. One cluster for the module.
 Needs root (CAP_NET_ADMIN) and `ip`; skipped with the reason otherwise.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import uuid
 
 import pytest
+import requests
 import yaml
 
-from plugin_tests.conftest import QWEN3_OMNI_PD_YAML, QWEN3_OMNI_YAML
+from plugin_tests.conftest import QWEN3_OMNI_PD_YAML
 from plugin_tests.helpers import inductor_env
 from plugin_tests.serve_utils import ServeProcess, free_port
 
@@ -29,7 +30,7 @@ def _ip(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def netns():
     if shutil.which("ip") is None:
         pytest.skip("the `ip` command is not installed")
@@ -56,61 +57,24 @@ def netns():
         _ip("netns", "del", name)
 
 
-def test_headless_replica_in_another_network_namespace(netns, tiny_qwen3_omni, tmp_path):
-    with open(QWEN3_OMNI_YAML) as f:
-        pipeline = yaml.safe_load(f)
-    pipeline["stages"][1]["default_sampling_params"]["max_tokens"] = 16
-    pipeline["stages"][1]["runtime"] = {"num_replicas": 0}
-    yaml_path = tmp_path / "pipeline.yaml"
-    yaml_path.write_text(yaml.safe_dump(pipeline))
-    env = {**os.environ}
-    port = free_port()
-    common = [tiny_qwen3_omni, "--stage-configs-path", str(yaml_path), "--dtype", "float32",
-              "--max-model-len", "2048", "-oma", HEAD_IP, "-omp", str(port)]
-    head = ServeProcess([*common, "--omni-heartbeat-timeout", "10"],
-                        str(tmp_path / "head.log"), env=env)
-    replica = None
-    try:
-        head.wait_for_log(r"omni master on tcp://")
-        replica = ServeProcess([*common, "--headless", "--stage-id", "1"],
-                               str(tmp_path / "headless.log"), env=env,
-                               prefix=["ip", "netns", "exec", netns])
-        head.wait_ready()
-        match = replica.wait_for_log(r"stage 1 replica (\d+) serving on (tcp://\S+)")
-        assert match.group(2).startswith(f"tcp://{REPLICA_IP}:")  # found by the route probe
-        head.wait_for_log(r"stage 1 replica \d+ \(remote tcp://10\.231\.0\.2:\d+\) attached",
-                          timeout_s=60)
-        import requests
+@pytest.fixture(scope="module")
+def cluster(netns, tiny_qwen3_omni, tmp_path_factory):
+    """One head and two headless replicas in the namespace, of the prefill/decode
+    pipeline: the thinker's prefill stage and the talker run only there.
 
-        model = requests.get(f"{head.url}/v1/models", timeout=10).json()["data"][0]["id"]
-        response = head.chat({"model": model, "max_tokens": 6, "temperature": 0,
-                              "modalities": ["text", "audio"],
-                              "messages": [{"role": "user", "content": "Across the link."}]})
-        assert response.status_code == 200, response.text
-        assert response.json()["choices"][0]["message"]["audio"]["data"]
-        served = [v for (name, labels), v in head.metrics().items()
-                  if name == "vllm_omni:replica_requests_total" and ("stage", "1") in labels]
-        assert served == [1.0]
-    finally:
-        if replica is not None:
-            replica.stop()
-        head.stop()
-
-
-def test_headless_prefill_replica_in_another_network_namespace(netns, tiny_qwen3_omni,
-                                                               tmp_path):
-    """Prefill/decode disaggregation across hosts: the thinker's prefill stage runs only as
-    a headless replica in its own namespace; the head's decode engine pulls each prompt's
-    KV cache from it over the link (Mooncake TCP). Each side advertises the address the
-    other reaches it at (the head's master address, the replica's route-probe address),
-    and the replica's bootstrap port comes from the master's port range."""
+    Each side advertises the address the other reaches it at (the head's master
+    address, the replica's route-probe address), and the prefill replica's bootstrap
+    port comes from the master's port range. Yields ``(head, {stage: replica})``."""
     pytest.importorskip("mooncake.engine", reason="the plugin's `pd` extra is not installed")
+    root = tmp_path_factory.mktemp("netns")
     with open(QWEN3_OMNI_PD_YAML) as f:
         pipeline = yaml.safe_load(f)
-    pipeline["stages"][1]["default_sampling_params"]["max_tokens"] = 16
+    talker = pipeline["stages"][1]
+    talker["default_sampling_params"]["max_tokens"] = 16
+    talker["runtime"] = {"num_replicas": 0}
     prefill = next(s for s in pipeline["stages"] if s.get("pd", {}).get("role") == "prefill")
     prefill["runtime"] = {"num_replicas": 0}
-    yaml_path = tmp_path / "pipeline.yaml"
+    yaml_path = root / "pipeline.yaml"
     yaml_path.write_text(yaml.safe_dump(pipeline))
     env = {k: v for k, v in inductor_env().items() if k != "VLLM_HOST_IP"}
     # vLLM's CPU build pins every engine's worker to core 0 of this 2-core machine; the
@@ -120,38 +84,65 @@ def test_headless_prefill_replica_in_another_network_namespace(netns, tiny_qwen3
     common = [tiny_qwen3_omni, "--stage-configs-path", str(yaml_path), "--dtype", "float32",
               "--max-model-len", "2048", "-oma", HEAD_IP, "-omp", str(free_port())]
     head = ServeProcess([*common, "--omni-heartbeat-timeout", "10"],
-                        str(tmp_path / "head.log"), env=env)
-    replica = None
-    stage = str(prefill["stage_id"])
+                        str(root / "head.log"), env=env)
+    replicas = {}
     try:
         head.wait_for_log(r"omni master on tcp://")
-        replica = ServeProcess([*common, "--headless", "--stage-id", stage],
-                               str(tmp_path / "headless.log"), env=env,
-                               prefix=["ip", "netns", "exec", netns])
+        for stage in (prefill["stage_id"], talker["stage_id"]):
+            replicas[stage] = ServeProcess([*common, "--headless", "--stage-id", str(stage)],
+                                           str(root / f"headless{stage}.log"), env=env,
+                                           prefix=["ip", "netns", "exec", netns])
         head.wait_ready()
-        replica.wait_for_log(rf"stage {stage} replica \d+ serving on tcp://{REPLICA_IP}:")
-        head.wait_for_log(rf"stage {stage} replica \d+ \(remote tcp://10\.231\.0\.2:\d+\) "
-                          "attached", timeout_s=60)
-        assert f"KV transfers advertise {HEAD_IP}" in head.log()
-        assert f"KV transfers advertise {REPLICA_IP}" in replica.log()
-        import openai
-
-        client = openai.OpenAI(base_url=f"{head.url}/v1", api_key="-")
-        model = client.models.list().data[0].id
-        messages = [{"role": "user", "content": "Prefill over there, decode here."}]
-        text = client.chat.completions.create(model=model, messages=messages, max_tokens=8,
-                                              temperature=0)
-        spoken = client.chat.completions.create(
-            model=model, messages=messages, max_tokens=8, temperature=0,
-            modalities=["text", "audio"], audio={"voice": "ethan", "format": "wav"})
-        # a failed KV load would have been an error (kv_load_failure_policy "fail")
-        assert text.choices[0].finish_reason == "length"
-        assert spoken.choices[0].message.content == text.choices[0].message.content
-        assert spoken.choices[0].message.audio.data
-        served = [v for (name, labels), v in head.metrics().items()
-                  if name == "vllm_omni:replica_requests_total" and ("stage", stage) in labels]
-        assert served == [2.0]
+        for stage, replica in replicas.items():
+            match = replica.wait_for_log(rf"stage {stage} replica \d+ serving on (tcp://\S+)")
+            assert match.group(1).startswith(f"tcp://{REPLICA_IP}:")  # the route probe's
+            head.wait_for_log(rf"stage {stage} replica \d+ \(remote tcp://10\.231\.0\.2:\d+\) "
+                              "attached", timeout_s=60)
+        head.model = requests.get(f"{head.url}/v1/models", timeout=10).json()["data"][0]["id"]
+        yield head, replicas
     finally:
-        if replica is not None:
-            replica.stop()
-        head.stop()
+        for proc in [*replicas.values(), head]:
+            proc.stop()
+
+
+def _served(head, stage: int) -> float:
+    """Requests the head has sent to ``stage``'s replicas, all of them together."""
+    return sum(head.replica_metric("vllm_omni:replica_requests_total", stage).values())
+
+
+def test_headless_replica_in_another_network_namespace(cluster):
+    """The talker runs only across the link: a spoken answer's talker part is served
+    there."""
+    head, _ = cluster
+    before = _served(head, 1)
+    response = head.chat({"model": head.model, "max_tokens": 6, "temperature": 0,
+                          "modalities": ["text", "audio"],
+                          "messages": [{"role": "user", "content": "Across the link."}]})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["audio"]["data"]
+    assert _served(head, 1) - before == 1
+
+
+def test_headless_prefill_replica_in_another_network_namespace(cluster):
+    """Prefill/decode disaggregation across hosts: the thinker's prefill stage runs only as
+    a headless replica in its own namespace; the head's decode engine pulls each prompt's
+    KV cache from it over the link (Mooncake TCP)."""
+    import openai
+
+    head, replicas = cluster
+    stage = next(s for s in replicas if s != 1)
+    assert f"KV transfers advertise {HEAD_IP}" in head.log()
+    assert f"KV transfers advertise {REPLICA_IP}" in replicas[stage].log()
+    before = _served(head, stage)
+    client = openai.OpenAI(base_url=f"{head.url}/v1", api_key="-")
+    messages = [{"role": "user", "content": "Prefill over there, decode here."}]
+    text = client.chat.completions.create(model=head.model, messages=messages, max_tokens=8,
+                                          temperature=0)
+    spoken = client.chat.completions.create(
+        model=head.model, messages=messages, max_tokens=8, temperature=0,
+        modalities=["text", "audio"], audio={"voice": "ethan", "format": "wav"})
+    # a failed KV load would have been an error (kv_load_failure_policy "fail")
+    assert text.choices[0].finish_reason == "length"
+    assert spoken.choices[0].message.content == text.choices[0].message.content
+    assert spoken.choices[0].message.audio.data
+    assert _served(head, stage) - before == 2
