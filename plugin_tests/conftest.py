@@ -138,17 +138,19 @@ def pytest_configure(config):
 
 
 def _recorded_seconds() -> dict[str, float]:
-    """Seconds per test module (``plugin_tests/<kind>/<module>.py``, its tests' JUnit
-    times summed, the most over the rows) in the newest `.ci/run` record under
-    :data:`CACHE` that has any (``ci-runs/<time>/<row>/junit.xml``); empty without one.
-    Every test worker reads the same finished record, so all collect the same order."""
+    """Seconds per test module (``plugin_tests/<kind>/<module>.py``: its tests' JUnit
+    times summed, the most over the rows of a run) from the newest `.ci/run` record under
+    :data:`CACHE` that has the module (``ci-runs/<time>/<row>/junit.xml``); empty without
+    records. A run in progress counts too: its end-to-end row still finds its modules in
+    an earlier run. Every test worker reads the same finished rows, so all collect the
+    same order."""
     import glob
     import xml.etree.ElementTree as ET
 
+    seconds: dict[str, float] = {}
     for run in sorted(glob.glob(os.path.join(CACHE, "ci-runs", "*")), reverse=True):
-        rows = glob.glob(os.path.join(run, "*", "junit.xml"))
-        seconds: dict[str, float] = {}
-        for junit in rows:
+        in_run: dict[str, float] = {}
+        for junit in glob.glob(os.path.join(run, "*", "junit.xml")):
             per_row: dict[str, float] = {}
             try:
                 cases = list(ET.parse(junit).getroot().iter("testcase"))
@@ -158,10 +160,10 @@ def _recorded_seconds() -> dict[str, float]:
                 module = case.get("classname", "").replace(".", "/") + ".py"
                 per_row[module] = per_row.get(module, 0.0) + float(case.get("time") or 0)
             for module, value in per_row.items():
-                seconds[module] = max(seconds.get(module, 0.0), value)
-        if seconds:
-            return seconds
-    return {}
+                in_run[module] = max(in_run.get(module, 0.0), value)
+        for module, value in in_run.items():
+            seconds.setdefault(module, value)
+    return seconds
 
 
 def pytest_collection_modifyitems(config, items):
