@@ -168,10 +168,11 @@ def _recorded_seconds() -> dict[str, float]:
 
 def pytest_collection_modifyitems(config, items):
     """Run unit tests, then cli, engine and end-to-end tests; within a kind, the modules
-    that took longest in the last recorded run first (longest-processing-time first:
-    with test files run side by side, `-n 2`, a long module started last would run
-    alone at the end), modules the record lacks before them, ties in file order. A
-    module's tests stay together, in order."""
+    that took longest in the recorded runs first (longest-processing-time first: with
+    test files run side by side, `-n 2`, a long module started last would run alone at
+    the end), modules the record lacks before them, ties in file order. A module's
+    tests stay together, in order. (pytest-xdist keeps this order with
+    ``--no-loadscope-reorder``; see `.ci/run` for the rows that use it.)"""
     recorded = _recorded_seconds()
 
     def key(item) -> tuple:

@@ -200,6 +200,22 @@ def test_model_runner_layouts_are_what_the_shim_reads():
     assert "req_ids" in _class_fields("vllm.v1.worker.gpu.input_batch", "InputBatch")
 
 
+def test_v2_keeps_the_step_batch_from_prepare_inputs_and_stores_it_after_the_forward():
+    """What ``watch_step`` relies on: V2's ``execute_model`` gets the step's batch from
+    ``self.prepare_inputs(...)`` before the forward (eager or graph replay) and assigns
+    ``self.execute_model_state`` only after it; the runner has no ``input_batch``
+    attribute. When V2 stores the batch before the forward, the shim can read that."""
+    tree = _vllm_source("vllm.v1.worker.gpu.model_runner")
+    runner = next(n for n in ast.walk(tree)
+                  if isinstance(n, ast.ClassDef) and n.name == "GPUModelRunner")
+    execute = ast.unparse(_function(runner, "execute_model"))
+    prepare = execute.index("input_batch = self.prepare_inputs(")
+    forward = min(execute.index(call) for call in ("self.model(", "run_fullgraph("))
+    state = execute.index("self.execute_model_state = ")
+    assert prepare < forward < state
+    assert "self.input_batch" not in ast.unparse(runner)
+
+
 # -- every patch documents itself and reports whether it is on ----------------------
 @pytest.mark.parametrize("module", [*PATCH_MODULES, "vllm_omni_plugin.compat.model_runner",
                                     "vllm_omni_plugin.compat.mooncake"])

@@ -35,3 +35,4 @@ def test_a_run_in_progress_keeps_the_older_runs_times_of_the_rows_it_has_not_run
 def test_no_records_no_times(tmp_path, monkeypatch):
     monkeypatch.setattr(conftest, "CACHE", str(tmp_path))
     assert conftest._recorded_seconds() == {}
+

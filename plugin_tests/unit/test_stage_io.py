@@ -1,20 +1,23 @@
 """The stage payload channel of the plugin's worker, with scripted scheduler outputs.
 
-``worker/stage_io.py`` and ``compat/model_runner.py`` against fakes shaped like vLLM's
-``SchedulerOutput`` and model runners; the engine tests run the real ones.
+``worker/stage_io.py``, ``compat/model_runner.py`` and the worker's graph-mode check
+against fakes shaped like vLLM's ``SchedulerOutput`` and model runners; the engine tests
+run the real ones.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from vllm_omni_plugin.compat.model_runner import batch_req_ids
+from vllm_omni_plugin.compat.model_runner import batch_req_ids, watch_step
 from vllm_omni_plugin.extra_args import PAYLOAD
 from vllm_omni_plugin.payload_store import PayloadStore
-from vllm_omni_plugin.worker.stage_io import ScheduledRequest, StageIO, StageStep
+from vllm_omni_plugin.worker.omni_worker import check_graph_mode
+from vllm_omni_plugin.worker.stage_io import ScheduledRequest, StageIO, StageStep, keep_rows
 
 
 def _params(extra=None, stop=(7,)):
@@ -167,6 +170,61 @@ def test_batch_req_ids_reads_either_runner_layout():
         batch_req_ids(SimpleNamespace())
 
 
+class _V2Runner:
+    """vLLM's V2 ``GPUModelRunner`` as far as the row map goes, from the installed
+    release's own parts: ``prepare_inputs`` orders the step with V2's
+    ``sort_batch_req_ids`` (decodes first) into V2's ``InputBatch``; ``execute_model``
+    keeps that batch in a local during the forward and stores it in
+    ``execute_model_state`` only after it, as V2 does (the shim test checks that order
+    in V2's source)."""
+
+    def __init__(self, forward):
+        self.forward, self.execute_model_state = forward, None
+
+    def prepare_inputs(self, scheduler_output, *args):
+        from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
+        from vllm.v1.worker.gpu.model_runner import sort_batch_req_ids
+
+        counts = scheduler_output.num_scheduled_tokens
+        req_ids = sort_batch_req_ids(counts, {}, 1)
+        buffers = InputBuffers(max_num_reqs=8, max_num_tokens=64, device=torch.device("cpu"))
+        batch = InputBatch.make_dummy(len(req_ids), sum(counts.values()), buffers)
+        return dataclasses.replace(batch, req_ids=req_ids)
+
+    def execute_model(self, scheduler_output):
+        input_batch = self.prepare_inputs(scheduler_output, None, None)
+        self.forward()
+        self.execute_model_state = SimpleNamespace(input_batch=input_batch)
+
+    def sample_tokens(self):
+        self.execute_model_state = None
+
+
+def test_a_stage_step_maps_rows_inside_a_v2_forward(store):
+    """V2 (vLLM's default runner on CUDA) has no batch attribute during the forward,
+    where the talker, code2wav and the DiT read their rows: before the fix,
+    ``requests()`` raised there and the engine died on its first request."""
+    io = StageIO(1, store)
+    seen = []
+    runner = _V2Runner(lambda: seen.append(step_view.requests()))
+    for step in (_step(new=[_new("a", _out(store, "ka"), prompt_len=5)], cached=[("old", 9)],
+                       scheduled={"a": 5, "old": 1}),
+                 _step(new=[_new("b", _out(store, "kb"), prompt_len=3)],
+                       cached=[("a", 5), ("old", 10)], scheduled={"b": 3, "a": 1, "old": 1})):
+        io.begin_step(step, always=True)
+        watch_step(runner)
+        step_view = StageStep(io, runner, step)
+        runner.execute_model(step)
+        assert batch_req_ids(runner) == [r.req_id for r in seen[-1]]  # after the forward
+        runner.sample_tokens()
+    assert seen == [[ScheduledRequest("old", 0, 1, 9, 0), ScheduledRequest("a", 1, 5, 0, 5)],
+                    [ScheduledRequest("a", 0, 1, 5, 5), ScheduledRequest("old", 1, 1, 10, 0),
+                     ScheduledRequest("b", 2, 3, 0, 3)]]
+    watch_step(runner)  # the next step, before its prepare_inputs: no stale batch
+    with pytest.raises(RuntimeError, match="compat/model_runner.py"):
+        batch_req_ids(runner)
+
+
 def test_async_runner_output_of_a_failed_request_carries_its_stop_token(store):
     """With async scheduling (GPU) the worker returns vLLM's AsyncModelRunnerOutput;
     the failed request's stop token is put in when the output is read."""
@@ -253,3 +311,62 @@ def test_a_missing_growing_input_fails_its_request(store):
     keys = {PAYLOAD: {"in": "nothing", "input_grows": True, **_out(store, "out-m")[PAYLOAD]}}
     io.begin_step(_step(new=[_new("m", keys)], scheduled={"m": 4}), always=True)
     assert io.tracked("m").failed and "missing or empty" in store.error("out-m")
+
+
+def test_kept_rows_survive_a_replay_that_runs_no_python(store):
+    """The thinker's rows under FULL CUDA graphs: a replay rewrites the buffers (the
+    captured copies) without running ``forward``; what the worker publishes after it is
+    the replayed step's rows, not those the last Python forward left."""
+    buffers = {"embed": torch.zeros(8, 1)}
+
+    class Thinker:
+        def forward(self, embed):
+            keep_rows(buffers, embed=embed)
+
+        def stage_output_rows(self):
+            return buffers
+
+    io, model = StageIO(0, store), Thinker()
+    step = _step(new=[_new("a", _out(store, "ka"), prompt_len=5)], scheduled={"a": 5})
+    io.begin_step(step)
+    address = buffers["embed"].data_ptr()
+    model.forward(torch.arange(5.0)[:, None])  # a prefill: eager, Python runs
+    io.publish(model, ["a"], step)
+    step = _step(cached=[("a", 5)], scheduled={"a": 1})
+    io.begin_step(step)
+    buffers["embed"][:1].copy_(torch.tensor([[42.0]]))  # a decode step's replay
+    io.publish(model, ["a"], step)
+    assert store.get("ka")["embed"].flatten().tolist() == [0, 1, 2, 3, 4, 42]
+    assert buffers["embed"].data_ptr() == address
+    with pytest.raises(ValueError, match="9 rows exceeds the 8 rows kept for 'embed'"):
+        model.forward(torch.zeros(9, 1))
+
+
+def test_stage_models_refuse_graph_modes_that_would_skip_their_python():
+    """vLLM's GPU default (FULL_AND_PIECEWISE) on the talker, code2wav or the DiT, which
+    read their step from Python, is refused at start-up naming the fix; the thinker,
+    whose rows survive replay, keeps it; PIECEWISE (Python runs between the pieces) is
+    fine for a model that only publishes rows."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    from vllm_omni_plugin.models.bagel.dit import BagelDiTStage
+    from vllm_omni_plugin.models.qwen3_omni.code2wav import Qwen3OmniCode2WavStage
+    from vllm_omni_plugin.models.qwen3_omni.talker import Qwen3OmniTalkerStage
+    from vllm_omni_plugin.models.qwen3_omni.thinker import Qwen3OmniThinkerStage
+
+    def model(cls):  # the class's declarations, without building its layers
+        return cls.__new__(cls)
+
+    class RowsInPython:
+        def stage_output_rows(self):
+            return {}
+
+    for cls in (Qwen3OmniTalkerStage, Qwen3OmniCode2WavStage, BagelDiTStage):
+        for mode in (CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.PIECEWISE):
+            with pytest.raises(ValueError, match=f"stage 2: {cls.__name__} .*enforce_eager"):
+                check_graph_mode(model(cls), mode, 2)
+        check_graph_mode(model(cls), CUDAGraphMode.NONE, 2)
+    check_graph_mode(model(Qwen3OmniThinkerStage), CUDAGraphMode.FULL_AND_PIECEWISE, 0)
+    with pytest.raises(ValueError, match="stage 0: RowsInPython .*cudagraph_mode: PIECEWISE"):
+        check_graph_mode(RowsInPython(), CUDAGraphMode.FULL_DECODE_ONLY, 0)
+    check_graph_mode(RowsInPython(), CUDAGraphMode.PIECEWISE, 0)

@@ -26,6 +26,7 @@ from vllm_omni_plugin.coordinator import (
     OmniCoordClientForHub,
     OmniCoordinatorRuntime,
     OmniMasterServer,
+    ReplicaStatus,
 )
 from vllm_omni_plugin.logger import init_logger
 from vllm_omni_plugin.master.messages import tcp_address
@@ -114,10 +115,12 @@ class HeadCluster:
 
     async def sync(self) -> None:
         """Attach, re-attach and detach remote replicas after a coordinator update."""
-        assert self.hub is not None
-        up = {info.input_addr: info for info in self.hub.get_replica_list().replicas}
-        known = {info.input_addr: info.status.value
-                 for info in self.runtime.get_all_replicas().replicas}
+        # One snapshot of the coordinator (this process runs it): the hub's broadcast list
+        # can lag it, and a replica missing from that list while the coordinator already
+        # had it up again was detached as "went up", failing its running requests.
+        replicas = self.runtime.get_all_replicas().replicas
+        known = {info.input_addr: info.status.value for info in replicas}
+        up = {info.input_addr: info for info in replicas if info.status == ReplicaStatus.UP}
         assignments = await asyncio.to_thread(self.master.assignments)
         held = {(a.stage_id, a.replica_id): a for a in assignments
                 if (a.stage_id, a.replica_id) not in self._local_ids}

@@ -15,13 +15,20 @@ chunked prefill, the paged KV cache and sampling. The subclass only
 * makes a request that failed in the plugin's code emit its stop token.
 
 Requests without payload keys (plain text chat) pass through untouched.
+
+CUDA graphs replay kernels without running a model's Python, so the worker refuses, at
+engine start-up, a graph mode a stage model cannot run under (:func:`check_graph_mode`):
+a model that reads its step from Python (``uses_stage_step``) needs no graphs
+(``enforce_eager: true``); one that publishes per-position rows needs either no FULL
+graphs or rows kept in buffers a replay rewrites (``stage_outputs_graph_safe``, as the
+Qwen3-Omni thinker does).
 """
 
 from __future__ import annotations
 
 from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 
-from vllm_omni_plugin.compat.model_runner import batch_req_ids
+from vllm_omni_plugin.compat.model_runner import batch_req_ids, watch_step
 from vllm_omni_plugin.config.settings import OmniSettings
 from vllm_omni_plugin.logger import init_logger
 from vllm_omni_plugin.payload_store import PayloadStore
@@ -37,6 +44,8 @@ class OmniWorkerMixin:
 
     #: the platform's worker class this one extends (set when the class is built)
     platform_worker: type
+    #: whether this worker publishes the stage outputs (set when the model is loaded)
+    omni_publishes = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -47,18 +56,36 @@ class OmniWorkerMixin:
         logger.info("stage %d: %s (vLLM's %s with the stage payload channel)",
                     self.omni_io.stage_id, type(self).__name__, self.platform_worker.__name__)
 
+    def load_model(self, *args, **kwargs):
+        from vllm.distributed import get_pp_group, get_tp_group
+
+        super().load_model(*args, **kwargs)
+        check_graph_mode(_unwrapped(self.model_runner.get_model()),
+                         self.vllm_config.compilation_config.cudagraph_mode,
+                         self.omni_io.stage_id)
+        # Every tensor-parallel rank computes the same rows (its outputs are all-reduced)
+        # and only the last pipeline-parallel rank computes them at all: one worker
+        # publishes, as one returns the step's output to the engine.
+        tp, pp = get_tp_group(), get_pp_group()
+        self.omni_publishes = tp.rank_in_group == 0 and pp.is_last_rank
+        if not self.omni_publishes:
+            logger.info("stage %d: worker of TP rank %d, PP rank %d publishes no stage "
+                        "outputs (TP rank 0 of the last PP rank does)", self.omni_io.stage_id,
+                        tp.rank_in_group, pp.rank_in_group)
+
     def execute_model(self, scheduler_output):
         model = _unwrapped(self.model_runner.get_model())
         stepwise = getattr(model, "uses_stage_step", False)
         publishing = self.omni_io.begin_step(scheduler_output, always=stepwise)
         if stepwise:
+            watch_step(self.model_runner)
             model.stage_step = StageStep(self.omni_io, self.model_runner, scheduler_output)
         try:
             output = super().execute_model(scheduler_output)
         finally:
             if stepwise:
                 model.stage_step = None
-        if publishing and scheduler_output.total_num_scheduled_tokens:
+        if publishing and self.omni_publishes and scheduler_output.total_num_scheduled_tokens:
             self.omni_io.publish(model, batch_req_ids(self.model_runner), scheduler_output)
         return self._fix_failed(output)
 
@@ -71,6 +98,39 @@ class OmniWorkerMixin:
         elif isinstance(output, AsyncModelRunnerOutput):
             return _FixedAsyncOutput(output, self.omni_io)
         return output
+
+
+def check_graph_mode(model, cudagraph_mode, stage_id: int) -> None:
+    """Refuse a CUDA graph mode under which ``model``'s stage outputs would be wrong.
+
+    Args:
+        model: the stage model (unwrapped).
+        cudagraph_mode: the engine's ``compilation_config.cudagraph_mode``
+            (vLLM's ``CUDAGraphMode``; NONE on vLLM's CPU build and with
+            ``enforce_eager``).
+        stage_id: for the message.
+
+    Raises:
+        ValueError: a model with ``uses_stage_step`` under any graphs, or one with
+            ``stage_output_rows`` but not ``stage_outputs_graph_safe`` under FULL graphs
+            (a replay would leave the rows of an earlier forward).
+    """
+    name = type(model).__name__
+    if cudagraph_mode is None:  # not resolved: vLLM runs no graphs
+        return
+    graphs = cudagraph_mode.has_full_cudagraphs() or cudagraph_mode.has_piecewise_cudagraphs()
+    if getattr(model, "uses_stage_step", False) and graphs:
+        raise ValueError(
+            f"stage {stage_id}: {name} reads its inputs from Python in every forward, which "
+            f"CUDA graph replay skips (cudagraph_mode {cudagraph_mode.name}): set "
+            "enforce_eager: true in this stage's engine_args")
+    if (hasattr(model, "stage_output_rows") and cudagraph_mode.has_full_cudagraphs()
+            and not getattr(model, "stage_outputs_graph_safe", False)):
+        raise ValueError(
+            f"stage {stage_id}: {name} keeps its per-position outputs in Python, which FULL "
+            f"CUDA graph replay skips (cudagraph_mode {cudagraph_mode.name}): set "
+            "compilation_config: {cudagraph_mode: PIECEWISE} or enforce_eager: true in "
+            "this stage's engine_args")
 
 
 def _unwrapped(model):

@@ -129,6 +129,27 @@ class StageStep:
             self._io.fail(req_id, tracked, exc)
 
 
+def keep_rows(buffers: dict[str, torch.Tensor], **rows: torch.Tensor) -> None:
+    """Copy a forward's per-position outputs into a model's persistent ``buffers``
+    (``[max_rows, ...]`` each, allocated once with the model), rows from 0: the
+    graph-safe way to keep :meth:`stage_output_rows`. Under a FULL CUDA graph the copies
+    are captured and replayed with the step's data, and the buffers never move.
+
+    Args:
+        buffers: name -> ``[max_rows, *shape]`` tensor.
+        rows: name -> ``[n, *shape]`` tensor of the forward (same dtype, device, shape).
+
+    Raises:
+        ValueError: a forward fed more rows than a buffer holds.
+    """
+    for name, t in rows.items():
+        buffer = buffers[name]
+        if t.shape[0] > buffer.shape[0]:
+            raise ValueError(f"a forward of {t.shape[0]} rows exceeds the {buffer.shape[0]} "
+                             f"rows kept for {name!r} (max_num_batched_tokens)")
+        buffer[:t.shape[0]].copy_(t)
+
+
 def request_payload_keys(req_id: str, params: Any, store: PayloadStore | None
                          ) -> tuple[xargs.PayloadKeys, Exception | None]:
     """The payload keys a request carries, and the problem that fails it (else None):

@@ -23,6 +23,12 @@ The two per-position tensors come from vLLM's own auxiliary-hidden-state outputs
 EAGLE-3 seam, ``SupportsEagle3.set_aux_hidden_state_layers``): layer index 0 is the decoder
 input and index ``k`` the residual stream after layer ``k - 1``, the same numbering as HF's
 ``hidden_states`` tuple.
+
+CUDA graphs: the rows are copied, inside ``forward``, into buffers allocated once with the
+model (``max_num_batched_tokens`` rows each: at hidden size 2048 in bf16, 8 KiB per row
+for ``embed`` and ``hidden`` together, 64 MiB at 8,192 tokens). A FULL graph captures those
+copies, so a replay, which skips ``forward``'s Python, still rewrites the rows of its step;
+the thinker keeps vLLM's default graph mode (``stage_outputs_graph_safe``).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from vllm.model_executor.models.qwen3_omni_moe_thinker import (
 )
 
 from vllm_omni_plugin.models.qwen3_omni.talker_inputs import tts_token_embeds_from
+from vllm_omni_plugin.worker.stage_io import keep_rows
 
 
 class Qwen3OmniThinkerStage(Qwen3OmniMoeThinkerForConditionalGeneration):
@@ -42,6 +49,9 @@ class Qwen3OmniThinkerStage(Qwen3OmniMoeThinkerForConditionalGeneration):
         ValueError: ``talker_config.accept_hidden_layer`` is not in
             ``[1, text_config.num_hidden_layers]``.
     """
+
+    #: the rows survive CUDA graph replay (see the module docstring)
+    stage_outputs_graph_safe = True
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
@@ -55,7 +65,13 @@ class Qwen3OmniThinkerStage(Qwen3OmniMoeThinkerForConditionalGeneration):
         #: HF's last hidden_states entry is after the final norm: the model's own output.
         self._hidden_is_output = layer == num_layers
         self.set_aux_hidden_state_layers((0,) if self._hidden_is_output else (0, layer))
-        self._rows: dict[str, torch.Tensor] = {}
+        # allocated on the device vLLM builds the model on (its default-device context)
+        rows = vllm_config.scheduler_config.max_num_batched_tokens
+        width = hf_config.thinker_config.text_config.hidden_size
+        dtype = vllm_config.model_config.dtype
+        self._rows = {"embed": torch.zeros(rows, width, dtype=dtype),
+                      "hidden": torch.zeros(rows, width, dtype=dtype),
+                      "positions": torch.zeros(rows, 3, dtype=torch.int64)}
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None,
                 **kwargs):
@@ -64,18 +80,17 @@ class Qwen3OmniThinkerStage(Qwen3OmniMoeThinkerForConditionalGeneration):
         if not isinstance(out, tuple):  # not the last pipeline rank
             return out
         hidden_states, aux = out
-        self._rows = {
-            "embed": aux[0],
-            "hidden": hidden_states if self._hidden_is_output else aux[1],
-            # M-RoPE positions are [3, n]; a copy, as the runner refills its buffer each step
-            "positions": positions.t().clone(),
-        }
+        keep_rows(self._rows, embed=aux[0],
+                  hidden=hidden_states if self._hidden_is_output else aux[1],
+                  positions=positions.t())  # M-RoPE positions are [3, n]
         return hidden_states
 
     # -- stage outputs (read by the plugin's worker) --------------------------------
     def stage_output_rows(self) -> dict[str, torch.Tensor]:
-        """Per-position outputs of the last forward: name -> ``[num_tokens, hidden]``,
-        rows in the model runner's batch order (padding rows at the end)."""
+        """Per-position outputs of the last forward, in the model runner's batch order:
+        ``embed``, ``hidden`` ``[max_num_batched_tokens, hidden]`` (model dtype) and
+        ``positions`` ``[max_num_batched_tokens, 3]`` int64, whose first ``num_tokens`` rows
+        are the step's (the same tensors every step)."""
         return self._rows
 
     def stage_output_once(self) -> dict[str, torch.Tensor]:
