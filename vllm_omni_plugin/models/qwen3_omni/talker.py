@@ -20,8 +20,9 @@ ids) runs as in HF ``Qwen3OmniMoeForConditionalGeneration.generate`` (written ou
   thinker's (:func:`.talker_inputs.talker_mrope_positions`), and decode position ``p`` is
   ``p + delta``;
 * the frame is published as ``codes`` ``[1, 16]`` int64 when it is computed, so a frame
-  exists only for code-0 tokens that were fed: never for ``codec_eos`` (the stop token),
-  and, as in HF, not for the last code 0 of a request cut by ``max_tokens``.
+  exists only for code-0 tokens that were fed: never for ``codec_eos`` (the stop token;
+  async scheduling feeds it back once, and that row makes no frame), and, as in HF, not
+  for the last code 0 of a request cut by ``max_tokens``.
 
 Frames and the last hidden state are kept per request until it finishes, keyed by
 position, so a recompute after preemption reuses them instead of re-predicting.
@@ -268,6 +269,8 @@ class Qwen3OmniTalkerStage(nn.Module, SupportsMRoPE):
         self.text_projection = _ResizeMLP(*resize, prefix="text_projection")
         self.hidden_projection = _ResizeMLP(*resize, prefix="hidden_projection")
         self.code_predictor = Qwen3OmniCodePredictor(talker_config.code_predictor_config)
+        #: code-0 ids below it are codebook entries; the codec specials follow
+        self.codebook_size = int(talker_config.code_predictor_config.vocab_size)
         self.register_buffer("suppress", ti.talker_logits_mask(hf_config), persistent=False)
         self.speakers = {v: k for k, v in (talker_config.speaker_id or {}).items()}
         self.stage_step = None
@@ -436,9 +439,15 @@ class Qwen3OmniTalkerStage(nn.Module, SupportsMRoPE):
             [s.greedy for s in states], [s.generator for s in states])
         frames = torch.cat((code0[:, None], residual), dim=1).to(torch.long)
         rows[index] = self._frame_embeds(frames, states, [p[3] for p in pending])
-        for (req_id, state, _, _), frame in zip(pending, frames, strict=True):
+        on_host = frames.cpu()  # one device-to-host copy for the step's frames
+        for (req_id, state, _, _), frame, codes in zip(pending, frames, on_host, strict=True):
+            if codes[0] >= self.codebook_size:
+                # Not a frame: a code 0 outside the codebook is the stop token
+                # (codec_eos), fed back once under async scheduling (vLLM's GPU default
+                # schedules the next step before the sampled token is checked).
+                continue
             state.frames.append(frame)
-            self._outputs[req_id] = {"codes": frame[None].cpu()}
+            self._outputs[req_id] = {"codes": codes[None]}
 
     def _frame_embeds(self, frames: torch.Tensor, states: list[_Request],
                       steps: list[int]) -> torch.Tensor:
