@@ -4,7 +4,8 @@ The head runs in this namespace and binds its omni master to the veth
 address; the headless replicas (the prefill/decode pipeline's prefill thinker and
 its talker) run in another namespace, find their address through the route probe
 toward the master and are reached over the link. One cluster for the module.
-Needs root (CAP_NET_ADMIN) and `ip`; skipped with the reason otherwise.
+Needs root (CAP_NET_ADMIN), `ip` and the plugin's `pd` extra (Mooncake); skipped with the
+reason otherwise.
 """
 
 from __future__ import annotations
