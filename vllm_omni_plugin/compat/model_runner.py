@@ -24,6 +24,8 @@ Shim test: plugin_tests/unit/test_compat_shims.py.
 
 from __future__ import annotations
 
+from vllm_omni_plugin.compat import MARKER
+
 #: the instance attribute holding the V2 batch of the step being executed
 _STEP_BATCH = "_omni_step_batch"
 
@@ -36,7 +38,7 @@ def watch_step(model_runner) -> None:
         return
     setattr(model_runner, _STEP_BATCH, None)
     prepare = getattr(model_runner, "prepare_inputs", None)
-    if prepare is None or getattr(prepare, "omni_plugin_watch", False):
+    if prepare is None or getattr(prepare, MARKER, False):
         return
 
     def prepare_inputs(*args, **kwargs):
@@ -44,7 +46,7 @@ def watch_step(model_runner) -> None:
         setattr(model_runner, _STEP_BATCH, batch)
         return batch
 
-    prepare_inputs.omni_plugin_watch = True
+    setattr(prepare_inputs, MARKER, True)
     model_runner.prepare_inputs = prepare_inputs
 
 
