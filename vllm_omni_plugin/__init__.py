@@ -13,8 +13,8 @@ _warned = False
 
 
 def register() -> None:
-    """Register the stage models and the KV connector, and apply the serve patches
-    (idempotent)."""
+    """Register the stage models and the KV connector, apply the serve patches and
+    install the exit hook (:mod:`~vllm_omni_plugin.compat.exit_gc`); idempotent."""
     global _registered, _warned
     if _registered:
         return
@@ -37,13 +37,14 @@ def register() -> None:
             )
         if not allowed:
             return
-        from vllm_omni_plugin.compat import apply_all
+        from vllm_omni_plugin.compat import apply_all, exit_gc
         from vllm_omni_plugin.kv_transfer import register_connectors
         from vllm_omni_plugin.models import register_models
 
         register_models()
         register_connectors()
         apply_all()
+        exit_gc.install()
         _registered = True
     except Exception:  # never crash vLLM from a plugin
         logger.exception("vllm-omni-plugin failed to register; omni mode is unavailable")

@@ -216,9 +216,49 @@ def test_v2_keeps_the_step_batch_from_prepare_inputs_and_stores_it_after_the_for
     assert "self.input_batch" not in ast.unparse(runner)
 
 
+# -- exit_gc: CPython collects a vLLM process's whole heap again at exit --------------
+def test_shim_needed_exit_gc_engine_core_freezes_its_heap_on_rocm_only():
+    """``run_engine_core`` freezes the surviving heap before exit only under
+    ``current_platform.is_rocm()``; vLLM's worker process never does."""
+    run = ast.unparse(_function(_vllm_source("vllm.v1.engine.core"), "run_engine_core"))
+    freeze = run.index("gc.freeze()")
+    assert "is_rocm()" in run[:freeze] and run.count("gc.freeze()") == 1
+    worker_main = ast.unparse(_function(_vllm_source("vllm.v1.executor.multiproc_executor"),
+                                        "worker_main"))
+    assert "gc.freeze" not in worker_main
+
+
+_CYCLE_AT_EXIT = """
+import sys
+{install}
+class Cycle:
+    def __del__(self):
+        sys.stdout.write("collected at exit")
+garbage = Cycle()
+garbage.self = garbage
+del garbage
+"""
+
+
+@pytest.mark.parametrize("install", [False, True])
+def test_exit_gc_leaves_the_heap_to_the_operating_system(install):
+    """A cyclic object still uncollected at exit: CPython's exit-time collection
+    finalizes it; after ``exit_gc.install()`` (twice: it registers once) that
+    collection skips the frozen heap, so its finalizer never runs."""
+    import subprocess
+
+    hook = ("from vllm_omni_plugin.compat import exit_gc\n"
+            "import gc\ngc.disable()\nexit_gc.install()\nexit_gc.install()")
+    code = _CYCLE_AT_EXIT.format(install=hook if install else "import gc\ngc.disable()")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert ("collected at exit" in out) is not install
+
+
 # -- every patch documents itself and reports whether it is on ----------------------
 @pytest.mark.parametrize("module", [*PATCH_MODULES, "vllm_omni_plugin.compat.model_runner",
-                                    "vllm_omni_plugin.compat.mooncake"])
+                                    "vllm_omni_plugin.compat.mooncake",
+                                    "vllm_omni_plugin.compat.exit_gc"])
 def test_shim_documents_why_and_when_to_remove(module):
     doc = importlib.import_module(module).__doc__ or ""
     assert "Why:" in doc and "Remove when:" in doc, module
