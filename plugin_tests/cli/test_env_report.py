@@ -29,7 +29,9 @@ _TEXT = {"name": "text", "module": _MODULE, "argv": []}
 @pytest.fixture(scope="module")
 def envs(tmp_path_factory) -> Environments:
     """The report's child in the clean environment (JSON, then text), with vLLM
-    reporting an out-of-range version, and with VLLM_PLUGINS naming another plugin."""
+    reporting an out-of-range version, and with VLLM_PLUGINS naming another plugin.
+    `.ci/run` prints the clean text report as the release's environment report (it
+    finds it as ``clean0/text.out`` under the row's tmp dir)."""
     fake = shadow_vllm_version(tmp_path_factory.mktemp("shadow-vllm"))
     return Environments(tmp_path_factory, {
         "clean": (_CLEAN, [_JSON, _TEXT]),
