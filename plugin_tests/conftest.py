@@ -47,7 +47,8 @@ def _checkpoint_key() -> str:
     return digest.hexdigest()[:16]
 
 
-def _file_hashes(path: str) -> dict[str, str]:
+def file_hashes(path: str) -> dict[str, str]:
+    """SHA-256 of every file under ``path``, by path relative to it."""
     import hashlib
 
     hashes = {}
@@ -80,7 +81,7 @@ def cached_tiny_checkpoint(model: str, seed: int = 0) -> str:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one builder at a time on this machine
         if os.path.isdir(out) and os.path.isfile(manifest):
             with open(manifest) as f:
-                if json.load(f) == _file_hashes(out):
+                if json.load(f) == file_hashes(out):
                     return out
         staging = tempfile.mkdtemp(prefix=f".{model}-", dir=root)
         try:
@@ -91,7 +92,7 @@ def cached_tiny_checkpoint(model: str, seed: int = 0) -> str:
             shutil.rmtree(out, ignore_errors=True)
             os.replace(os.path.join(staging, "ckpt"), out)
             with open(manifest, "w") as f:
-                json.dump(_file_hashes(out), f)
+                json.dump(file_hashes(out), f)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return out
@@ -172,7 +173,7 @@ def pytest_collection_modifyitems(config, items):
     test files run side by side, `-n 2`, a long module started last would run alone at
     the end), modules the record lacks before them, ties in file order. A module's
     tests stay together, in order. (pytest-xdist keeps this order with
-    ``--no-loadscope-reorder``; see `.ci/run` for the rows that use it.)"""
+    ``--no-loadscope-reorder``, as every row of `.ci/run` runs.)"""
     recorded = _recorded_seconds()
 
     def key(item) -> tuple:

@@ -102,9 +102,32 @@ IMAGE_SIZE = (96, 64)
 AUDIO_SECONDS = 1.5
 
 
+def _stored(path: str, compute):
+    """``compute()``'s value, kept in the pickle file ``path``: read from it when it
+    exists, else computed and written there (atomically: concurrent test workers may
+    compute the same value; the last one's file stays)."""
+    import pickle
+    import tempfile
+
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    value = compute()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, staging = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:
+        pickle.dump(value, f)
+    os.replace(staging, path)
+    return value
+
+
 class HFReference:
     """HF ``generate`` (greedy) on the tiny checkpoint, each part computed on first use
-    from one loaded model."""
+    from one loaded model and kept on disk next to the checkpoint
+    (``<ckpt>.hf-reference/``), keyed by what it depends on: the checkpoint's files,
+    torch's and transformers' versions, this module's source, and the prompt ids or
+    media bytes served. Every engine module and CI row after the first reads it
+    (computing it took 5-7 s a module on a 2-core host)."""
 
     def __init__(self, ckpt: str, media_dir) -> None:
         self.ckpt, self.media_dir = ckpt, media_dir
@@ -112,6 +135,22 @@ class HFReference:
     @functools.cached_property
     def _model(self):
         return hf_model(self.ckpt)
+
+    def _store(self, part: str, inputs: bytes) -> str:
+        """Where the reference ``part`` computed from ``inputs`` is kept."""
+        import hashlib
+        from importlib.metadata import version
+
+        from plugin_tests.conftest import file_hashes
+
+        digest = hashlib.sha256(inputs)
+        for name, value in sorted(file_hashes(self.ckpt).items()):
+            digest.update(f"{name}={value}".encode())
+        for dist in ("torch", "transformers"):
+            digest.update(f"{dist}=={version(dist)}".encode())
+        with open(__file__, "rb") as f:
+            digest.update(f.read())
+        return os.path.join(f"{self.ckpt}.hf-reference", f"{part}-{digest.hexdigest()[:16]}.pkl")
 
     @functools.cached_property
     def prompt_ids(self) -> list[list[int]]:
@@ -125,19 +164,30 @@ class HFReference:
     @functools.cached_property
     def text(self) -> list[tuple]:
         """Per prompt of :attr:`prompt_ids`: (thinker tokens, codes [T, 16], waveform)."""
-        import torch
+        import json
 
-        model, eos = self._model
-        out = []
-        for prompt in self.prompt_ids:
-            sequences, codes, wav, _ = hf_speak(model, eos, input_ids=torch.tensor([prompt]))
-            out.append((sequences[0, len(prompt):].tolist(), codes, wav))
-        return out
+        def compute():
+            import torch
+
+            model, eos = self._model
+            out = []
+            for prompt in self.prompt_ids:
+                sequences, codes, wav, _ = hf_speak(model, eos,
+                                                    input_ids=torch.tensor([prompt]))
+                out.append((sequences[0, len(prompt):].tolist(), codes, wav))
+            return out
+
+        return _stored(self._store("text", json.dumps(self.prompt_ids).encode()), compute)
 
     @functools.cached_property
     def media(self) -> dict:
         """:func:`hf_media_reference` on the files in :attr:`media_dir`."""
-        return hf_media_reference(self.ckpt, self.media_dir, *self._model)
+        from plugin_tests.engine.scripts.omni_pipeline import MEDIA_TEXT
+
+        inputs = MEDIA_TEXT.encode() + b"".join(
+            f.name.encode() + f.read_bytes() for f in sorted(self.media_dir.iterdir()))
+        return _stored(self._store("media", inputs),
+                       lambda: hf_media_reference(self.ckpt, self.media_dir, *self._model))
 
 
 def hf_media_reference(ckpt, media_dir, model, eos):
