@@ -138,6 +138,31 @@ def pytest_configure(config):
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[int(worker[2:]) % len(cores)])
 
 
+#: Test modules that pytest-xdist hands out as one work unit (``--dist loadfile``): each
+#: runs a whole Qwen3-Omni pipeline (3-4 EngineCores), and side by side on two workers
+#: they took 150-210 s each where alone, beside lighter files, they took about 110 s
+#: (`.ci/run`, vLLM 0.30 and 0.31: their engine processes' own threads are not bound
+#: to the worker's core and crowd both cores).
+WORK_UNITS = {
+    "plugin_tests/engine/test_pipeline_engine.py": "plugin_tests/engine/pipelines",
+    "plugin_tests/engine/test_pipeline_pd_engine.py": "plugin_tests/engine/pipelines",
+}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with the files of :data:`WORK_UNITS` as one work unit."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class _Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return WORK_UNITS.get(scope, scope)
+
+    return _Scheduling(config, log)
+
+
 def _recorded_seconds() -> dict[str, float]:
     """Seconds per test module (``plugin_tests/<kind>/<module>.py``: its tests' JUnit
     times summed, the most over the rows of a run) from the newest `.ci/run` record under

@@ -26,9 +26,12 @@ class StageEngine:
     engine: object  # vllm.v1.engine.async_llm.AsyncLLM
 
 
-def start_stage_engine(stage, base_args: dict, settings: OmniSettings,
-                       bootstrap_port: int | None = None) -> StageEngine:
-    """Build and start one engine of ``stage`` (a ``StageConfig``).
+def stage_engine_config(stage, base_args: dict, settings: OmniSettings,
+                        bootstrap_port: int | None = None):
+    """The ``VllmConfig`` of one engine of ``stage`` (a ``StageConfig``): ``base_args``,
+    the YAML's ``engine_args`` over them, the stage model's ``hf_overrides``
+    (``engine_hf_overrides`` of its class), PD's KV transfer config and the plugin's
+    settings in ``additional_config``.
 
     Args:
         base_args: ``EngineArgs`` fields under the YAML's (model path first).
@@ -36,11 +39,10 @@ def start_stage_engine(stage, base_args: dict, settings: OmniSettings,
         bootstrap_port: a prefill stage's KV bootstrap port (None: a free one).
 
     Raises:
-        RuntimeError: the engine failed to start; the message names the stage.
+        RuntimeError: vLLM refused the configuration; the message names the stage.
     """
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.usage.usage_lib import UsageContext
-    from vllm.v1.engine.async_llm import AsyncLLM
 
     args = AsyncEngineArgs(model=base_args["model"])
     for name, value in base_args.items():
@@ -55,18 +57,36 @@ def start_stage_engine(stage, base_args: dict, settings: OmniSettings,
     cores = cpu_placement(stage, args, settings.stage_configs_path)
     args.additional_config = settings.for_stage(stage.stage_id,
                                                 cpu_cores=cores).additional_config()
-    start = time.perf_counter()
     try:
         apply_stage_engine_args(args, {"hf_overrides": _model_hf_overrides(args)})
-        vllm_config = args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+        return args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+    except Exception as exc:
+        raise _start_failed(stage, exc) from exc
+
+
+def start_stage_engine(stage, base_args: dict, settings: OmniSettings,
+                       bootstrap_port: int | None = None) -> StageEngine:
+    """Build and start one engine of ``stage`` (a ``StageConfig``) from
+    :func:`stage_engine_config` (same arguments).
+
+    Raises:
+        RuntimeError: the engine failed to start; the message names the stage.
+    """
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    start = time.perf_counter()
+    vllm_config = stage_engine_config(stage, base_args, settings, bootstrap_port)
+    try:
         engine = AsyncLLM.from_vllm_config(vllm_config, disable_log_stats=True)
     except Exception as exc:
-        raise RuntimeError(
-            f"stage {stage.stage_id} ({stage.name!r}) failed to start: {exc}"
-        ) from exc
+        raise _start_failed(stage, exc) from exc
     logger.info("stage %d (%s) engine ready in %.1f s", stage.stage_id, stage.name,
                 time.perf_counter() - start)
     return StageEngine(stage.stage_id, stage.name, engine)
+
+
+def _start_failed(stage, exc: Exception) -> RuntimeError:
+    return RuntimeError(f"stage {stage.stage_id} ({stage.name!r}) failed to start: {exc}")
 
 
 def _kv_transfer_config(stage, heartbeat_timeout: float, bootstrap_port: int | None):

@@ -54,6 +54,7 @@ from vllm.model_executor.models.qwen3_moe import Qwen3MoeMLP, Qwen3MoeModel
 
 from vllm_omni_plugin.logger import init_logger
 from vllm_omni_plugin.models.qwen3_omni import talker_inputs as ti
+from vllm_omni_plugin.models.qwen3_omni.code2wav import MAX_FRAMES
 from vllm_omni_plugin.models.weights import load_stacked
 
 logger = init_logger(__name__)
@@ -231,6 +232,25 @@ class _Request:
         return torch.cat((head, tail.expand(3, -1)), dim=1)
 
 
+#: Fields of a text config that size a vLLM engine (``ModelConfig``'s vocabulary, hidden
+#: size, layers, heads, head size; the MoE config's experts): the talker engine's are
+#: the talker's (:meth:`Qwen3OmniTalkerStage.engine_hf_overrides`).
+ENGINE_SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                       "num_key_value_heads", "head_dim", "intermediate_size",
+                       "moe_intermediate_size", "num_experts", "num_experts_per_tok")
+
+
+def talker_context(hf_config) -> int:
+    """Positions a talker request may reach: its user turn (at most the thinker's
+    context, ``thinker_config.text_config.max_position_embeddings``), the assistant
+    prefix (:data:`~.talker_inputs.ASSISTANT_PREFIX_LEN`) and up to
+    :data:`~.code2wav.MAX_FRAMES` frames; at least the talker's own
+    ``max_position_embeddings``. The talker engine's default ``max_model_len``."""
+    thinker = hf_config.thinker_config.text_config.max_position_embeddings
+    return max(int(hf_config.talker_config.text_config.max_position_embeddings),
+               int(thinker) + ti.ASSISTANT_PREFIX_LEN + MAX_FRAMES)
+
+
 class Qwen3OmniTalkerStage(nn.Module, SupportsMRoPE):
     """The talker (checkpoint prefix ``talker.``) as a vLLM model; see the module docstring.
 
@@ -242,13 +262,25 @@ class Qwen3OmniTalkerStage(nn.Module, SupportsMRoPE):
     uses_stage_step = True
 
     @classmethod
-    def engine_hf_overrides(cls, hf_config):
-        # vLLM reads a Qwen3-Omni checkpoint's text config from
-        # thinker_config.text_config for every engine (HF's get_text_config) and
-        # validates prompt and stop ids against its vocab_size: the talker's tokens are
-        # codec ids. The decoder itself is built on talker_config.text_config.
-        vocab = hf_config.talker_config.text_config.vocab_size
-        return {"thinker_config": {"text_config": {"vocab_size": vocab}}}
+    def engine_hf_overrides(cls, hf_config) -> dict:
+        """``hf_overrides`` this stage's engine needs (nested, over the checkpoint's config).
+
+        vLLM sizes every engine of a Qwen3-Omni checkpoint from
+        ``thinker_config.text_config`` (HF's ``get_text_config``): the vocabulary it
+        validates prompt and stop ids against, the layers, heads and widths its
+        attention backends and KV cache size from, the context it derives
+        ``max_model_len`` from. For the talker those are the talker text config's
+        (:data:`ENGINE_SHAPE_FIELDS`: codec ids, the talker's decoder) and
+        :func:`talker_context`, which the talker's own rotary tables get too. The
+        decoder itself is built on ``talker_config.text_config``.
+        """
+        talker = hf_config.talker_config.text_config
+        shapes = {name: getattr(talker, name) for name in ENGINE_SHAPE_FIELDS
+                  if getattr(talker, name, None) is not None}
+        context = talker_context(hf_config)
+        return {"thinker_config": {"text_config": {**shapes,
+                                                   "max_position_embeddings": context}},
+                "talker_config": {"text_config": {"max_position_embeddings": context}}}
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__()
