@@ -136,20 +136,28 @@ class HFReference:
     def _model(self):
         return hf_model(self.ckpt)
 
-    def _store(self, part: str, inputs: bytes) -> str:
-        """Where the reference ``part`` computed from ``inputs`` is kept."""
+    @functools.cached_property
+    def _basis(self):
+        """SHA-256 over what every part depends on (the checkpoint's files, torch's and
+        transformers' versions, this module's source), hashed once per instance."""
         import hashlib
         from importlib.metadata import version
 
         from plugin_tests.conftest import file_hashes
 
-        digest = hashlib.sha256(inputs)
+        digest = hashlib.sha256()
         for name, value in sorted(file_hashes(self.ckpt).items()):
             digest.update(f"{name}={value}".encode())
         for dist in ("torch", "transformers"):
             digest.update(f"{dist}=={version(dist)}".encode())
         with open(__file__, "rb") as f:
             digest.update(f.read())
+        return digest
+
+    def _store(self, part: str, inputs: bytes) -> str:
+        """Where the reference ``part`` computed from ``inputs`` is kept."""
+        digest = self._basis.copy()
+        digest.update(inputs)
         return os.path.join(f"{self.ckpt}.hf-reference", f"{part}-{digest.hexdigest()[:16]}.pkl")
 
     @functools.cached_property
