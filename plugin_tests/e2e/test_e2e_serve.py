@@ -241,6 +241,51 @@ def test_streamed_chat_audio_deltas_equal_the_unstreamed_answer(server):
     assert started and int(started[1]) < body["max_tokens"], request_id
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_reply_too_short_to_speak_is_its_text_and_no_speech(server, stream):
+    """A one-token reply (``max_tokens`` 1 here; an end of turn right away does the same):
+    the talker's prompt needs the thinker's row of generated token 0, which only the step
+    of a second token feeds, so there is nothing to speak. The answer is a 200 with the
+    text and audio of 0 samples, streamed or not (issue 27, 9: it was a 500 raised by the
+    talker's prompt build), and the server goes on serving."""
+    import openai
+
+    body = server.audio_body(max_tokens=1, audio={"voice": "ethan", "format": "pcm16"})
+    text_only = server.chat(server.chat_body(max_tokens=1))
+    assert text_only.status_code == 200, text_only.text
+    expected = text_only.json()["choices"][0]["message"]["content"] or ""
+    if not stream:
+        r = server.chat(body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "length"
+        assert (choice["message"]["content"] or "") == expected
+        assert choice["message"]["audio"]["transcript"] == expected
+        assert _pcm16(choice["message"]).size == 0
+    else:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="-")
+        text, pcm, audio_deltas, finish = [], [], [], None
+        for chunk in client.chat.completions.create(
+                model=body["model"], messages=body["messages"], max_tokens=1,
+                temperature=0, modalities=["text", "audio"], audio=body["audio"],
+                stream=True):
+            if not chunk.choices:
+                continue
+            delta = chunk.choices[0].delta
+            text.append(delta.content or "")
+            audio = getattr(delta, "audio", None) or (delta.model_extra or {}).get("audio")
+            if audio:
+                audio = audio if isinstance(audio, dict) else audio.model_dump()
+                audio_deltas.append(audio)
+                pcm.append(base64.b64decode(audio["data"]))
+            finish = chunk.choices[0].finish_reason or finish
+        assert finish == "length" and "".join(text) == expected
+        assert audio_deltas and audio_deltas[-1]["expires_at"] > 0 and b"".join(pcm) == b""
+        assert "".join(a.get("transcript") or "" for a in audio_deltas) == expected
+    ok = server.chat(server.audio_body())
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["audio"]["data"]
+
+
 def test_streamed_chat_failure_is_an_error_event(server):
     """A stage failing after the text streamed: the OpenAI SDK raises with the stage."""
     import openai

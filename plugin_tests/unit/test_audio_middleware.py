@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from vllm_omni_plugin.engine.omni_request import StageResult, current_omni_request
-from vllm_omni_plugin.entrypoints.audio_encoding import encode_audio
+from vllm_omni_plugin.entrypoints.audio_encoding import AUDIO_FORMATS, encode_audio
 from vllm_omni_plugin.entrypoints.audio_output import (
     CHAT_PATH,
     COMPLETIONS_PATH,
@@ -317,6 +317,23 @@ def _speech_app(result: StageResult, pieces=(), seen: list | None = None):
                     "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": answer})
     return chat_app
+
+
+@pytest.mark.parametrize("fmt", sorted(AUDIO_FORMATS))
+def test_an_answer_without_speech_encodes_to_a_readable_file(fmt):
+    """0 samples (a reply too short to speak): WAV and pcm16 hold none; libsndfile writes
+    no readable FLAC, MP3 or Ogg of 0 frames, so those hold one silent sample."""
+    import io
+
+    import soundfile as sf
+
+    encoded = encode_audio(np.zeros(0), 24000, fmt)
+    if fmt == "pcm16":
+        assert encoded == b""
+        return
+    samples, rate = sf.read(io.BytesIO(encoded), dtype="float32")
+    assert rate == 24000 and len(samples) == (0 if fmt == "wav" else 1)
+    assert np.abs(samples).max(initial=0.0) < 1e-4  # silence (Opus is lossy)
 
 
 def test_speech_answers_the_encoded_audio_or_events():

@@ -180,6 +180,38 @@ def test_downstream_stages_see_every_generated_token_streamed_or_not(tmp_path, k
     assert seen[0] == ENTRY_TOKENS
 
 
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_a_stage_left_nothing_to_do_does_not_run_and_its_output_goes_on(tmp_path, streamed):
+    """The talker's processor finds nothing to speak: the talker never runs, its given
+    output (0 frames) is code2wav's input, and code2wav's processor gives 0 samples: the
+    request succeeds with them (no chunk is decoded for a streamed request)."""
+    orchestrator, _ = _orchestrator(tmp_path)
+    seen = []
+
+    def to_talker(upstream, stage, extras):
+        return StageInput.nothing_to_do({"codes": torch.zeros(0, 16, dtype=torch.long)},
+                                        "nothing to say")
+
+    def to_code2wav(upstream, stage, extras):
+        seen.append(upstream[0].payload["codes"].shape)
+        return StageInput.nothing_to_do(
+            {"waveform": torch.zeros(0), "sample_rate": torch.tensor([24000])}, "no frames")
+
+    orchestrator.processors = {1: to_talker, 2: to_code2wav}
+    if streamed:
+        orchestrator.pipeline.stage(2).streaming = StreamingConfig(chunk_size=2,
+                                                                   left_context=1)
+    request = _streamed_audio() if streamed else _audio()
+    asyncio.run(asyncio.wait_for(_run(orchestrator, request), 30))
+    assert seen == [(0, 16)]
+    assert not orchestrator.pools[1].tasks and not orchestrator.pools[2].tasks
+    result = request.result
+    assert result.error is None and result.sample_rate == 24000
+    assert result.payload["waveform"].shape == (0,)
+    assert orchestrator.store.keys() == [] and orchestrator.admission.in_flight == {1: 0, 2: 0}
+    assert orchestrator._inflight == {}
+
+
 def test_fan_out_feeds_each_stage_its_listed_inputs_in_order(tmp_path):
     orchestrator, calls = _orchestrator(tmp_path, fan_out=True)
     request = _audio()

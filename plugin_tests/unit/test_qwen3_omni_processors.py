@@ -18,9 +18,10 @@ IM_START, ASSISTANT, USER = 1, 2, 3
 PROMPT = [IM_START, USER, 9, IM_START, ASSISTANT, 4]
 CONFIG = SimpleNamespace(
     im_start_token_id=IM_START, assistant_token_id=ASSISTANT, user_token_id=USER,
-    talker_config=SimpleNamespace(codec_pad_id=0, codec_eos_token_id=5,
+    talker_config=SimpleNamespace(codec_pad_id=0, codec_eos_token_id=5, num_code_groups=2,
                                   speaker_id={"ethan": 7}),
-    code2wav_config=SimpleNamespace(num_quantizers=2, codebook_size=8))
+    code2wav_config=SimpleNamespace(num_quantizers=2, codebook_size=8,
+                                    output_sample_rate=16000))
 
 
 def _thinker(rows: int, tokens: int, finished: bool = False) -> UpstreamOutput:
@@ -60,6 +61,32 @@ def test_a_finished_thinker_output_is_the_whole_input():
     # the prompt stays as it was for the growing input
     assert stage_input.prompt_token_ids == thinker2talker(
         [_thinker(p + 1, 2)], None, {"hf_config": CONFIG}).prompt_token_ids
+
+
+def test_a_finished_reply_too_short_to_speak_leaves_the_talker_nothing_to_do():
+    """One generated token: HF's talker prompt needs the row of generated token 0, which
+    only a second token's step feeds (the talker's prompt build raised, a 500)."""
+    p = len(PROMPT)
+    stage_input = thinker2talker([_thinker(p, 1, finished=True)], None, {"hf_config": CONFIG})
+    assert stage_input.output is not None and "1 token(s)" in stage_input.reason
+    assert stage_input.output["codes"].shape == (0, 2)
+    assert stage_input.output["codes"].dtype == torch.long
+    # two tokens are enough; a reply still growing waits instead
+    assert thinker2talker([_thinker(p + 1, 2, finished=True)], None,
+                          {"hf_config": CONFIG}).output is None
+    assert thinker2talker([_thinker(p, 1)], None, {"hf_config": CONFIG}).output is None
+
+
+def test_a_talker_without_frames_leaves_code2wav_nothing_to_do():
+    empty = UpstreamOutput(stage_id=1, prompt_token_ids=[], output_token_ids=[],
+                           payload={"codes": torch.zeros(0, 2, dtype=torch.long)})
+    stage_input = talker2code2wav([empty], None, {"hf_config": CONFIG})
+    assert stage_input.output["waveform"].shape == (0,)
+    assert stage_input.output["waveform"].dtype == torch.float32
+    assert stage_input.output["sample_rate"].tolist() == [16000]
+    # nothing published at all (code 0 of the first frame was codec_eos) is the same
+    empty.payload = {}
+    assert talker2code2wav([empty], None, {"hf_config": CONFIG}).output is not None
 
 
 def _code2wav_input(chunk: StreamChunk | None, context: int):

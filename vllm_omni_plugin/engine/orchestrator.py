@@ -555,8 +555,13 @@ class Orchestrator:
         ``part``: the index of a chunk of a streamed request (its own sub-request);
         ``growth``: the rest of an input not complete yet (``StageTask.growth``);
         ``parent``: ``StageTask.parent_request_id``."""
-        from vllm_omni_plugin.replicas.task import StageTask
+        from vllm_omni_plugin.replicas.task import StageRun, StageTask
 
+        if stage_input.output is not None:
+            logger.info("request %s: stage %d (%s) has nothing to do (%s); its output is "
+                        "empty", request_id, stage.stage_id, stage.name, stage_input.reason)
+            return StageRun(prompt_token_ids=[], output_token_ids=[],
+                            payload=dict(stage_input.output))
         suffix = "" if part is None else f"-c{part}"
         task = StageTask(
             request_id=f"{request_id}-s{stage.stage_id}{suffix}",

@@ -16,6 +16,10 @@ format      bytes                                       media type
 ==========  ==========================================  ==============
 
 Opus takes 8, 12, 16, 24 or 48 kHz; Qwen3-Omni's code2wav writes 24 kHz.
+
+An answer with no speech (a reply too short to speak) is 0 samples. WAV and ``pcm16`` hold
+that; libsndfile writes no readable FLAC, MP3 or Ogg file of 0 frames (0 bytes, or a
+malformed stream), so those get one sample of silence.
 """
 
 from __future__ import annotations
@@ -65,6 +69,8 @@ def encode_audio(samples, sample_rate: int, fmt: str) -> bytes:
     import soundfile as sf
 
     data = np.clip(np.asarray(samples, dtype=np.float32).reshape(-1), -1.0, 1.0)
+    if data.size == 0 and spec.container not in ("WAV", "RAW"):
+        data = np.zeros(1, dtype=np.float32)  # see the module docstring
     buf = io.BytesIO()
     sf.write(buf, data, sample_rate, format=spec.container, subtype=spec.subtype,
              endian="LITTLE" if spec.container == "RAW" else "FILE")

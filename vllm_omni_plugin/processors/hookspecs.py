@@ -99,12 +99,25 @@ class StageInput:
             call on more of the upstream output may only add rows (dim 0) to payload
             tensors; the prompt and every other tensor stay as they were. None for a
             finished upstream output.
+        output: set (see :meth:`nothing_to_do`) when a valid request leaves the stage
+            nothing to do: the stage does not run for it, and this payload stands as its
+            output (what the stage publishes for an empty answer, e.g. 0 codec frames);
+            the stages after it run on that as usual. None otherwise.
+        reason: why the stage has nothing to do (logged); with ``output`` only.
     """
 
     prompt_token_ids: list[int]
     payload: dict[str, torch.Tensor] = field(default_factory=dict)
     sampling_overrides: dict[str, Any] = field(default_factory=dict)
     ready: int | None = None
+    output: dict[str, torch.Tensor] | None = None
+    reason: str = ""
+
+    @classmethod
+    def nothing_to_do(cls, output: dict[str, torch.Tensor], reason: str) -> StageInput:
+        """The stage's input for a request that leaves it nothing to do: ``output`` is
+        taken as the stage's output, without running it; ``reason`` is logged."""
+        return cls(prompt_token_ids=[], output=output, reason=reason)
 
 
 #: Calling convention of a processor:

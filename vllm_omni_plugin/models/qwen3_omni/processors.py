@@ -15,6 +15,7 @@ import torch
 from vllm_omni_plugin import extra_args as xargs
 from vllm_omni_plugin.models.qwen3_omni.talker_inputs import (
     ASSISTANT_PREFIX_LEN,
+    ASSISTANT_ROWS,
     default_speaker,
     resolve_speaker,
 )
@@ -42,6 +43,10 @@ def thinker2talker(upstream: list[UpstreamOutput], stage, extras: dict[str, Any]
     ``tts_embed`` ``[3, H]``, ``speaker_id``/``prompt_len`` ``[1]`` int64. The
     prompt is ``len(user positions) + 9`` placeholder ids (``codec_pad_id``).
 
+    A finished reply too short to speak (one token: ``max_tokens`` 1, or an end of turn
+    right away; see :data:`.talker_inputs.ASSISTANT_ROWS`) leaves the talker nothing to
+    do: its output is 0 frames (``codes`` ``[0, num_code_groups]`` int64).
+
     Raises:
         ValueError: missing thinker payload, no assistant turn, unknown voice.
     """
@@ -51,12 +56,18 @@ def thinker2talker(upstream: list[UpstreamOutput], stage, extras: dict[str, Any]
         if name not in thinker.payload:
             raise ValueError(f"thinker payload lacks {name!r}; was the thinker asked to publish?")
     prompt = thinker.prompt_token_ids
-    if not any(a == config.im_start_token_id and b == config.assistant_token_id
-               for a, b in zip(prompt, prompt[1:], strict=False)):
+    starts = [i for i, (a, b) in enumerate(zip(prompt, prompt[1:], strict=False))
+              if a == config.im_start_token_id and b == config.assistant_token_id]
+    if not starts:
         raise ValueError("the prompt has no '<|im_start|>assistant' turn to speak")
     talker_config = config.talker_config
     speaker = resolve_speaker(talker_config, extras.get(xargs.SPEAKER))
     generated, ready = thinker.output_token_ids, None
+    fed_rows = len(prompt) + len(generated) - 1 - starts[-1]  # rows of the assistant turn
+    if thinker.finished and fed_rows < ASSISTANT_ROWS:
+        return StageInput.nothing_to_do(
+            {"codes": torch.zeros((0, talker_config.num_code_groups), dtype=torch.long)},
+            f"the thinker's reply of {len(generated)} token(s) is too short to speak")
     if not thinker.finished:
         # HF's talker prompt ends with the row of generated token 0, and feeding frame s
         # adds the row of generated token s + 1. With n generated tokens fed (rows of the
@@ -90,22 +101,31 @@ def talker2code2wav(upstream: list[UpstreamOutput], stage, extras: dict[str, Any
     streamed request the input payload says how many leading frames are left context
     (``left_context`` ``[1]`` int64) and where the chunk sits in its stream (``stream``
     ``[3]`` int64, :data:`.code2wav.STREAM_INPUT`); otherwise code2wav takes no input
-    payload.
+    payload. When the talker produced no frames (its first code 0 was ``codec_eos``, or
+    it had nothing to speak), code2wav has nothing to do: its output is 0 samples
+    (``waveform`` ``[0]`` float32, ``sample_rate`` ``[1]`` int64 Hz).
 
     Raises:
-        ValueError: the talker produced no codes, or codes code2wav cannot decode.
+        ValueError: a chunk of a stream without frames, or codes code2wav cannot decode.
     """
     from vllm_omni_plugin.models.qwen3_omni.code2wav import (
         LEFT_CONTEXT_INPUT,
         STREAM_INPUT,
         code2wav_prompt_ids,
+        sample_rate,
         stream_key,
     )
 
     (talker,) = upstream
     codes = talker.payload.get("codes")
-    if codes is None or codes.shape[0] <= talker.context_rows:
-        raise ValueError("the talker produced no codec codes")
+    frames = 0 if codes is None else codes.shape[0] - talker.context_rows
+    if frames <= 0 and talker.chunk is None:
+        return StageInput.nothing_to_do(
+            {"waveform": torch.zeros(0, dtype=torch.float32),
+             "sample_rate": torch.tensor([sample_rate(extras["hf_config"])])},
+            "the talker produced no codec frames")
+    if frames <= 0:
+        raise ValueError("a chunk of the talker's stream holds no codec frames")
     payload = {}
     if talker.context_rows:
         payload[LEFT_CONTEXT_INPUT] = torch.tensor([talker.context_rows], dtype=torch.long)

@@ -133,6 +133,11 @@ _SUPPRESSED_TAIL = 1024
 #: ("<|im_start|>assistant\n"), 4 tts_pad, 1 tts_bos, 1 first text token
 #: (``Qwen3OmniMoeForConditionalGeneration._get_talker_assistant_parts``).
 ASSISTANT_PREFIX_LEN = 9
+#: Fed thinker rows from the assistant turn's start that HF's talker prompt reads: 3 of
+#: ``<|im_start|>assistant\n`` and 1 of the first generated token (fed with the second's
+#: step), ``Qwen3OmniMoeForConditionalGeneration._get_talker_assistant_parts``. A reply of
+#: one token has no such row: there is nothing to speak.
+ASSISTANT_ROWS = 4
 #: HF ``Qwen3OmniMoeForConditionalGeneration.generate``'s default speaker.
 DEFAULT_SPEAKER = "ethan"
 
@@ -268,7 +273,7 @@ def build_talker_prompt(
             f"thinker_embed has {thinker_embed.shape[0]} rows; need T_seq - 1 = {t_fed} (every "
             "position except the last generated token)"
         )
-    if t_fed - assistant_start < 4:
+    if t_fed - assistant_start < ASSISTANT_ROWS:
         raise ValueError(
             "The assistant turn needs `<|im_start|>assistant\\n` plus at least one fed generated "
             f"token; got {t_fed - assistant_start} fed rows from position {assistant_start}"
