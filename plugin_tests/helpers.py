@@ -143,3 +143,15 @@ def engine_result(results: dict, name: str) -> dict:
     if "error" in result:
         pytest.fail(f"engine {name!r} failed:\n{result['error']}")
     return result
+
+
+def served_bagel_config(checkpoint: str):
+    """vLLM's ``BagelConfig`` of a BAGEL checkpoint (its ``config.json``), as an engine
+    serving it reads it."""
+    import json
+    from pathlib import Path
+
+    from vllm.transformers_utils.configs.bagel import BagelConfig
+
+    served = json.loads((Path(checkpoint) / "config.json").read_text())
+    return BagelConfig(**{k: v for k, v in served.items() if k != "model_type"})

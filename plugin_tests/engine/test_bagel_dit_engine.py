@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from plugin_tests.conftest import BAGEL_REFERENCE
-from plugin_tests.helpers import engine_result, engine_script_results
+from plugin_tests.helpers import engine_result, engine_script_results, served_bagel_config
 
 pytestmark = pytest.mark.engine
 
@@ -57,22 +57,29 @@ def _reference(case: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def results(tiny_bagel, tmp_path_factory):
-    """The payload (or error) of each request of :data:`REQUESTS`."""
+def run(tiny_bagel, tmp_path_factory):
+    """The payload (or error) of each request of :data:`REQUESTS` (``requests``), and the
+    engine's memory profile probe (``memory_profile``)."""
     from vllm_omni_plugin.payload_store import PayloadStore
 
     logdir = tmp_path_factory.mktemp("bagel_dit")
     (logdir / "pipeline.yaml").write_text(PIPELINE_YAML)
     spec = {"model": tiny_bagel, "payload_dir": str(logdir / "payloads"),
             "fixtures": BAGEL_REFERENCE, "yaml": str(logdir / "pipeline.yaml"),
-            "engines": [{"name": "default", "batches": [REQUESTS]}]}
+            "engines": [{"name": "default", "batches": [REQUESTS], "probe": True}]}
     out = engine_result(engine_script_results(SCRIPT, spec, logdir, name="engines",
                                               timeout=ENGINE_TIMEOUT_S,
                                               env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
                         "default")
     store = PayloadStore(spec["payload_dir"])
     keys = out["batches"][0]["keys"]
-    return [{"error": store.error(k)} if store.error(k) else store.get(k) for k in keys]
+    return {"requests": [{"error": store.error(k)} if store.error(k) else store.get(k)
+                         for k in keys], "memory_profile": out["memory_profile"]}
+
+
+@pytest.fixture(scope="module")
+def results(run):
+    return run["requests"]
 
 
 def _ok(result: dict) -> dict:
@@ -114,3 +121,23 @@ def test_same_seed_same_bytes_and_guidance_matters(results):
 def test_a_missing_branch_fails_the_request_naming_it(results):
     assert "text_uncond" in results[6]["error"]
     _ok(results[7])  # the next request of the batch is served
+
+
+def test_memory_profile_runs_a_step_and_the_decoder_at_the_largest_image(run, tiny_bagel):
+    """vLLM sizes a GPU's KV caches from its profiling forward, which a stage model
+    answers with zeros outside a step: inside the worker's memory profile the DiT runs
+    one denoising step of the largest image with the three CFG branches and decodes that
+    image, so their peak is counted (issue 27, 7: nothing ran). vLLM's profiling forward
+    outside it runs nothing."""
+    from vllm_omni_plugin.models.bagel.dit import latent_token_pixels, max_image_side
+
+    config = served_bagel_config(tiny_bagel)
+    side, token = max_image_side(config), latent_token_pixels(config)
+    hw = (side // token) ** 2
+    profile = run["memory_profile"]
+    assert profile["outside"] == {} and profile["after"] is False
+    # the query: 3 branches of the markers and the latent tokens, one row each
+    assert profile["profile"]["layer"] == [[3 * (hw + 2), config.llm_config.hidden_size]]
+    ((_, _, height, width),) = profile["profile"]["decoder"]
+    assert height * config.vae_config["downsample"] == width * config.vae_config[
+        "downsample"] == side

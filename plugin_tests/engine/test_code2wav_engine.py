@@ -245,6 +245,17 @@ def test_split_prompt_fails_only_its_request(runs):
     assert probe["logits"] == [2, 16 * 2048]
 
 
+def test_memory_profile_decodes_the_largest_batch_of_a_step(runs):
+    """vLLM sizes a GPU's KV caches from its profiling forward, which a stage model
+    answers with zeros outside a step: inside the worker's memory profile the model
+    decodes the largest padded batch a step of ``MAX_TOKENS_PER_STEP`` ids makes (1024
+    frames: 3 rows of HF's 325-frame chunk with context), so its peak is counted (issue
+    27, 7: nothing was decoded). vLLM's profiling forward outside it decodes nothing."""
+    profile = _engine(runs)["probe"]["memory_profile"]
+    assert profile["outside"] == {}
+    assert profile["profile"] == {"decoder": [[3, 325, 16]]} and profile["after"] is False
+
+
 def test_prompt_ids_round_trip_and_errors(hf_model):
     import torch
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from plugin_tests.conftest import BAGEL_REFERENCE
+from plugin_tests.helpers import served_bagel_config
 
 torch = pytest.importorskip("torch")
 
@@ -19,18 +20,11 @@ from vllm_omni_plugin.models.bagel.autoencoder import (  # noqa: E402
 )
 
 
-def _served_config(ckpt: str):
-    from vllm.transformers_utils.configs.bagel import BagelConfig
-
-    served = json.loads((Path(ckpt) / "config.json").read_text())
-    return BagelConfig(**{k: v for k, v in served.items() if k != "model_type"})
-
-
 def test_noise_of_a_seed_is_the_official_codes(tiny_bagel):
     """The head draws a seed's noise exactly as the official code did for the fixtures."""
     from safetensors.torch import load_file
 
-    config = _served_config(tiny_bagel)
+    config = served_bagel_config(tiny_bagel)
     cases = json.loads((Path(BAGEL_REFERENCE) / "reference.json").read_text())["cases"]
     for name, case in cases.items():
         ref = load_file(str(Path(BAGEL_REFERENCE) / f"{name}.safetensors"))["noise"]
@@ -88,7 +82,7 @@ def test_latent_positions_are_row_major_in_the_max_grid():
 def test_decoder_loads_the_checkpoints_autoencoder(tiny_bagel):
     from safetensors.torch import load_file
 
-    config = _served_config(tiny_bagel)
+    config = served_bagel_config(tiny_bagel)
     decoder = FluxDecoder(config.vae_config)
     weights = load_file(str(Path(tiny_bagel) / "ae.safetensors"))
     own = {k[len("decoder."):]: w for k, w in weights.items() if k.startswith("decoder.")}

@@ -370,3 +370,28 @@ def test_stage_models_refuse_graph_modes_that_would_skip_their_python():
     with pytest.raises(ValueError, match="stage 0: RowsInPython .*cudagraph_mode: PIECEWISE"):
         check_graph_mode(RowsInPython(), CUDAGraphMode.FULL_DECODE_ONLY, 0)
     check_graph_mode(RowsInPython(), CUDAGraphMode.PIECEWISE, 0)
+
+
+def test_vllm_gpu_worker_profiles_memory_with_a_forward_the_worker_can_mark():
+    """What the worker's ``stage_profiling`` relies on (vLLM's CPU build cannot run it):
+    vLLM's GPU worker runs its model runner's ``profile_run`` inside
+    ``determine_available_memory``, and both model runners' (V1's and V2's)
+    ``profile_run`` is one dummy forward of ``max_num_tokens``, outside any step. The
+    forward itself, marked, is run by vLLM's CPU model runner in
+    ``engine/test_code2wav_engine.py`` and ``engine/test_bagel_dit_engine.py``."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    def method(module: str, cls: str, name: str) -> str:
+        tree = ast.parse(Path(importlib.util.find_spec(module).origin).read_text())
+        owner = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls)
+        return ast.unparse(next(n for n in owner.body
+                                if isinstance(n, ast.FunctionDef) and n.name == name))
+
+    assert "self.model_runner.profile_run(" in method(
+        "vllm.v1.worker.gpu_worker", "Worker", "determine_available_memory")
+    for module in ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner"):
+        profile = method(module, "GPUModelRunner", "profile_run").replace("\n", " ")
+        assert profile.count("self._dummy_run(") == 1, module
+        assert "self._dummy_run(self.max_num_tokens" in profile, module

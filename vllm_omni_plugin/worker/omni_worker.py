@@ -12,7 +12,11 @@ chunked prefill, the paged KV cache and sampling. The subclass only
   request, each request's input payload and sampling params),
 * publishes, after each forward, the stage outputs of requests that carry an output
   payload key (:class:`~vllm_omni_plugin.worker.stage_io.StageIO`), and
-* makes a request that failed in the plugin's code emit its stop token.
+* makes a request that failed in the plugin's code emit its stop token, and
+* sets ``stage_profiling`` on a stage model that declares it while vLLM profiles the
+  engine's memory (:meth:`OmniWorkerMixin.determine_available_memory`): such a model
+  answers forwards outside a step with zeros, so it runs its largest workload then, and
+  the KV cache vLLM sizes from the profile leaves room for that workload's peak.
 
 Requests without payload keys (plain text chat) pass through untouched.
 
@@ -25,6 +29,8 @@ Qwen3-Omni thinker does).
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 
@@ -73,6 +79,12 @@ class OmniWorkerMixin:
                         "outputs (TP rank 0 of the last PP rank does)", self.omni_io.stage_id,
                         tp.rank_in_group, pp.rank_in_group)
 
+    def determine_available_memory(self):
+        """vLLM's memory profile (its profiling forward: ``profile_run``), with
+        ``stage_profiling`` set on a stage model that has it (see the module docstring)."""
+        with stage_profiling(_unwrapped(self.model_runner.get_model())):
+            return super().determine_available_memory()
+
     def execute_model(self, scheduler_output):
         model = _unwrapped(self.model_runner.get_model())
         stepwise = getattr(model, "uses_stage_step", False)
@@ -98,6 +110,19 @@ class OmniWorkerMixin:
         elif isinstance(output, AsyncModelRunnerOutput):
             return _FixedAsyncOutput(output, self.omni_io)
         return output
+
+
+@contextmanager
+def stage_profiling(model):
+    """``model.stage_profiling`` True meanwhile, when the model has that attribute."""
+    if not hasattr(model, "stage_profiling"):
+        yield
+        return
+    model.stage_profiling = True
+    try:
+        yield
+    finally:
+        model.stage_profiling = False
 
 
 def check_graph_mode(model, cudagraph_mode, stage_id: int) -> None:

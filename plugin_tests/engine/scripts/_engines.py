@@ -1,4 +1,5 @@
-"""The driver loop shared by the engine scripts (``*_generate.py`` in this directory)."""
+"""The driver loop shared by the engine scripts (``*_generate.py`` in this directory), and
+a probe of a stage model's memory profile (:func:`memory_profile_calls`)."""
 
 from __future__ import annotations
 
@@ -33,3 +34,37 @@ def run_engines(argv: list[str], run_one: Callable[[dict, dict], dict],
     sys.stdout.flush()
     print(json.dumps({"engines": results}), flush=True)
     return 0
+
+
+def memory_profile_calls(worker, modules: Callable) -> dict:
+    """What a stage model computes in vLLM's memory profile, run by the engine's worker (its
+    ``determine_available_memory``), and in vLLM's profiling forward (the model runner's
+    ``profile_run``) outside it: the input shapes of each call of the submodules
+    ``modules(model)`` names (``{name: module}``).
+
+    vLLM's CPU build profiles only to warm up a compiled model; here the worker profiles
+    as vLLM's GPU worker does (``profile_run`` inside ``determine_available_memory``).
+
+    Returns:
+        ``{"outside": {name: [shape, ...]}, "profile": {...}, "after": the model's
+        stage_profiling afterwards}``.
+    """
+    from vllm_omni_plugin.worker.omni_worker import _unwrapped
+
+    worker = getattr(worker, "worker", worker)  # the worker under vLLM's WorkerWrapperBase
+    model = _unwrapped(worker.model_runner.get_model())
+    calls: dict[str, list] = {}
+    hooks = [module.register_forward_hook(
+        lambda _m, args, _out, name=name: calls.setdefault(name, []).append(
+            list(args[0].shape))) for name, module in modules(model).items()]
+    try:
+        worker.model_runner.profile_run()
+        outside = dict(calls)
+        calls.clear()
+        worker._should_warm_up_model = lambda: True
+        worker.model_runner.warming_up_model = worker.model_runner.profile_run
+        worker.determine_available_memory()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return {"outside": outside, "profile": calls, "after": model.stage_profiling}

@@ -15,8 +15,10 @@ Each request's input payload is :func:`generation_payload` of the case's context
 full context for ``cond`` and ``img_uncond``, as the official text-to-image flow builds
 them; an empty one at RoPE position 0 for ``text_uncond``), ``initial_noise(seed)`` and
 its guidance; ``drop`` leaves branches out. Output: the last stdout line is
-``{"engines": {name: {"batches": [{"keys": [...]}, ...]}}}``; the results are in the
-payload store under those keys (``key.err`` on failure).
+``{"engines": {name: {"batches": [{"keys": [...]}, ...], "memory_profile": ...}}}``; the
+results are in the payload store under those keys (``key.err`` on failure). With
+``"probe": true`` in an engine's spec, ``memory_profile`` is what
+``_engines.memory_profile_calls`` returned for the DiT's first layer and the decoder.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import json
 import sys
 from pathlib import Path
 
-from _engines import run_engines
+from _engines import memory_profile_calls, run_engines
 
 ARCH = "OmniPluginBagelDiT"
 STAGE_ID = 1
@@ -94,11 +96,14 @@ def run_one(spec: dict, engine: dict) -> dict:
                                                                    "err": f"{key}.err"}}))
             llm.generate([{"prompt_token_ids": [0]}] * len(requests), params, use_tqdm=False)
             batches.append({"keys": keys})
+        profile = llm.collective_rpc(memory_profile_calls, args=(
+            lambda model: {"layer": model.dit.layers[0], "decoder": model.dit.vae},))[0] \
+            if engine.get("probe") else None
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
-    return {"batches": batches}
+    return {"batches": batches, "memory_profile": profile}
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ Output: the last stdout line is ``{"engines": {name: result}}`` where ``result``
 (``steps``: the worker's steps with tokens, only when the engine core runs in this
 process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), or ``{"error": traceback}`` when that
 engine failed (the others still run); with ``"probe"`` it also holds ``"probe"``, what
-:func:`probe_model` returned.
+:func:`probe_model` returned, and in it ``"memory_profile"``, what
+``_engines.memory_profile_calls`` returned for the whole decoder.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ import os
 import sys
 import time
 
-from _engines import run_engines
+from _engines import memory_profile_calls, run_engines
 
 QWEN3_OMNI_YAML = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..",
                                "stage_configs", "qwen3_omni_moe.yaml")
@@ -186,6 +187,9 @@ def run(model: str, payload_dir: str, spec: dict) -> dict:
             "finished": [bool(o.finished) for o in outs],
         })
     probe = llm.apply_model(probe_model)[0] if spec.get("probe") else None
+    if probe is not None:
+        probe["memory_profile"] = llm.collective_rpc(
+            memory_profile_calls, args=(lambda model: {"decoder": model.code2wav},))[0]
     streams = llm.apply_model(lambda model: len(model._streams))[0]
     result = {"batches": batches, "probe": probe, "streams": streams,
               "steps": list(STEPS) if STEPS is not None else None,

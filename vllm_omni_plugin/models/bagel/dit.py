@@ -26,6 +26,10 @@ its (placeholder) prompt; ``max_tokens=1`` then ends it, like code2wav.
 * **Output payload** (:meth:`BagelDiTStage.stage_output_requests`): ``latent``
   ``[h*w, p*p*z]`` float32 and ``image`` ``[H, W, 3]`` uint8, decoded by
   :class:`~vllm_omni_plugin.models.bagel.autoencoder.FluxDecoder`.
+* **Memory profile.** vLLM sizes the KV caches of a GPU from a profiling forward outside
+  any step; while it runs, the worker sets ``stage_profiling`` and the model runs one
+  denoising step and the decoder at the largest image (:meth:`BagelDiT.profile_peak`), so
+  that their peak is counted.
 
 Layers are vLLM's (``QKVParallelLinear``, ``RowParallelLinear``, Qwen2's MLP,
 ``RMSNorm``, ``get_rope``, ``ReplicatedLinear``, BAGEL's ``PositionEmbedding``);
@@ -436,6 +440,29 @@ class BagelDiT(nn.Module):
             x = x - v * (t - t_next)
         return x, self.decode(x, height, width)
 
+    @torch.inference_mode()
+    def profile_peak(self) -> int:
+        """What vLLM's memory profile must count: one denoising step of the largest image
+        (:func:`max_image_side` square) with all three CFG branches, each with a context
+        as long as the image's latent tokens (an image-editing context holds its input
+        image's), then the decoder on that image. Returns the image side in pixels."""
+        side = max_image_side(self.config)
+        hw = (side // self.downsample) ** 2
+        device, dtype = self.marker_embeds.device, self.marker_embeds.dtype
+        attn = self.layers[0].und.self_attn
+        kv_heads = attn.kv_size // attn.head_dim
+        context = torch.zeros(len(self.layers), hw, kv_heads, attn.head_dim, dtype=dtype,
+                              device=device)
+        packed = self.pack([(context, context, hw)] * len(BRANCHES), hw, device)
+        positions = latent_position_ids(side, side, self.downsample, self.max_latent_size)
+        pos_embed = self.latent_pos_embed(positions).to(device=device, dtype=dtype)
+        x = torch.zeros(hw, self.latent_dim, device=device)
+        logger.info("DiT: memory profile runs a denoising step and the decoder at %dx%d "
+                    "with %d CFG branches", side, side, len(BRANCHES))
+        self.velocities(x, 1.0, pos_embed, packed)
+        self.decode(x, side, side)
+        return side
+
     def decode(self, latent: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """``[h*w, p*p*z]`` latent -> ``[height, width, 3]`` uint8."""
         h, w, p = height // self.downsample, width // self.downsample, self.patch
@@ -546,8 +573,10 @@ class BagelDiTStage(nn.Module):
     """The DiT stage as a vLLM model (a BAGEL checkpoint; see the module docstring).
 
     The model works only inside an engine step the plugin's worker binds to
-    :attr:`stage_step`; vLLM's own dummy and profiling forwards return zeros. A request
-    whose payload is unusable fails alone (its error names what is wrong).
+    :attr:`stage_step`; vLLM's own dummy and profiling forwards return zeros, after
+    running :meth:`BagelDiT.profile_peak` in vLLM's memory profile (``stage_profiling``,
+    set by the worker). A request whose payload is unusable fails alone (its error names
+    what is wrong).
     """
 
     uses_stage_step = True
@@ -568,6 +597,7 @@ class BagelDiTStage(nn.Module):
         self.dit = BagelDiT(config, markers)
         self.vocab_size = config.llm_config.vocab_size
         self.stage_step = None
+        self.stage_profiling = False
         self._outputs: dict[str, dict[str, torch.Tensor]] = {}
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -584,6 +614,8 @@ class BagelDiTStage(nn.Module):
                           device=positions.device)
         step = self.stage_step
         if step is None:
+            if self.stage_profiling:
+                self.dit.profile_peak()
             return out
         for r in step.requests():
             if r.num_prompt_tokens == 0 or step.failed(r.req_id):

@@ -30,6 +30,10 @@ model runner (the plugin's ``OmniWorker``), batched across requests like any mod
   ``waveform`` ``[num_samples]`` float32 in ``[-1, 1]`` and ``sample_rate`` ``[1]`` int64
   (Hz, :func:`sample_rate`); the worker publishes them. The token vLLM samples (logits are
   all zero) is a dummy; with ``max_tokens=1`` it ends the request.
+* **Memory profile.** vLLM sizes the KV caches of a GPU from a profiling forward outside
+  any step; while it runs, the worker sets ``stage_profiling`` and the model decodes the
+  largest padded batch a step can hold (:meth:`Qwen3OmniCode2WavStage.profile_decode`), so
+  that the decode's peak (GiBs at the released checkpoint's size) is counted.
 
 The model has no paged attention layer (vLLM sees no KV cache); the stream state above
 is the model's own (the convolutional part's context is part of it, which is not KV
@@ -634,10 +638,12 @@ class Qwen3OmniCode2WavStage(nn.Module, SupportsMRoPE):
 
     The model does its real work only inside an engine step the plugin's worker binds to
     :attr:`stage_step` (see the module docstring); vLLM's own dummy and profiling forwards
-    (``stage_step`` None) return zeros.
+    (``stage_step`` None) return zeros, after decoding dummy codes in vLLM's memory
+    profile (``stage_profiling``).
 
     Attributes:
         uses_stage_step: tells the worker to bind a ``StageStep`` around each forward.
+        stage_profiling: set by the worker while vLLM profiles the engine's memory.
         max_batch_frames: a bound on ``batch * frames`` of one padded decoder call (frames
             include padding); a step's chunks beyond it run in several calls.
     """
@@ -654,6 +660,7 @@ class Qwen3OmniCode2WavStage(nn.Module, SupportsMRoPE):
         self.code2wav = Qwen3OmniCode2Wav(self.config, prefix="code2wav")
         #: the step being executed (bound by the worker), or None
         self.stage_step = None
+        self.stage_profiling = False
         self._outputs: dict[str, dict[str, torch.Tensor]] = {}
         #: streamed requests' decoder state by stream key, least recently used first
         self._streams: OrderedDict[int, _StreamState] = OrderedDict()
@@ -704,6 +711,8 @@ class Qwen3OmniCode2WavStage(nn.Module, SupportsMRoPE):
         out = torch.zeros(num_tokens, 1, dtype=dtype, device=positions.device)
         step = self.stage_step
         if step is None or input_ids is None:
+            if self.stage_profiling:
+                self.profile_decode(num_tokens)
             return out
         jobs = []
         for r in step.requests():
@@ -732,6 +741,24 @@ class Qwen3OmniCode2WavStage(nn.Module, SupportsMRoPE):
         dummy that ends the request."""
         return torch.zeros(hidden_states.shape[0], self.vocab_size, dtype=torch.float32,
                            device=hidden_states.device)
+
+    def profile_decode(self, num_tokens: int) -> tuple[int, int] | None:
+        """vLLM's profiling forward of ``num_tokens`` prompt ids: the largest padded
+        decoder call a step of that many ids makes (``num_tokens // num_quantizers``
+        frames, at most :attr:`max_batch_frames`, in rows of HF's chunk plus left context,
+        325 frames), on codes 0. Returns the batch's ``(rows, frames)``; None when the
+        forward holds no whole frame."""
+        model = self.code2wav
+        frames = min(num_tokens // model.num_quantizers, self.max_batch_frames)
+        if frames == 0:
+            return None
+        row = min(frames, HF_CODE2WAV_CHUNK_SIZE + HF_CODE2WAV_LEFT_CONTEXT)
+        codes = torch.zeros(frames // row, row, model.num_quantizers, dtype=torch.long,
+                            device=model.code_embedding.weight.device)
+        logger.info("code2wav: memory profile decodes %d x %d frames (the largest decoder "
+                    "call of a step)", *codes.shape[:2])
+        model(codes)
+        return codes.shape[0], codes.shape[1]
 
     # -- stage outputs (read by the plugin's worker) ------------------------------------
     def stage_output_requests(self) -> dict[str, dict[str, torch.Tensor]]:
