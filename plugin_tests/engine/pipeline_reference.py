@@ -61,10 +61,14 @@ WAVEFORM_ATOL = 1e-5
 
 def hf_speak(model, eos, **inputs):
     """HF ``generate`` (greedy, speaker Ethan: HF's default, which a served request without a
-    voice also uses): ``(sequences, codes [T, 16], waveform, code-0 logits per frame)``."""
+    voice also uses): ``(sequences, codes [T, 16], waveform, logits)``; ``logits[g]`` holds
+    code ``g``'s logits per frame (code 0: the talker's codec head; codes 1-15: the code
+    predictor's heads)."""
     import torch
 
-    recorded, logits = {}, []
+    recorded = {}
+    heads = [model.talker.codec_head, *model.talker.code_predictor.lm_head]
+    logits: list[list] = [[] for _ in heads]
     original = model.code2wav.chunked_decode
 
     def record(codes, *args, **kwargs):
@@ -72,8 +76,9 @@ def hf_speak(model, eos, **inputs):
         return original(codes, *args, **kwargs)
 
     model.code2wav.chunked_decode = record
-    hook = model.talker.codec_head.register_forward_hook(
-        lambda module, args, output: logits.append(output[0, -1].clone()))
+    hooks = [head.register_forward_hook(
+        lambda module, args, output, group=group: logits[group].append(output[0, -1].clone()))
+        for group, head in enumerate(heads)]
     try:
         with torch.no_grad():
             sequences, wav = model.generate(
@@ -81,7 +86,8 @@ def hf_speak(model, eos, **inputs):
                 thinker_do_sample=False, thinker_eos_token_id=eos,
                 talker_max_new_tokens=TALKER_MAX_TOKENS, talker_do_sample=False)
     finally:
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
         del model.code2wav.chunked_decode  # back to the class's method
     return sequences, recorded["codes"][0].T.numpy(), wav.reshape(-1).numpy(), logits
 
@@ -238,20 +244,28 @@ def hf_media_reference(ckpt, media_dir, model, eos):
 
 
 #: A code-0 choice whose two best logits (HF's) are closer than this may flip under float32
-#: rounding differences between vLLM's kernels and HF's.
+#: rounding differences between vLLM's kernels and HF's (observed: a flip at 1.6e-4).
 NEAR_TIE = 1e-3
+#: The same for codes 1-15, the code predictor's: its logits are an order of magnitude
+#: closer together on the tiny checkpoint (top-two gaps around 1e-3; observed: a flip at
+#: 1.3e-6, none at 2.9e-4).
+NEAR_TIE_RESIDUAL = 1e-4
 
 
 def first_near_tie(logits, codes, model) -> int:
-    """The first frame whose code 0 HF chose by less than :data:`NEAR_TIE` (else the
-    frame count)."""
+    """The first frame one of whose 16 codes HF chose by less than :data:`NEAR_TIE`
+    (code 0) or :data:`NEAR_TIE_RESIDUAL` (codes 1-15), else the frame count; ``logits``
+    as :func:`hf_speak` returns them."""
     from vllm_omni_plugin.models.qwen3_omni.talker_inputs import talker_logits_mask
 
     mask = talker_logits_mask(model.config)
     for frame in range(codes.shape[0]):
-        top = logits[frame].masked_fill(mask, float("-inf")).topk(2).values
-        if float(top[0] - top[1]) < NEAR_TIE:
-            return frame
+        for group, per_frame in enumerate(logits):
+            values = per_frame[frame] if group else per_frame[frame].masked_fill(
+                mask, float("-inf"))
+            top = values.topk(2).values
+            if float(top[0] - top[1]) < (NEAR_TIE_RESIDUAL if group else NEAR_TIE):
+                return frame
     return codes.shape[0]
 
 

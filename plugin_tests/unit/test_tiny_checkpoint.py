@@ -149,6 +149,17 @@ def test_config_and_tokenizer_consistent(ckpt, tokenizer):
     # sizes
     assert th.text_config.vocab_size >= len(tokenizer)
     assert th.text_config.hidden_size == tk.thinker_hidden_size == 64
+    # no two stages share a shape, so a stage sized from another's config fails its tests
+    stages = (th.text_config, tk.text_config, c2w)
+    for field in ("hidden_size", "num_hidden_layers", "num_attention_heads"):
+        assert len({getattr(c, field) for c in stages}) == 3, field
+    head_dims = [getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+                 for c in stages]
+    assert len(set(head_dims)) == 3, head_dims
+    assert th.text_config.num_experts != tk.text_config.num_experts
+    assert th.text_config.num_key_value_heads != tk.text_config.num_key_value_heads
+    assert tk.code_predictor_config.hidden_size == tk.text_config.hidden_size
+    assert tk.code_predictor_config.head_dim != tk.text_config.head_dim
     assert th.text_config.num_experts == 4 and th.text_config.num_experts_per_tok == 2
     assert 0 <= tk.accept_hidden_layer <= th.text_config.num_hidden_layers
     assert tk.num_code_groups == tk.code_predictor_config.num_code_groups == 16

@@ -55,17 +55,22 @@ Sizes
   downsample_hidden_size 16, output_dim 64 (n_window 50 / n_window_infer 800 as upstream).
 * vision encoder: depth 2, hidden 32, 2 heads, mlp 64, patch 16, temporal patch 2,
   spatial merge 2, deepstack_visual_indexes [0, 1], out_hidden_size 64.
-* talker (MoE): hidden 64, 2 layers, 4 heads, 2 KV heads, head_dim 32, 4 experts, top-2,
-  moe_intermediate_size 32, shared expert 64, intermediate (projection MLP) 128,
-  vocab 3072 (= codebook 2048 + 1024 codec specials, as upstream: HF ``generate``
-  suppresses the top 1024 ids except ``codec_eos_token_id``), thinker_hidden_size 64,
-  accept_hidden_layer 1 (index into the thinker's ``hidden_states`` tuple, which has
-  num_hidden_layers + 1 = 3 entries).
-* code predictor: hidden 64, 1 layer, 4 heads, 2 KV heads, head_dim 32, vocab 2048,
-  num_code_groups 16 (15 embeddings / lm heads).
-* code2wav: codebook_size 2048, num_quantizers 16, hidden 64, 2 layers, 2 heads
-  (head_dim 32), sliding_window 72, decoder_dim 64 (-> 32 -> 16 -> 8 -> 4 channels),
+* talker (MoE): hidden 96, 3 layers, 2 heads, 1 KV head, head_dim 64 (M-RoPE
+  ``mrope_section`` [16, 8, 8]), 6 experts, top-2, moe_intermediate_size 48, shared
+  expert 96, intermediate (projection MLP) 192, vocab 3072 (= codebook 2048 + 1024 codec
+  specials, as upstream: HF ``generate`` suppresses the top 1024 ids except
+  ``codec_eos_token_id``), thinker_hidden_size 64, accept_hidden_layer 1 (index into the
+  thinker's ``hidden_states`` tuple, which has num_hidden_layers + 1 = 3 entries).
+* code predictor: hidden 96 (the talker's: HF feeds it the talker's hidden states),
+  1 layer, 4 heads, 2 KV heads, head_dim 32, vocab 2048, num_code_groups 16
+  (15 embeddings / lm heads).
+* code2wav: codebook_size 2048, num_quantizers 16, hidden 48, 1 layer, 3 heads
+  (head_dim 16), sliding_window 72, decoder_dim 64 (-> 32 -> 16 -> 8 -> 4 channels),
   upsample_rates [8, 5, 4, 3] and upsampling_ratios [2, 2] exactly as upstream.
+
+The three stages differ in width, heads, head size, layers and experts, so a stage sized
+from another stage's config (vLLM reads the thinker's text config for every engine of
+the checkpoint) fails its tests.
 
 Special ids (same *names* and relative layout as upstream; the numbers depend on the BPE
 size and are recorded in config.json): top-level ``im_start_token_id``,
@@ -198,6 +203,10 @@ def build_qwen3_omni_tokenizer():
 # ----------------------------------------------------------------------------------------
 
 QWEN3_OMNI_HIDDEN = 64
+#: The talker's and code2wav's widths: each stage's shapes differ from the others' (width,
+#: heads, head size, layers, experts), so a stage sized from another's config fails.
+QWEN3_OMNI_TALKER_HIDDEN = 96
+QWEN3_OMNI_CODE2WAV_HIDDEN = 48
 QWEN3_OMNI_SAMPLE_RATE = 24000
 QWEN3_OMNI_SPEAKERS = {"chelsie": 2301, "ethan": 2302, "aiden": 2303}
 QWEN3_OMNI_CODE2WAV_GAIN = 32.0
@@ -301,32 +310,33 @@ def build_qwen3_omni_config(tokenizer):
         "tie_word_embeddings": False,
     }
     codebook = 2048
+    th = QWEN3_OMNI_TALKER_HIDDEN
     talker = {
         "text_config": {
             "vocab_size": codebook + 1024,
-            "hidden_size": h,
-            "intermediate_size": 2 * h,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 32,
+            "hidden_size": th,
+            "intermediate_size": 2 * th,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 64,
             "hidden_act": "silu",
             "max_position_embeddings": 4096,
             "rms_norm_eps": 1e-6,
-            "rope_parameters": dict(mrope),
+            "rope_parameters": {**mrope, "mrope_section": [16, 8, 8]},  # head_dim / 2
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
-            "moe_intermediate_size": 32,
-            "num_experts": 4,
+            "moe_intermediate_size": 48,
+            "num_experts": 6,
             "num_experts_per_tok": 2,
             "norm_topk_prob": True,
-            "shared_expert_intermediate_size": h,
+            "shared_expert_intermediate_size": th,
             "tie_word_embeddings": False,
         },
         "code_predictor_config": {
             "vocab_size": codebook,
-            "hidden_size": h,
-            "intermediate_size": 2 * h,
+            "hidden_size": th,  # HF feeds it the talker's hidden states as they are
+            "intermediate_size": 2 * th,
             "num_hidden_layers": 1,
             "num_attention_heads": 4,
             "num_key_value_heads": 2,
@@ -357,17 +367,17 @@ def build_qwen3_omni_config(tokenizer):
     code2wav = {
         "codebook_size": codebook,
         "num_quantizers": 16,
-        "hidden_size": h,
-        "intermediate_size": 2 * h,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 2,
+        "hidden_size": QWEN3_OMNI_CODE2WAV_HIDDEN,
+        "intermediate_size": 2 * QWEN3_OMNI_CODE2WAV_HIDDEN,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 3,
+        "num_key_value_heads": 3,
         "max_position_embeddings": 8000,
         "sliding_window": 72,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
         "upsample_rates": [8, 5, 4, 3],
         "upsampling_ratios": [2, 2],
-        "decoder_dim": h,
+        "decoder_dim": 64,
         # Not an HF field: the waveform rate implied by Qwen3-Omni (1920 samples per frame).
         "output_sample_rate": QWEN3_OMNI_SAMPLE_RATE,
     }
