@@ -358,7 +358,8 @@ def add_audio_chat_args(parser) -> None:
 def audio_pipeline_serve(args, tmp: Path) -> tuple[Path, list[str], dict, str]:
     """``vllm serve`` of the three-stage Qwen3-Omni pipeline on the tiny checkpoint
     (``args.checkpoint``, made under ``tmp`` when missing), the talker capped at
-    ``args.talker_frames``: (checkpoint, argv, env, base URL)."""
+    ``args.talker_frames``, ``--max-model-len`` ``args.max_model_len`` (2048 when not
+    set): (checkpoint, argv, env, base URL)."""
     ckpt = args.checkpoint or tmp / "ckpt"
     if not (ckpt / "config.json").exists():
         make_checkpoint(ckpt)
@@ -372,7 +373,8 @@ def audio_pipeline_serve(args, tmp: Path) -> tuple[Path, list[str], dict, str]:
                                         stream_input=False if after else None,
                                         devices=getattr(args, "stage_devices", None))
     port = free_port()
-    argv = [venv_bin("vllm"), "serve", str(ckpt), "--max-model-len", "2048", "--dtype",
+    argv = [venv_bin("vllm"), "serve", str(ckpt), "--max-model-len",
+            str(getattr(args, "max_model_len", 2048)), "--dtype",
             "float32", "--gpu-memory-utilization", "0.3", "--host", "127.0.0.1",
             "--port", str(port), "--stage-configs-path", str(yaml_path)]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}

@@ -286,6 +286,32 @@ def test_a_reply_too_short_to_speak_is_its_text_and_no_speech(server, stream):
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["audio"]["data"]
 
 
+def test_a_minute_of_mixed_load_answers_every_valid_request(server):
+    """60 s of ``benchmarks/soak_bench.py`` against this server: 12 clients cycling
+    through text, audio, streamed audio, disconnects, bad requests and speech. No valid
+    request gets a 5xx (or a stream error), every bad one its 400, and once the load
+    stopped the payload store is empty (issue 27, 9 and 10; the RSS slope is the
+    benchmark's, over 30 minutes)."""
+    import asyncio
+    import glob
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from soak_bench import soak
+
+    (run_dir,) = glob.glob(f"/dev/shm/vllm-omni-plugin-{server.proc.pid}-*")
+    report = asyncio.run(soak(server.url, server.model, 60, 12, server.proc.pid,
+                              Path(run_dir), interval=10))
+    totals = report.totals()
+    assert report.failed_valid() == 0, totals
+    assert all(totals[(kind, "200")] + totals[(kind, "disconnected")] > 0
+               for kind in ("text", "audio", "streamed", "speech")), totals
+    assert totals[("bad", "400")] > 0 and totals[("disconnect", "disconnected")] > 0, totals
+    assert report.files_at_end == 0
+    assert server.proc.poll() is None
+
+
 def test_streamed_chat_failure_is_an_error_event(server):
     """A stage failing after the text streamed: the OpenAI SDK raises with the stage."""
     import openai

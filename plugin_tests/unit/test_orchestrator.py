@@ -798,6 +798,29 @@ def test_request_not_streamed_gives_a_stream_input_stage_its_whole_input(tmp_pat
     assert task.payload["rows"][:, 0].tolist() == [0, 1, 2, 11, 12, 13]
 
 
+def test_the_entry_feed_copies_each_row_about_once(tmp_path):
+    """The API server reads the entry stage's rows for the fed stage after nearly every
+    token: it keeps them in buffers that double when full, so 200 chunks move the rows
+    O(log 200) times (joining all rows again for each chunk was O(rows²) a request)."""
+    from vllm_omni_plugin.engine.orchestrator import _EntryFeed
+
+    store = PayloadStore(str(tmp_path / "run"))
+    store.create("k")
+    feed = _EntryFeed(store, "k", 0)
+
+    async def read_all():
+        seen = []  # every read, kept alive so that no two storages share an address
+        for i in range(200):
+            store.append("k", {"hidden": torch.full((1, 2), float(i))})
+            feed.update(PROMPT, list(range(i + 1)))
+            seen.append((await feed.next()).payload["hidden"])
+        return seen
+
+    seen = asyncio.run(read_all())
+    assert seen[-1][:, 0].tolist() == [float(i) for i in range(200)]
+    assert len({t.untyped_storage().data_ptr() for t in seen}) <= 6
+
+
 def test_a_fed_stage_failing_while_the_entry_runs_fails_the_request(tmp_path):
     orchestrator, talker = _fed_orchestrator(tmp_path, streamed=True)
     talker.outcome = "fail"

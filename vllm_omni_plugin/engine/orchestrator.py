@@ -60,7 +60,12 @@ from vllm_omni_plugin.kv_transfer import (
     prefill_request_params,
 )
 from vllm_omni_plugin.logger import init_logger
-from vllm_omni_plugin.payload_store import PayloadError, PayloadStore, safe_key
+from vllm_omni_plugin.payload_store import (
+    GrowingPayload,
+    PayloadError,
+    PayloadStore,
+    safe_key,
+)
 
 logger = init_logger(__name__)
 
@@ -725,28 +730,25 @@ class _Rows:
     :meth:`Orchestrator._run_streaming`); a ``replicas.task.RowsSink``."""
 
     def __init__(self) -> None:
-        self._chunks: list[dict] = []
-        self._joined: dict | None = {}
+        self._rows = GrowingPayload()
+        self._whole: dict | None = None  # the task's whole payload, once it ended
         self.count = 0
         self.wanted = 0  # see replicas.task.RowsSink
         self._more = asyncio.Event()
 
     def add(self, chunks: list[dict]) -> None:
-        self._chunks.extend(chunks)
-        self._joined = None
+        self._rows.extend(chunks)
         self.count += _num_rows(chunks)
         self._more.set()
 
     def replace(self, payload: dict) -> None:
         """The task's whole payload, once it ended (the chunks so far are its first rows)."""
-        self._chunks, self._joined, self.count = [payload], payload, _num_rows([payload])
+        self._whole, self.count = payload, _num_rows([payload])
 
     def slice(self, begin: int, end: int) -> dict:
         """Rows ``[begin, end)`` of every tensor."""
-        if self._joined is None:
-            self._joined = _join_rows(*self._chunks)
-            self._chunks = [self._joined]
-        return {name: tensor[begin:end] for name, tensor in self._joined.items()}
+        rows = self._whole if self._whole is not None else self._rows.tensors()
+        return {name: tensor[begin:end] for name, tensor in rows.items()}
 
     async def wait_for_more(self, task: asyncio.Future) -> None:
         """Until more rows come or ``task`` ends."""
@@ -767,7 +769,7 @@ class _EntryFeed:
         self._store, self._key, self._stage_id = store, key, stage_id
         self._prompt: list[int] = []
         self._tokens: list[int] = []
-        self._rows: dict = {}
+        self._rows = GrowingPayload()
         self._chunks = 0  # chunks of ``key`` read into _rows
         self._final = None
         self._changed = asyncio.Event()
@@ -804,10 +806,10 @@ class _EntryFeed:
         chunks = await asyncio.to_thread(self._store.chunks, self._key, self._chunks)
         if chunks:
             self._chunks += len(chunks)
-            self._rows = _join_rows(self._rows, *chunks)
+            self._rows.extend(chunks)
         return UpstreamOutput(stage_id=self._stage_id, prompt_token_ids=list(self._prompt),
-                              output_token_ids=list(self._tokens), payload=dict(self._rows),
-                              finished=False)
+                              output_token_ids=list(self._tokens),
+                              payload=self._rows.tensors(), finished=False)
 
 
 def _num_rows(chunks: list[dict]) -> int:

@@ -31,7 +31,7 @@ import torch
 from vllm_omni_plugin import extra_args as xargs
 from vllm_omni_plugin.compat.model_runner import batch_req_ids
 from vllm_omni_plugin.logger import init_logger
-from vllm_omni_plugin.payload_store import PayloadStore
+from vllm_omni_plugin.payload_store import GrowingPayload, PayloadStore
 
 logger = init_logger(__name__)
 
@@ -49,9 +49,10 @@ class _Tracked:
     params: Any = None
     #: the input payload (tensors from the orchestrator), empty when none
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
-    #: for an input that grows: its key and the chunks of it read so far
+    #: for an input that grows: its key, the chunks of it read so far, and their rows
     growing_key: str | None = None
     input_chunks: int = 0
+    growing: GrowingPayload = field(default_factory=GrowingPayload)
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,21 @@ def keep_rows(buffers: dict[str, torch.Tensor], **rows: torch.Tensor) -> None:
             raise ValueError(f"a forward of {t.shape[0]} rows exceeds the {buffer.shape[0]} "
                              f"rows kept for {name!r} (max_num_batched_tokens)")
         buffer[:t.shape[0]].copy_(t)
+
+
+def _rows_on_host(rows: dict[str, torch.Tensor], spans: list[tuple[int, int]]
+                  ) -> dict[str, torch.Tensor]:
+    """The rows ``[begin, end)`` of each span, in order, of every tensor in ``rows``, on
+    the host: one gather and one device-to-host copy per tensor for the whole step (a
+    copy per request and tensor each waited for the device)."""
+    if not rows or all(begin == end for begin, end in spans):
+        return {}
+    if len(spans) == 1:
+        ((begin, end),) = spans
+        return {name: t[begin:end].to("cpu") for name, t in rows.items()}
+    device = next(iter(rows.values())).device
+    index = torch.cat([torch.arange(begin, end) for begin, end in spans]).to(device)
+    return {name: t.index_select(0, index).to("cpu") for name, t in rows.items()}
 
 
 def request_payload_keys(req_id: str, params: Any, store: PayloadStore | None
@@ -265,10 +281,13 @@ class StageIO:
             self.fail(req_id, tracked, exc)
             return
         tracked.input_chunks += len(chunks)
-        for chunk in chunks:
-            for name, t in chunk.items():
-                old = tracked.inputs.get(name)
-                tracked.inputs[name] = t if old is None else torch.cat((old, t), dim=0)
+        if chunks:
+            try:
+                tracked.growing.extend(chunks)
+            except ValueError as exc:
+                self.fail(req_id, tracked, exc)
+                return
+            tracked.inputs = tracked.growing.tensors()
 
     # -- after the forward --------------------------------------------------------
     def publish(self, model, batch_req_ids: list[str], scheduler_output) -> None:
@@ -283,36 +302,52 @@ class StageIO:
         requests_of = getattr(model, "stage_output_requests", None)
         outputs = None if rows_of is None and requests_of is None else (
             rows_of() if rows_of else {}, requests_of() if requests_of else {})
-        offset = 0
+        # (req id, tracked, its new rows [begin, end) of the step's, first fed position, its
+        # scheduled tokens)
+        publishing, offset = [], 0
         for req_id in batch_req_ids:
             n = scheduler_output.num_scheduled_tokens[req_id]
             tracked = self._requests.get(req_id)
             if tracked is not None and tracked.out_key and not tracked.failed:
-                try:
-                    self._publish(model, outputs, req_id, tracked, offset, n,
-                                  self._computed[req_id])
-                except Exception as exc:
-                    self.fail(req_id, tracked, exc)
+                start = self._computed[req_id]
+                # rows published before (a recompute after preemption) are skipped
+                skip = min(n, max(0, tracked.published - start))
+                publishing.append((req_id, tracked, offset + skip, offset + n, start, n))
             offset += n
-
-    def _publish(self, model, outputs, req_id: str, tracked: _Tracked,
-                 offset: int, n: int, start: int):
+        if not publishing:
+            return
         if outputs is None:
-            raise RuntimeError(f"stage {self.stage_id}: {type(model).__name__} publishes no "
-                               "stage outputs, but the request asks for them")
+            error = RuntimeError(f"stage {self.stage_id}: {type(model).__name__} publishes no "
+                                 "stage outputs, but the request asks for them")
+            for req_id, tracked, *_ in publishing:
+                self.fail(req_id, tracked, error)
+            return
         rows, per_request = outputs
-        chunk = {}
-        skip = max(0, tracked.published - start)
-        if rows and skip < n:  # else every row was published before this recompute
-            chunk = {name: t[offset + skip:offset + n].to("cpu") for name, t in rows.items()}
-            if start == 0 and tracked.published == 0:
-                once = getattr(model, "stage_output_once", None)
-                chunk.update({k: v.to("cpu") for k, v in (once() if once else {}).items()})
-        if req_id in per_request:
-            chunk.update({k: v.to("cpu") for k, v in per_request[req_id].items()})
-        if chunk:
-            self.store.append(tracked.out_key, chunk)
-        tracked.published = max(tracked.published, start + n)
+        on_host = _rows_on_host(rows, [(p[2], p[3]) for p in publishing])
+        once = getattr(model, "stage_output_once", None)
+        chunks, first = {}, 0  # out key -> its chunk; the request's first row in on_host
+        for req_id, tracked, begin, end, start, n in publishing:
+            chunk = {name: t[first:first + end - begin] for name, t in on_host.items()} \
+                if end > begin else {}
+            first += end - begin
+            try:
+                if chunk and start == 0 and tracked.published == 0 and once is not None:
+                    chunk.update({k: v.to("cpu") for k, v in once().items()})
+                if req_id in per_request:
+                    chunk.update({k: v.to("cpu") for k, v in per_request[req_id].items()})
+            except Exception as exc:
+                self.fail(req_id, tracked, exc)
+                continue
+            if chunk:
+                chunks[tracked.out_key] = chunk
+            tracked.published = max(tracked.published, start + n)
+        if chunks:
+            try:  # one file for the step's chunks (see PayloadStore.append_many)
+                self.store.append_many(chunks)
+            except Exception as exc:
+                for req_id, tracked, *_ in publishing:
+                    if tracked.out_key in chunks:
+                        self.fail(req_id, tracked, exc)
 
     # -- failures -----------------------------------------------------------------
     def fail(self, req_id: str, tracked: _Tracked, exc: Exception) -> None:

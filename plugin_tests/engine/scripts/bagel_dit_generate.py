@@ -18,7 +18,8 @@ its guidance; ``drop`` leaves branches out. Output: the last stdout line is
 ``{"engines": {name: {"batches": [{"keys": [...]}, ...], "memory_profile": ...}}}``; the
 results are in the payload store under those keys (``key.err`` on failure). With
 ``"probe": true`` in an engine's spec, ``memory_profile`` is what
-``_engines.memory_profile_calls`` returned for the DiT's first layer and the decoder.
+``_engines.memory_profile_calls`` returned for the DiT's first layer and the decoder, and
+``mask_gathers`` what :func:`mask_gathers` returned.
 """
 
 from __future__ import annotations
@@ -66,6 +67,39 @@ def _payload(fixtures: Path, request: dict, config):
     return generation_payload(noise, height, width, Guidance(**knobs), branches)
 
 
+def mask_gathers(model) -> dict:
+    """The operations of one velocity step (three CFG branches, 4 x 4 latent tokens) that
+    index by a boolean mask or call ``nonzero``: each waits for the device."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from vllm_omni_plugin.models.bagel.dit import BRANCHES
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            indices = args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else ()
+            if "nonzero" in str(func) or any(isinstance(i, torch.Tensor)
+                                             and i.dtype == torch.bool for i in indices):
+                self.ops[str(func)] = self.ops.get(str(func), 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    dit = model.dit
+    device, dtype = dit.marker_embeds.device, dit.marker_embeds.dtype
+    attn = dit.layers[0].und.self_attn
+    context = torch.zeros(len(dit.layers), 5, attn.kv_size // attn.head_dim, attn.head_dim,
+                          dtype=dtype, device=device)
+    packed = dit.pack([(context, context, 5)] * len(BRANCHES), 16, device)
+    x = torch.zeros(16, dit.latent_dim, device=device)
+    pos_embed = torch.zeros(16, dit.hidden_size, dtype=dtype, device=device)
+    with torch.inference_mode(), Count() as count:
+        dit.velocities(x, 1.0, pos_embed, packed)
+    return count.ops
+
+
 def run_one(spec: dict, engine: dict) -> dict:
     from vllm import LLM, SamplingParams
 
@@ -99,11 +133,12 @@ def run_one(spec: dict, engine: dict) -> dict:
         profile = llm.collective_rpc(memory_profile_calls, args=(
             lambda model: {"layer": model.dit.layers[0], "decoder": model.dit.vae},))[0] \
             if engine.get("probe") else None
+        gathers = llm.apply_model(mask_gathers)[0] if engine.get("probe") else None
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
-    return {"batches": batches, "memory_profile": profile}
+    return {"batches": batches, "memory_profile": profile, "mask_gathers": gathers}
 
 
 if __name__ == "__main__":

@@ -249,19 +249,21 @@ class _Layer(nn.Module):
         self.und = _Expert(config, f"{prefix}.und")
         self.gen = _Expert(config, f"{prefix}.gen")
 
-    def forward(self, x: torch.Tensor, gen: torch.Tensor, positions: torch.Tensor, rotary,
-                ctx_k: torch.Tensor, ctx_v: torch.Tensor, mask: torch.Tensor | None
-                ) -> torch.Tensor:
-        """``x`` ``[B * n, hidden]`` (B branches of the same n query tokens), ``gen``
-        ``[B * n]`` bool (latent tokens), ``positions`` ``[B * n]``; ``ctx_k``/``ctx_v``
+    def forward(self, x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor],
+                positions: torch.Tensor, rotary, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        """``x`` ``[B * n, hidden]`` (B branches of the same n query tokens), ``rows``
+        the int64 row indices of the marker and of the latent tokens (each expert's rows,
+        :attr:`_Packed.experts`), ``positions`` ``[B * n]``; ``ctx_k``/``ctx_v``
         ``[B, L, kv_heads, head_dim]``; ``mask`` ``[B, 1, 1, L + n]`` (False: padding)."""
-        und = ~gen
+        experts = tuple(zip((self.und, self.gen), rows, strict=True))
         attn = self.und.self_attn
         q = x.new_empty(x.shape[0], attn.q_size)
         k = x.new_empty(x.shape[0], attn.kv_size)
         v = x.new_empty(x.shape[0], attn.kv_size)
-        for expert, rows in ((self.und, und), (self.gen, gen)):
-            q[rows], k[rows], v[rows] = expert.self_attn.qkv(expert.input_layernorm(x[rows]))
+        for expert, index in experts:
+            q[index], k[index], v[index] = expert.self_attn.qkv(
+                expert.input_layernorm(x.index_select(0, index)))
         q, k = rotary(positions, q, k)
         b, length = ctx_k.shape[:2]
         n = x.shape[0] // b
@@ -269,17 +271,15 @@ class _Layer(nn.Module):
         keys = torch.cat([ctx_k, k.reshape(b, n, -1, hd)], dim=1).transpose(1, 2)
         values = torch.cat([ctx_v, v.reshape(b, n, -1, hd)], dim=1).transpose(1, 2)
         queries = q.reshape(b, n, -1, hd).transpose(1, 2)
-        groups = queries.shape[1] // keys.shape[1]
-        out = F.scaled_dot_product_attention(
-            queries, keys.repeat_interleave(groups, dim=1),
-            values.repeat_interleave(groups, dim=1), attn_mask=mask)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask,
+                                             enable_gqa=True)
         out = out.transpose(1, 2).reshape(b * n, -1)
         y = torch.empty_like(x)
-        for expert, rows in ((self.und, und), (self.gen, gen)):
-            y[rows] = expert.self_attn.o_proj(out[rows])[0]
+        for expert, index in experts:
+            y[index] = expert.self_attn.o_proj(out.index_select(0, index))[0]
         x = x + y
-        for expert, rows in ((self.und, und), (self.gen, gen)):
-            y[rows] = expert.mlp(expert.post_attention_layernorm(x[rows]))
+        for expert, index in experts:
+            y[index] = expert.mlp(expert.post_attention_layernorm(x.index_select(0, index)))
         return x + y
 
 
@@ -289,7 +289,10 @@ class _Packed(NamedTuple):
     ctx_k: torch.Tensor      # [layers, branches, L, kv_heads, head_dim]
     ctx_v: torch.Tensor
     mask: torch.Tensor | None  # [branches, 1, 1, L + n], False at padding; None: none
-    gen: torch.Tensor        # [branches * n] bool: the latent tokens' rows
+    #: int64 row indices of the markers (the understanding expert's) and of the latent
+    #: tokens (the generation expert's): gathers by index, where boolean masks each
+    #: waited for the device (a nonzero per use, a dozen per layer and step)
+    experts: tuple[torch.Tensor, torch.Tensor]
     positions: torch.Tensor  # [branches * n] each branch's RoPE position
 
 
@@ -349,8 +352,9 @@ class BagelDiT(nn.Module):
         dtype = self.marker_embeds.dtype
         n = hw + 2
         b = len(contexts)
-        gen = torch.zeros(n, dtype=torch.bool, device=device)
-        gen[1:-1] = True
+        first = torch.arange(b, device=device) * n  # each branch's first row
+        markers = torch.stack((first, first + n - 1), dim=1).reshape(-1)
+        latent = (first[:, None] + torch.arange(1, n - 1, device=device)).reshape(-1)
         rope = torch.tensor([c[2] for c in contexts], device=device)
         longest = max(c[0].shape[1] for c in contexts)
         kv_heads, hd = contexts[0][0].shape[2:]
@@ -363,7 +367,7 @@ class BagelDiT(nn.Module):
             ctx_k[:, i, :length] = k.to(dtype)
             ctx_v[:, i, :length] = v.to(dtype)
             mask[i, ..., length:longest] = False
-        return _Packed(ctx_k, ctx_v, None if bool(mask.all()) else mask, gen.repeat(b),
+        return _Packed(ctx_k, ctx_v, None if bool(mask.all()) else mask, (markers, latent),
                        rope.repeat_interleave(n))
 
     def velocities(self, x: torch.Tensor, t: float, pos_embed: torch.Tensor,
@@ -385,9 +389,9 @@ class BagelDiT(nn.Module):
         query = torch.cat([self.marker_embeds[:1], latent, self.marker_embeds[1:]])
         hidden = query.repeat(b, 1)
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, packed.gen, packed.positions, self.rotary,
+            hidden = layer(hidden, packed.experts, packed.positions, self.rotary,
                            packed.ctx_k[i], packed.ctx_v[i], packed.mask)
-        out = self.llm2vae(self.norm_gen(hidden[packed.gen]))[0]
+        out = self.llm2vae(self.norm_gen(hidden.index_select(0, packed.experts[1])))[0]
         return out.reshape(b, x.shape[0], -1).float()
 
     # -- sampling ------------------------------------------------------------------------
