@@ -45,3 +45,36 @@ def test_a_growing_payload_gives_the_rows_so_far_and_refuses_other_shapes():
     assert rows["x"].shape == (42, 3) and rows["x"][2:].all() and rows["once"].tolist() == [1]
     with pytest.raises(ValueError, match="'x': a chunk of torch.float32 \\(1, 4\\)"):
         payload.extend([{"x": torch.zeros(1, 4)}])
+
+
+def test_reading_chunks_keeps_no_memory(tmp_path):
+    """A server reads some 30 chunks a request for as long as it runs: reading keeps
+    nothing. Reading a file with metadata (a step's chunks of several keys) through
+    safetensors' ``safe_open`` kept about 170 bytes a read for good (safetensors 0.8):
+    the API server's memory grew by 2.3 MB a minute under load."""
+    import gc
+    import tracemalloc
+
+    store = PayloadStore(str(tmp_path))
+    keys = [f"k{i}" for i in range(16)]
+    for key in keys:
+        store.create(key)
+    for _ in range(10):
+        store.append_many({key: {"x": torch.ones(1, 8), "pos": torch.zeros(1, 3)}
+                           for key in keys})
+    for key in keys:
+        store.get(key)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        for _ in range(20):
+            for key in keys:
+                store.get(key)
+        gc.collect()
+        growth = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(
+            before, "filename"))
+    finally:
+        tracemalloc.stop()
+    reads = 20 * len(keys) * 10
+    assert growth / reads < 10, f"{growth / reads:.1f} bytes kept per chunk read"
