@@ -28,8 +28,11 @@ def test_chunks_of_several_keys_in_one_file_keep_each_keys_order(tmp_path):
     assert store.append_many({"a": {"x": torch.tensor([2])},
                               "b": {"x": torch.tensor([12])}}) == {"b"}
     assert store.get("b")["x"].tolist() == [10, 11, 12] and store.keys() == ["b", "c"]
-    with pytest.raises(ValueError, match="'x': the keys' chunks do not join"):
-        store.append_many({"b": {"x": torch.tensor([1])}, "c": {"x": torch.zeros(1, 2)}})
+    # tensors of one name that do not join (images of two sizes) are kept apart
+    assert store.append_many({"b": {"x": torch.tensor([13])},
+                              "c": {"x": torch.zeros(2, 3, dtype=torch.uint8)}}) == {"b", "c"}
+    assert store.get("b")["x"].tolist() == [10, 11, 12, 13]
+    assert store.get("c")["x"].equal(torch.zeros(2, 3, dtype=torch.uint8))
     store.delete("b")
     store.delete("c")
     assert os.listdir(tmp_path) == []
