@@ -618,43 +618,6 @@ def test_prompt_layout_and_inferred_prompt_len(talker_parity_model):
         assert torch.equal(getattr(inferred, name), getattr(prompt, name)), name
 
 
-def test_a_grown_prompt_equals_the_prompt_built_on_the_whole_output(talker_parity_model):
-    """A talker fed while the thinker runs gets its prompt built on the first generated
-    rows, then extended by the rows of each later piece (``extend_talker_prompt``),
-    projecting only those (rebuilding projected the whole prompt again on every talker
-    step): the result equals ``build_talker_prompt`` on the whole output (the user part,
-    assistant prefix and every trailing row; up to float rounding of the projection's
-    batch)."""
-    model, cfg = talker_parity_model, talker_parity_model.config
-    ids = _prompt_ids(cfg)
-    seq, embed, hidden, whole = _our_prompt(model, ids, cfg.im_end_token_id)
-    tts = ti.tts_token_embeds_from(model.thinker.get_input_embeddings(), cfg)
-    p = ids.shape[1]
-    first = p + 2  # <|im_start|>assistant\n and generated tokens 0, 1: two rows fed
-    grown = ti.build_talker_prompt(model.talker, cfg, seq[0, :first], embed[:first - 1],
-                                   hidden[:first - 1], "Ethan", tts_token_embeds=tts,
-                                   prompt_len=p, thinker_eos_token_id=cfg.im_end_token_id)
-    projected = []  # rows each text projection call took: only the new ones
-    hook = model.talker.text_projection.register_forward_hook(
-        lambda module, args, out: projected.append(args[0].shape[-2]))
-    try:
-        for end in (first + 1, first + 3, seq.shape[1]):  # one row, then two, the rest
-            grown = ti.extend_talker_prompt(model.talker, cfg, grown, seq[0, :end],
-                                            embed[grown.fed_rows:end - 1],
-                                            thinker_eos_token_id=cfg.im_end_token_id)
-    finally:
-        hook.remove()
-    assert projected == [1, 2, seq.shape[1] - first - 3]
-    assert grown.fed_rows == whole.fed_rows == seq.shape[1] - 1
-    for name in ("talker_input_ids", "user_index"):
-        assert torch.equal(getattr(grown, name), getattr(whole, name)), name
-    for name in ("prompt_embeds", "tts_pad_embed", "trailing_text_hidden"):
-        torch.testing.assert_close(getattr(grown, name), getattr(whole, name), rtol=0,
-                                   atol=1e-6, msg=name)
-    with pytest.raises(ValueError, match="grew from .* but 1 new rows came"):
-        ti.extend_talker_prompt(model.talker, cfg, grown, seq[0], embed[:1])
-
-
 def _media_prompt(cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A thinker prompt with images and a video in two user turns, around a system turn and
     an earlier assistant turn: ``(ids [1, P], image_grid_thw [2, 3], video_grid_thw [1, 3])``."""

@@ -451,19 +451,15 @@ class Qwen3OmniTalkerStage(nn.Module, SupportsMRoPE):
 
     def _extend(self, state: _Request, req_id: str, payload: dict[str, torch.Tensor]) -> None:
         """Take the thinker rows appended to a growing input (the request is fed in
-        chunks while the thinker runs): the prompt stays, the trailing text grows by the
-        new rows only (:func:`.talker_inputs.extend_talker_prompt`). The orchestrator lets
-        the request decode only as far as final trailing rows go."""
-        embed = self.get_input_embeddings().weight
-        sequence = payload["sequence_ids"]
-        new_rows = payload["thinker_embed"][state.prompt.fed_rows:len(sequence) - 1]
-        try:
-            state.prompt = ti.extend_talker_prompt(
-                self, self.omni_config, state.prompt, sequence,
-                new_rows.to(embed.device, embed.dtype))
-        except ValueError as exc:
-            raise ValueError(f"talker request {req_id}: {exc}") from exc
-        state.sequence_len = len(sequence)
+        chunks while the thinker runs): the prompt stays, the trailing text grows. The
+        orchestrator lets the request decode only as far as final trailing rows go."""
+        prompt = self._prompt(payload)
+        if prompt.num_prompt_tokens != state.prompt.num_prompt_tokens:
+            raise ValueError(
+                f"talker request {req_id}: more thinker rows changed the talker prompt from "
+                f"{state.prompt.num_prompt_tokens} to {prompt.num_prompt_tokens} positions")
+        state.prompt = prompt
+        state.sequence_len = len(payload["sequence_ids"])
 
     def _predict_frames(self, pending, input_ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Run the code predictor for the newest decode row of each request in ``pending``."""

@@ -103,7 +103,7 @@ and cuts each waveform; not needed per request.)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -115,7 +115,6 @@ __all__ = [
     "HF_CODE_PREDICTOR_TOP_P",
     "TalkerPrompt",
     "build_talker_prompt",
-    "extend_talker_prompt",
     "sample_from_logits",
     "talker_logits_mask",
     "talker_mrope_positions",
@@ -177,10 +176,6 @@ class TalkerPrompt:
     talker_input_ids: ``[L]`` what HF passes as ``talker_input_ids`` (user token ids, then
         ``tts_pad_token_id``); only used for the multimodal 3D rope index.
     user_index: ``[L - 9]`` int64, the thinker prompt position of each user-part row.
-    text_rows: ``[K - 1, H_talker]`` the projected thinker rows ``trailing_text_hidden``
-        is made of (before ``tts_eos`` is placed), and tts_eos_embed ``[1, H_talker]``;
-        fed_rows: the thinker rows (``T_fed``) and prompt_len: the thinker prompt tokens
-        the prompt was built from (:func:`extend_talker_prompt` reads these).
     """
 
     prompt_embeds: torch.Tensor
@@ -188,10 +183,6 @@ class TalkerPrompt:
     tts_pad_embed: torch.Tensor
     talker_input_ids: torch.Tensor
     user_index: torch.Tensor
-    text_rows: torch.Tensor
-    tts_eos_embed: torch.Tensor
-    fed_rows: int
-    prompt_len: int
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -357,9 +348,18 @@ def build_talker_prompt(
         dim=1,
     )
     assistant_embeds = assistant_text + assistant_codec
-    text_rows = assistant_hidden[0, 4:]
-    trailing = _trailing(config, text_rows, tts_eos[0], tts_pad[0], seq, prompt_len,
-                         thinker_eos_token_id)
+    trailing = torch.cat((assistant_hidden[:, 4:], tts_eos), dim=1)
+
+    # ---- tts_eos relocation after the first thinker eos (no-op for a single request) -----
+    if thinker_eos_token_id is not None:
+        eos_ids = config.im_end_token_id if thinker_eos_token_id == -1 else thinker_eos_token_id
+        gen = seq[prompt_len:]
+        is_eos = (gen.unsqueeze(-1) == torch.as_tensor(eos_ids, device=dev).flatten()).any(-1)
+        gen_pos = torch.arange(gen.shape[0], device=dev)
+        first_eos = int(torch.where(is_eos, gen_pos, gen.shape[0]).min()) if gen.numel() else 0
+        trail_pos = torch.arange(trailing.shape[1], device=dev).unsqueeze(0).unsqueeze(-1)
+        trailing = torch.where(trail_pos > first_eos, tts_pad.to(trailing.dtype), trailing)
+        trailing = torch.where(trail_pos == first_eos, tts_eos.to(trailing.dtype), trailing)
 
     prompt_embeds = torch.cat((user_embeds, assistant_embeds), dim=1)[0]
     talker_input_ids = torch.cat(
@@ -370,68 +370,11 @@ def build_talker_prompt(
     ).to(torch.long)
     return TalkerPrompt(
         prompt_embeds=prompt_embeds,
-        trailing_text_hidden=trailing,
+        trailing_text_hidden=trailing[0],
         tts_pad_embed=tts_pad[0],
         talker_input_ids=talker_input_ids,
         user_index=user_idx[0],
-        text_rows=text_rows,
-        tts_eos_embed=tts_eos[0],
-        fed_rows=t_fed,
-        prompt_len=prompt_len,
     )
-
-
-def _trailing(config, text_rows: torch.Tensor, tts_eos: torch.Tensor, tts_pad: torch.Tensor,
-              seq: torch.Tensor, prompt_len: int, thinker_eos_token_id) -> torch.Tensor:
-    """HF's trailing text ``[K, H]``: ``text_rows`` then ``tts_eos`` (``[1, H]``), with
-    ``tts_eos`` moved to the row of the first thinker eos among the generated ids of
-    ``seq`` and ``tts_pad`` after it (a no-op for a single request)."""
-    trailing = torch.cat((text_rows, tts_eos.to(text_rows.dtype)))
-    if thinker_eos_token_id is None:
-        return trailing
-    dev = trailing.device
-    eos_ids = config.im_end_token_id if thinker_eos_token_id == -1 else thinker_eos_token_id
-    gen = seq[prompt_len:]
-    is_eos = (gen.unsqueeze(-1) == torch.as_tensor(eos_ids, device=dev).flatten()).any(-1)
-    gen_pos = torch.arange(gen.shape[0], device=dev)
-    first_eos = int(torch.where(is_eos, gen_pos, gen.shape[0]).min()) if gen.numel() else 0
-    trail_pos = torch.arange(trailing.shape[0], device=dev).unsqueeze(-1)
-    trailing = torch.where(trail_pos > first_eos, tts_pad.to(trailing.dtype), trailing)
-    return torch.where(trail_pos == first_eos, tts_eos.to(trailing.dtype), trailing)
-
-
-@torch.no_grad()
-def extend_talker_prompt(talker: nn.Module, config, prompt: TalkerPrompt,
-                         sequence_ids: torch.Tensor, new_embed: torch.Tensor,
-                         thinker_eos_token_id: int | Sequence[int] | None = -1
-                         ) -> TalkerPrompt:
-    """``prompt`` for a thinker output that grew: what :func:`build_talker_prompt` gives
-    on the whole output, computing only the trailing text rows of the new thinker rows
-    (the user part and the assistant prefix stay; rebuilding them on every growth cost
-    O(prompt) per talker step).
-
-    Args:
-        sequence_ids: ``[T_seq]`` the grown output's prompt + generated ids.
-        new_embed: ``[T_seq - 1 - prompt.fed_rows, H_thinker]`` the thinker's
-            ``hidden_states[0]`` of the positions fed since ``prompt`` was built, in the
-            talker's device and dtype.
-
-    Raises:
-        ValueError: fewer rows than the ids say, or an output that shrank.
-    """
-    seq = sequence_ids.reshape(-1).to(device=prompt.text_rows.device, dtype=torch.long)
-    t_fed = int(seq.shape[0]) - 1
-    if t_fed < prompt.fed_rows or new_embed.shape[0] != t_fed - prompt.fed_rows:
-        raise ValueError(
-            f"the thinker output grew from {prompt.fed_rows} to {t_fed} fed rows, but "
-            f"{new_embed.shape[0]} new rows came")
-    text_rows = prompt.text_rows
-    if new_embed.shape[0]:
-        text_rows = torch.cat((text_rows, talker.text_projection(
-            new_embed.unsqueeze(0)).to(text_rows.dtype)[0]))
-    trailing = _trailing(config, text_rows, prompt.tts_eos_embed, prompt.tts_pad_embed, seq,
-                         prompt.prompt_len, thinker_eos_token_id)
-    return replace(prompt, text_rows=text_rows, trailing_text_hidden=trailing, fed_rows=t_fed)
 
 
 def talker_mrope_positions(thinker_positions: torch.Tensor, user_index: torch.Tensor,
