@@ -333,6 +333,24 @@ def chat_load(url: str, make_body, requests: int, concurrency: int, check) -> fl
     return asyncio.run(_chat_load(url, make_body, requests, concurrency, check))
 
 
+async def audio_deltas(response):
+    """The decoded ``data`` of each ``delta.audio`` with audio in a streamed chat answer
+    (an aiohttp response with status 200), as it arrives.
+
+    Raises:
+        RuntimeError: an ``error`` event in the stream.
+    """
+    async for line in response.content:
+        if not line.startswith(b"data: ") or b'"audio"' not in line:
+            continue
+        event = json.loads(line[len(b"data: "):])
+        if "error" in event:
+            raise RuntimeError(f"stream error: {event['error']}")
+        audio = event["choices"][0]["delta"].get("audio")
+        if audio and audio.get("data"):
+            yield base64.b64decode(audio["data"])
+
+
 def percentile(values: list[float], q: float) -> float:
     """The ``q`` quantile (0..1) of ``values``, nearest rank."""
     ordered = sorted(values)

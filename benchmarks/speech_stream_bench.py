@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import json
 import sys
 import tempfile
 import time
@@ -50,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     Server,
     add_audio_chat_args,
+    audio_deltas,
     audio_pipeline_serve,
     fmt,
     install_sigterm_as_interrupt,
@@ -80,20 +80,12 @@ async def _one(session, url: str, body: dict, stream: bool
             first = time.perf_counter() - start
             pcm = len(base64.b64decode(answer["choices"][0]["message"]["audio"]["data"]))
         else:
-            async for line in r.content:
-                if not line.startswith(b"data: ") or b'"audio"' not in line:
-                    continue
-                event = json.loads(line[len(b"data: "):])
-                if "error" in event:
-                    raise RuntimeError(f"stream error: {event['error']}")
-                audio = event["choices"][0]["delta"].get("audio")
-                if audio and audio.get("data"):
-                    now = time.perf_counter() - start
-                    first = first if first is not None else now
-                    stall += max(0.0, now - runs_out) if pcm else 0.0
-                    size = len(base64.b64decode(audio["data"]))
-                    runs_out = max(runs_out, now) + size / 2 / SAMPLE_RATE
-                    pcm += size
+            async for data in audio_deltas(r):
+                now = time.perf_counter() - start
+                first = first if first is not None else now
+                stall += max(0.0, now - runs_out) if pcm else 0.0
+                runs_out = max(runs_out, now) + len(data) / 2 / SAMPLE_RATE
+                pcm += len(data)
     if first is None:
         raise RuntimeError("no audio in the answer")
     return first, time.perf_counter() - start, pcm / 2 / SAMPLE_RATE, stall

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import json
 import sys
 import tempfile
 import time
@@ -35,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
     Server,
+    audio_deltas,
     audio_pipeline_serve,
     fmt,
     install_sigterm_as_interrupt,
@@ -78,16 +77,8 @@ async def _frame_ms(url: str, model: str, text: str, max_tokens: int) -> float:
             session.post(f"{url}/v1/chat/completions", json=body) as r:
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:500]}")
-        async for line in r.content:
-            if not line.startswith(b"data: ") or b'"audio"' not in line:
-                continue
-            event = json.loads(line[len(b"data: "):])
-            if "error" in event:
-                raise RuntimeError(f"stream error: {event['error']}")
-            audio = event["choices"][0]["delta"].get("audio")
-            if audio and audio.get("data"):
-                samples = len(base64.b64decode(audio["data"])) // 2
-                arrivals.append((time.perf_counter(), samples))
+        async for data in audio_deltas(r):
+            arrivals.append((time.perf_counter(), len(data) // 2))
     if len(arrivals) < 2:
         raise RuntimeError(f"{len(arrivals)} audio deltas: too few to time the talker")
     frames = sum(s for _, s in arrivals[1:]) / SAMPLES_PER_FRAME

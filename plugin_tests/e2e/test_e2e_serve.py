@@ -190,6 +190,28 @@ def test_each_audio_format_decodes_to_the_wav_sample_count(server, fmt):
         assert np.abs(samples.astype(np.int32) - reference).max() <= 1
 
 
+def _read_stream(stream) -> tuple[str | None, list[str], list[dict], list[bytes], str | None]:
+    """An OpenAI SDK chat stream read to its end: (the chunks' id, the text deltas that
+    have text, each ``delta.audio`` as a dict, each one's decoded ``data``, the last
+    ``finish_reason``)."""
+    text, audio_deltas, pcm, finish, request_id = [], [], [], None, None
+    for chunk in stream:
+        request_id = chunk.id
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        if delta.content:
+            text.append(delta.content)
+        # the SDK parses delta.audio (ChoiceDeltaAudio); older SDKs keep it as an extra
+        audio = getattr(delta, "audio", None) or (delta.model_extra or {}).get("audio")
+        if audio:
+            audio = audio if isinstance(audio, dict) else audio.model_dump()
+            audio_deltas.append(audio)
+            pcm.append(base64.b64decode(audio["data"]))
+        finish = chunk.choices[0].finish_reason or finish
+    return request_id, text, audio_deltas, pcm, finish
+
+
 def test_streamed_chat_audio_deltas_equal_the_unstreamed_answer(server):
     """OpenAI SDK, ``stream=True`` with audio: text deltas as vLLM streams them, and
     ``delta.audio`` chunks decoded by code2wav while the talker generates (2 frames, then
@@ -208,21 +230,7 @@ def test_streamed_chat_audio_deltas_equal_the_unstreamed_answer(server):
         model=body["model"], messages=body["messages"], max_tokens=body["max_tokens"],
         temperature=0, modalities=["text", "audio"],
         audio={"voice": "ethan", "format": "pcm16"}, stream=True)
-    text, pcm, audio_deltas, finish, request_id = [], [], [], None, None
-    for chunk in stream:
-        request_id = chunk.id
-        if not chunk.choices:
-            continue
-        delta = chunk.choices[0].delta
-        if delta.content:
-            text.append(delta.content)
-        # the SDK parses delta.audio (ChoiceDeltaAudio); older SDKs keep it as an extra
-        audio = getattr(delta, "audio", None) or (delta.model_extra or {}).get("audio")
-        if audio:
-            audio = audio if isinstance(audio, dict) else audio.model_dump()
-            audio_deltas.append(audio)
-            pcm.append(base64.b64decode(audio["data"]))
-        finish = chunk.choices[0].finish_reason or finish
+    request_id, text, audio_deltas, pcm, finish = _read_stream(stream)
     assert finish == "length" and len(text) > 1
     assert "".join(text) == expected["content"]
     assert audio_deltas[-1]["expires_at"] > 0
@@ -264,21 +272,9 @@ def test_a_reply_too_short_to_speak_is_its_text_and_no_speech(server, stream):
         assert _pcm16(choice["message"]).size == 0
     else:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="-")
-        text, pcm, audio_deltas, finish = [], [], [], None
-        for chunk in client.chat.completions.create(
-                model=body["model"], messages=body["messages"], max_tokens=1,
-                temperature=0, modalities=["text", "audio"], audio=body["audio"],
-                stream=True):
-            if not chunk.choices:
-                continue
-            delta = chunk.choices[0].delta
-            text.append(delta.content or "")
-            audio = getattr(delta, "audio", None) or (delta.model_extra or {}).get("audio")
-            if audio:
-                audio = audio if isinstance(audio, dict) else audio.model_dump()
-                audio_deltas.append(audio)
-                pcm.append(base64.b64decode(audio["data"]))
-            finish = chunk.choices[0].finish_reason or finish
+        _, text, audio_deltas, pcm, finish = _read_stream(client.chat.completions.create(
+            model=body["model"], messages=body["messages"], max_tokens=1, temperature=0,
+            modalities=["text", "audio"], audio=body["audio"], stream=True))
         assert finish == "length" and "".join(text) == expected
         assert audio_deltas and audio_deltas[-1]["expires_at"] > 0 and b"".join(pcm) == b""
         assert "".join(a.get("transcript") or "" for a in audio_deltas) == expected

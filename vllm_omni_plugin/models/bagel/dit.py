@@ -445,11 +445,11 @@ class BagelDiT(nn.Module):
         return x, self.decode(x, height, width)
 
     @torch.inference_mode()
-    def profile_peak(self) -> int:
+    def profile_peak(self) -> None:
         """What vLLM's memory profile must count: one denoising step of the largest image
         (:func:`max_image_side` square) with all three CFG branches, each with a context
         as long as the image's latent tokens (an image-editing context holds its input
-        image's), then the decoder on that image. Returns the image side in pixels."""
+        image's), then the decoder on that image."""
         side = max_image_side(self.config)
         hw = (side // self.downsample) ** 2
         device, dtype = self.marker_embeds.device, self.marker_embeds.dtype
@@ -465,7 +465,6 @@ class BagelDiT(nn.Module):
                     "with %d CFG branches", side, side, len(BRANCHES))
         self.velocities(x, 1.0, pos_embed, packed)
         self.decode(x, side, side)
-        return side
 
     def decode(self, latent: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """``[h*w, p*p*z]`` latent -> ``[height, width, 3]`` uint8."""

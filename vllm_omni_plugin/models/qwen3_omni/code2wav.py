@@ -742,23 +742,21 @@ class Qwen3OmniCode2WavStage(nn.Module, SupportsMRoPE):
         return torch.zeros(hidden_states.shape[0], self.vocab_size, dtype=torch.float32,
                            device=hidden_states.device)
 
-    def profile_decode(self, num_tokens: int) -> tuple[int, int] | None:
+    def profile_decode(self, num_tokens: int) -> None:
         """vLLM's profiling forward of ``num_tokens`` prompt ids: the largest padded
         decoder call a step of that many ids makes (``num_tokens // num_quantizers``
         frames, at most :attr:`max_batch_frames`, in rows of HF's chunk plus left context,
-        325 frames), on codes 0. Returns the batch's ``(rows, frames)``; None when the
-        forward holds no whole frame."""
+        325 frames), on codes 0; nothing when the forward holds no whole frame."""
         model = self.code2wav
         frames = min(num_tokens // model.num_quantizers, self.max_batch_frames)
         if frames == 0:
-            return None
+            return
         row = min(frames, HF_CODE2WAV_CHUNK_SIZE + HF_CODE2WAV_LEFT_CONTEXT)
         codes = torch.zeros(frames // row, row, model.num_quantizers, dtype=torch.long,
                             device=model.code_embedding.weight.device)
         logger.info("code2wav: memory profile decodes %d x %d frames (the largest decoder "
                     "call of a step)", *codes.shape[:2])
         model(codes)
-        return codes.shape[0], codes.shape[1]
 
     # -- stage outputs (read by the plugin's worker) ------------------------------------
     def stage_output_requests(self) -> dict[str, dict[str, torch.Tensor]]:
