@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import numpy as np
 import yaml
@@ -34,10 +35,11 @@ def pipeline_yaml(root, talker_max_tokens, talker_engine_args=None, source=QWEN3
     return str(path)
 
 
-def run_script(ckpt, yaml_path, out_dir, scenarios, env=None) -> tuple[dict, str]:
+def run_script(ckpt, yaml_path, out_dir, scenarios, env=None, options=()) -> tuple[dict, str]:
     """``(report, output)``: the script's report and its stdout and stderr (also in
-    ``OUT_DIR/pipeline.{out,err}``), run with ``env`` (default: this process's). Fails
-    the test with the output's tail when the script failed.
+    ``OUT_DIR/pipeline.{out,err}``), run with ``env`` (default: this process's) and the
+    script's ``options`` (``--dtype``...). Fails the test with the output's tail when the
+    script failed.
 
     HF's reference is computed after the run, not beside it: the streamed scenario's
     talker then starts after as many thinker tokens as it always did. Computed meanwhile,
@@ -47,58 +49,107 @@ def run_script(ckpt, yaml_path, out_dir, scenarios, env=None) -> tuple[dict, str
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", **(os.environ if env is None else env)}
     out_path, err_path = out_dir / "pipeline.out", out_dir / "pipeline.err"
     with open(out_path, "w") as out, open(err_path, "w") as err, \
-            process_group([PYTHON, SCRIPT, ckpt, yaml_path, str(out_dir), *scenarios],
+            process_group([PYTHON, SCRIPT, *options, ckpt, yaml_path, str(out_dir), *scenarios],
                           stdout=out, stderr=err, text=True, env=env) as proc:
         proc.wait(timeout=ENGINE_TIMEOUT_S)
     stdout, stderr = out_path.read_text(), err_path.read_text()
     return script_report(SCRIPT, proc.returncode, stdout, stderr), stdout + stderr
 
 
+#: HF ``generate``'s ``talker_repetition_penalty`` default, the shipped YAML's talker
+#: ``repetition_penalty``: applied to the code-0 ids the talker generated before
+TALKER_REPETITION_PENALTY = 1.05
 #: float32 waveforms: HF's code2wav and the stage's (vLLM's linear layers, SDPA) differ by
 #: rounding only; observed max |diff| about 1e-7 on the tiny checkpoint.
 WAVEFORM_ATOL = 1e-5
 
 
-def hf_speak(model, eos, **inputs):
+class HFSpeech(NamedTuple):
+    """What :func:`hf_speak` returns."""
+
+    sequences: object  #: torch.LongTensor [1, prompt + generated]: HF's thinker output
+    codes: np.ndarray  #: int64 [T, 16]: the talker's codes, frame-major
+    waveform: np.ndarray  #: float32 [samples] at 24 kHz
+    #: ``code_logits[g][t]``: code ``g``'s logits (float32, unprocessed) at frame ``t``
+    #: (code 0: the talker's codec head, one more than frames when it chose codec EOS;
+    #: codes 1-15: the code predictor's heads)
+    code_logits: list
+    #: ``thinker_logits[i]``: the thinker's logits (float32) for its ``i``-th token
+    thinker_logits: list
+
+
+def hf_speak(model, eos, force: tuple | None = None, **inputs) -> HFSpeech:
     """HF ``generate`` (greedy, speaker Ethan: HF's default, which a served request without a
-    voice also uses): ``(sequences, codes [T, 16], waveform, logits)``; ``logits[g]`` holds
-    code ``g``'s logits per frame (code 0: the talker's codec head; codes 1-15: the code
-    predictor's heads)."""
+    voice also uses) on ``inputs`` moved to the model's device, with the logits of every
+    choice it made.
+
+    ``force=(tokens, codes)``: teacher-forced along a served answer (its thinker
+    ``tokens`` and ``codes`` [T, 16]): each choice is the served one whatever HF's logits
+    (recorded as computed) say, and the talker ends with codec EOS after T frames
+    (below :data:`TALKER_FRAMES`); HF's code2wav then decodes the served codes."""
     import torch
 
     recorded = {}
     heads = [model.talker.codec_head, *model.talker.code_predictor.lm_head]
     logits: list[list] = [[] for _ in heads]
+    thinker_logits: list = []
     original = model.code2wav.chunked_decode
 
     def record(codes, *args, **kwargs):
         recorded["codes"] = codes.clone()
         return original(codes, *args, **kwargs)
 
+    def keep(into, choices=None):
+        """A forward hook keeping a head's logits at the last position into ``into``,
+        and with ``choices`` (index -> token or None) making that token the only one."""
+        def hook(module, args, output):
+            into.append(output[0, -1].float().cpu())
+            choice = choices(len(into) - 1) if choices is not None else None
+            if choice is not None:
+                output = torch.full_like(output, float("-inf"))
+                output[..., choice] = 0
+                return output
+        return hook
+
+    choices = [None] * (len(heads) + 1)
+    if force is not None:
+        tokens, codes = force
+        codec_eos = model.config.talker_config.codec_eos_token_id
+        # a talker stopped at TALKER_FRAMES frames made one more (never fed) code-0 choice
+        end = codec_eos if len(codes) < TALKER_FRAMES else None
+        choices[0] = lambda t: int(codes[t, 0]) if t < len(codes) else end
+        for group in range(1, len(heads)):
+            choices[group] = (lambda t, g=group: int(codes[t, g]) if t < len(codes) else None)
+        choices[-1] = lambda i: int(tokens[i]) if i < len(tokens) else None
     model.code2wav.chunked_decode = record
-    hooks = [head.register_forward_hook(
-        lambda module, args, output, group=group: logits[group].append(output[0, -1].clone()))
-        for group, head in enumerate(heads)]
+    hooks = [head.register_forward_hook(keep(logits[group], choices[group]))
+             for group, head in enumerate(heads)]
+    hooks.append(model.thinker.lm_head.register_forward_hook(keep(thinker_logits, choices[-1])))
+    inputs = {name: value.to(model.device) if isinstance(value, torch.Tensor) else value
+              for name, value in inputs.items()}
     try:
         with torch.no_grad():
             sequences, wav = model.generate(
                 **inputs, speaker="Ethan", return_audio=True, thinker_max_new_tokens=12,
                 thinker_do_sample=False, thinker_eos_token_id=eos,
-                talker_max_new_tokens=TALKER_MAX_TOKENS, talker_do_sample=False)
+                talker_max_new_tokens=TALKER_MAX_TOKENS, talker_do_sample=False,
+                talker_repetition_penalty=TALKER_REPETITION_PENALTY)
     finally:
         for hook in hooks:
             hook.remove()
         del model.code2wav.chunked_decode  # back to the class's method
-    return sequences, recorded["codes"][0].T.numpy(), wav.reshape(-1).numpy(), logits
+    return HFSpeech(sequences.cpu(), recorded["codes"][0].T.cpu().numpy(),
+                    wav.reshape(-1).float().cpu().numpy(), logits, thinker_logits)
 
 
-def hf_model(ckpt):
-    """``(model, eos token id)``: HF's Qwen3-Omni in float32 from ``ckpt``."""
+def hf_model(ckpt, dtype: str = "float32", device: str = "cpu"):
+    """``(model, eos token id)``: HF's Qwen3-Omni from ``ckpt`` in ``dtype`` (a torch
+    dtype's name) on ``device``."""
     import torch
     from transformers import GenerationConfig, Qwen3OmniMoeForConditionalGeneration
 
     model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
-        ckpt, dtype=torch.float32).eval()
+        ckpt, dtype=getattr(torch, dtype)).to(device).eval()
     return model, GenerationConfig.from_pretrained(ckpt).eos_token_id
 
 
@@ -132,15 +183,16 @@ class HFReference:
     from one loaded model and kept on disk next to the checkpoint
     (``<ckpt>.hf-reference/``), keyed by what it depends on: the checkpoint's files,
     torch's and transformers' versions, this module's source, and the prompt ids or
-    media bytes served. Every engine module and CI row after the first reads it
-    (computing it took 5-7 s a module on a 2-core host)."""
+    media bytes served, and the dtype and device HF runs in (default: float32 on the CPU).
+    Every engine module and CI row after the first reads it (computing it took 5-7 s a
+    module on a 2-core host)."""
 
-    def __init__(self, ckpt: str, media_dir) -> None:
-        self.ckpt, self.media_dir = ckpt, media_dir
+    def __init__(self, ckpt: str, media_dir, dtype: str = "float32", device: str = "cpu") -> None:
+        self.ckpt, self.media_dir, self.dtype, self.device = ckpt, media_dir, dtype, device
 
     @functools.cached_property
     def _model(self):
-        return hf_model(self.ckpt)
+        return hf_model(self.ckpt, self.dtype, self.device)
 
     @functools.cached_property
     def _basis(self):
@@ -156,6 +208,7 @@ class HFReference:
             digest.update(f"{name}={value}".encode())
         for dist in ("torch", "transformers"):
             digest.update(f"{dist}=={version(dist)}".encode())
+        digest.update(f"{self.dtype} on {self.device}".encode())
         with open(__file__, "rb") as f:
             digest.update(f.read())
         return digest
@@ -186,9 +239,9 @@ class HFReference:
             model, eos = self._model
             out = []
             for prompt in self.prompt_ids:
-                sequences, codes, wav, _ = hf_speak(model, eos,
-                                                    input_ids=torch.tensor([prompt]))
-                out.append((sequences[0, len(prompt):].tolist(), codes, wav))
+                speech = hf_speak(model, eos, input_ids=torch.tensor([prompt]))
+                out.append((speech.sequences[0, len(prompt):].tolist(), speech.codes,
+                            speech.waveform))
             return out
 
         return _stored(self._store("text", json.dumps(self.prompt_ids).encode()), compute)
@@ -232,9 +285,10 @@ def hf_media_reference(ckpt, media_dir, model, eos):
         inputs = processor(text=[text], return_tensors="pt", **media)
         prompt = inputs["input_ids"][0].tolist()
         if kind == "image":
-            sequences, codes, wav, logits = hf_speak(model, eos, **inputs)
-            out[kind] = (prompt, sequences[0, len(prompt):].tolist(), codes, wav,
-                         first_near_tie(logits, codes, model))
+            speech = hf_speak(model, eos, **inputs)
+            out[kind] = (prompt, speech.sequences[0, len(prompt):].tolist(), speech.codes,
+                         speech.waveform, first_near_tie(speech.code_logits, speech.codes,
+                                                         model, "float32"))
         else:
             with torch.no_grad():
                 sequences = model.thinker.generate(**inputs, max_new_tokens=12,
@@ -243,29 +297,45 @@ def hf_media_reference(ckpt, media_dir, model, eos):
     return out
 
 
-#: A code-0 choice whose two best logits (HF's) are closer than this may flip under float32
-#: rounding differences between vLLM's kernels and HF's (observed: a flip at 1.6e-4).
-NEAR_TIE = 1e-3
-#: The same for codes 1-15, the code predictor's: its logits are an order of magnitude
-#: closer together on the tiny checkpoint (top-two gaps around 1e-3; observed: a flip at
-#: 1.3e-6, none at 2.9e-4).
-NEAR_TIE_RESIDUAL = 1e-4
+class NearTie(NamedTuple):
+    """Top-two logit gaps (HF's) under which a greedy choice may flip between vLLM's
+    kernels and HF's, for one dtype: the most by which a served choice may trail HF's
+    own (:func:`agreement`)."""
+
+    thinker: float  #: the thinker's tokens
+    code0: float  #: code 0 (the talker's codec head)
+    residual: float  #: codes 1-15 (the code predictor's heads)
 
 
-def first_near_tie(logits, codes, model) -> int:
-    """The first frame one of whose 16 codes HF chose by less than :data:`NEAR_TIE`
-    (code 0) or :data:`NEAR_TIE_RESIDUAL` (codes 1-15), else the frame count; ``logits``
-    as :func:`hf_speak` returns them."""
+#: Per dtype the served model runs in. float32: a code-0 flip was observed at a gap of
+#: 1.6e-4; the code predictor's gaps are an order of magnitude smaller on the tiny
+#: checkpoint (top-two gaps around 1e-3; a flip at 1.3e-6, none at 2.9e-4). bfloat16: a
+#: logit of the tiny checkpoint (|x| < 2) is a multiple of bfloat16's step there, 2^-8
+#: or 2^-7; vLLM's CPU build and HF differed by at most one step for the thinker
+#: (3.9e-3) and code 0 and two for codes 1-15 (7.8e-3; AVX-512 BF16, vLLM 0.32):
+#: 3e-2 leaves room for about four.
+NEAR_TIES = {
+    "float32": NearTie(thinker=1e-3, code0=1e-3, residual=1e-4),
+    "bfloat16": NearTie(thinker=3e-2, code0=3e-2, residual=3e-2),
+}
+
+
+def _gap(values) -> float:
+    top = values.topk(2).values
+    return float(top[0] - top[1])
+
+
+def first_near_tie(logits, codes, model, dtype: str) -> int:
+    """The first frame one of whose 16 codes HF chose by a gap under :data:`NEAR_TIES`'s
+    for ``dtype``, else the frame count; ``logits`` as :class:`HFSpeech` holds them."""
     from vllm_omni_plugin.models.qwen3_omni.talker_inputs import talker_logits_mask
 
-    mask = talker_logits_mask(model.config)
+    ties, mask = NEAR_TIES[dtype], talker_logits_mask(model.config)
     for frame in range(codes.shape[0]):
-        for group, per_frame in enumerate(logits):
-            values = per_frame[frame] if group else per_frame[frame].masked_fill(
-                mask, float("-inf"))
-            top = values.topk(2).values
-            if float(top[0] - top[1]) < (NEAR_TIE_RESIDUAL if group else NEAR_TIE):
-                return frame
+        if _gap(logits[0][frame].masked_fill(mask, float("-inf"))) < ties.code0:
+            return frame
+        if any(_gap(per_frame[frame]) < ties.residual for per_frame in logits[1:]):
+            return frame
     return codes.shape[0]
 
 
@@ -299,3 +369,81 @@ def assert_served_equal_hf(report, served, reference):
                                            rtol=0, atol=WAVEFORM_ATOL)
 
 
+#: code2wav's samples per code frame (24 kHz at 12.5 frames/s)
+SAMPLES_PER_FRAME = 1920
+
+
+class Agreement(NamedTuple):
+    """How a served answer compares with HF teacher-forced along it (:func:`agreement`)."""
+
+    #: greedy choices compared: thinker tokens, code 0 (and the talker's end, where it
+    #: ended before TALKER_FRAMES), codes 1-15
+    choices: int
+    exact: int  #: of them, those that were HF's own (its top logit)
+    #: per kind of choice (``thinker``, ``code0``, ``residual``): the largest gap between
+    #: HF's top logit and its logit of the served choice
+    worst: dict
+    waveform_err: float  #: max |served - HF's decode of the served codes|
+    problem: str  #: what is out of tolerance; empty when nothing is
+
+
+def _penalized(values, previous, penalty: float):
+    """``values`` after HF's repetition penalty over the ids ``previous`` (HF's
+    ``RepetitionPenaltyLogitsProcessor``: a logit below 0 times ``penalty``, else over)."""
+    import torch
+
+    values = values.clone()
+    if len(previous):
+        ids = torch.as_tensor(sorted(set(int(i) for i in previous)))
+        picked = values[ids]
+        values[ids] = torch.where(picked < 0, picked * penalty, picked / penalty)
+    return values
+
+
+def agreement(tokens, codes, waveform, forced: HFSpeech, model, dtype: str,
+              waveform_atol: float) -> Agreement:
+    """Compare a served answer (thinker ``tokens``, ``codes`` [T, 16], ``waveform``) with
+    HF teacher-forced along it (``forced``: :func:`hf_speak` with ``force=(tokens,
+    codes)``, on ``model`` in ``dtype``). Every greedy choice the pipeline made must be
+    HF's, or trail HF's top logit (after HF's code-0 mask and repetition penalty) by
+    less than :data:`NEAR_TIES`'s gap for ``dtype``: a near-tie that rounding may flip.
+    The waveform must be HF's decode of the same codes within ``waveform_atol``."""
+    from vllm_omni_plugin.models.qwen3_omni.talker_inputs import talker_logits_mask
+
+    ties, mask = NEAR_TIES[dtype], talker_logits_mask(model.config)
+    codec_eos = model.config.talker_config.codec_eos_token_id
+    gaps = {"thinker": [], "code0": [], "residual": []}
+    # lengths may differ: a problem of its own below
+    for values, token in zip(forced.thinker_logits, tokens, strict=False):
+        gaps["thinker"].append(float(values.max() - values[token]))
+    # the talker's end (codec EOS) is a choice where it stopped before TALKER_FRAMES
+    ends = len(codes) < TALKER_FRAMES
+    for t, values in enumerate(forced.code_logits[0][:len(codes) + ends]):
+        values = _penalized(values.masked_fill(mask, float("-inf")), codes[:t, 0],
+                            TALKER_REPETITION_PENALTY)
+        served = int(codes[t, 0]) if t < len(codes) else codec_eos
+        gaps["code0"].append(float(values.max() - values[served]))
+    for group, per_frame in enumerate(forced.code_logits[1:], start=1):
+        for t, values in enumerate(per_frame):
+            gaps["residual"].append(float(values.max() - values[int(codes[t, group])]))
+    problems = []
+    if len(forced.thinker_logits) != len(tokens):
+        problems.append(f"HF forced along {len(tokens)} thinker tokens made "
+                        f"{len(forced.thinker_logits)} choices")
+    if forced.codes.shape != codes.shape or (forced.codes != codes).any():
+        problems.append(f"HF forced along codes {codes.shape} decoded {forced.codes.shape}")
+    for kind, values in gaps.items():
+        tolerance = getattr(ties, kind)
+        if over := [(i, round(gap, 5)) for i, gap in enumerate(values) if gap > tolerance]:
+            problems.append(f"{kind} choices trail HF's by more than {tolerance:g} "
+                            f"(index, gap): {over[:3]}")
+    err = float("inf")
+    if waveform.shape == forced.waveform.shape:
+        err = float(np.abs(waveform - forced.waveform).max()) if waveform.size else 0.0
+    if err > waveform_atol:
+        problems.append(f"waveform differs from HF's decode by {err:.2e} "
+                        f"(shapes {waveform.shape}, {forced.waveform.shape})")
+    every = [gap for values in gaps.values() for gap in values]
+    return Agreement(len(every), sum(gap <= 0 for gap in every),
+                     {kind: max(values, default=0.0) for kind, values in gaps.items()}, err,
+                     "; ".join(problems))

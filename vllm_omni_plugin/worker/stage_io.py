@@ -13,7 +13,10 @@ A request sent by the orchestrator names payload keys in its
   store the rows of the positions it fed (``[n, ...]`` per tensor, the model's
   :meth:`stage_output_rows`; the first chunk also carries the model's per-request
   :meth:`stage_output_once` tensors) and whatever the model produced for that request in
-  the step (its :meth:`stage_output_requests`).
+  the step (its :meth:`stage_output_requests`). With tensor or pipeline parallelism only
+  one worker publishes (TP rank 0 of the last PP rank), after the forward: these methods
+  run on that rank alone and must not call a collective (a TP layer's forward, say),
+  which would wait for ranks that never join it.
 
 A request whose keys are malformed, whose input cannot be read, or whose publishing (or
 model code) fails, is *failed*: the failure is recorded under its failure key (the

@@ -1,18 +1,20 @@
 """Drive a real OmniEngineClient (three EngineCores on vLLM's worker and model runner)
 in one process and report what each scenario observed as JSON on the last stdout line.
 
-Usage: python omni_pipeline.py CKPT YAML OUT_DIR SCENARIO [SCENARIO ...]
-Scenarios: parity (each of :data:`PROMPTS` alone, with audio and text-only, then
-:data:`CONCURRENT` requests
-cycling through them at once; codes and waveforms saved to OUT_DIR/served.npz as
-``{solo,concurrent}_{codes,waveform}_{i}``), streamed (the parity requests as the
-API layer streams them: the talker fed while the thinker runs, code2wav in chunks;
-saved as ``streamed_{solo,concurrent}_...`` alike, and per talker task whether it got a
-growing input), media (one request per file in
+Usage: python omni_pipeline.py [--dtype DTYPE] [--gpu-memory-utilization F] CKPT YAML
+OUT_DIR SCENARIO [SCENARIO ...]
+
+The report always holds ``settings``: per stage, what vLLM chose for its engine
+(:func:`engine_settings`). Scenarios: parity (each of :data:`PROMPTS` alone, with audio
+and text-only, then :data:`CONCURRENT` requests cycling through them at once; codes and
+waveforms saved to OUT_DIR/served.npz as ``{solo,concurrent}_{codes,waveform}_{i}``),
+streamed (the parity requests as the API layer streams them: the talker fed while the
+thinker runs, code2wav in chunks; saved as ``streamed_{solo,concurrent}_...`` alike,
+and per talker task whether it got a growing input), media (one request per file in
 OUT_DIR/media: ``image.png``, ``audio.wav``; the user turn is the medium then
 :data:`MEDIA_TEXT`; codes and waveforms saved to OUT_DIR/media.npz as
-``{image,audio}_{codes,waveform}``), cancel (client disconnect while the talker
-engine holds the request), abort (explicit abort(), likewise).
+``{image,audio}_{codes,waveform}``), cancel (client disconnect while the talker engine
+holds the request), abort (explicit abort(), likewise).
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import argparse
 import asyncio
 import json
 import os
-import sys
 import time
 
 import numpy as np
@@ -55,7 +56,27 @@ def chat_prompt_ids(tokenizer) -> list[list[int]]:
         add_special_tokens=False).input_ids for text in PROMPTS]
 
 
-async def main(ckpt, yaml_path, out_dir, scenarios):
+def _model_runner(worker) -> str:
+    """The qualified class name of ``worker``'s model runner (run in each worker)."""
+    runner = getattr(worker, "worker", worker).model_runner
+    return f"{type(runner).__module__}.{type(runner).__qualname__}"
+
+
+async def engine_settings(engine) -> dict:
+    """What vLLM chose for a stage engine (an ``AsyncLLM``): its workers' model runner,
+    CUDA graph mode, async scheduling, tensor parallel size and dtype."""
+    config = engine.vllm_config
+    return {
+        "model_runner": sorted(set(await engine.collective_rpc(_model_runner))),
+        "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
+        "async_scheduling": bool(config.scheduler_config.async_scheduling),
+        "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
+        "dtype": str(config.model_config.dtype).removeprefix("torch."),
+    }
+
+
+async def main(ckpt, yaml_path, out_dir, scenarios, dtype="float32",
+               gpu_memory_utilization=0.3):
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.inputs import TokensPrompt
@@ -66,11 +87,15 @@ async def main(ckpt, yaml_path, out_dir, scenarios):
     from vllm_omni_plugin.engine.omni_request import OmniRequest, omni_request_scope
 
     vllm_omni_plugin.register()
+    # engine_settings asks each worker for its model runner by a function (pickled):
+    # vLLM's msgpack frames take one only with this set, before the engines start
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     # gpu_memory_utilization: on vLLM's CPU build, the share of host memory that must be
-    # free at start-up (the KV cache is sized by VLLM_CPU_KVCACHE_SPACE).
-    ns = argparse.Namespace(model=ckpt, dtype="float32", max_model_len=2048,
-                            gpu_memory_utilization=0.3, stage_configs_path=yaml_path,
-                            middleware=[])
+    # free at start-up (the KV cache is sized by VLLM_CPU_KVCACHE_SPACE); on a GPU, each
+    # engine's share of the device.
+    ns = argparse.Namespace(model=ckpt, dtype=dtype, max_model_len=2048,
+                            gpu_memory_utilization=gpu_memory_utilization,
+                            stage_configs_path=yaml_path, middleware=[])
     config = AsyncEngineArgs.from_cli_args(ns).create_engine_config(UsageContext.OPENAI_API_SERVER)
     client = AsyncLLM.from_vllm_config(config)
     report = {"client_class": type(client).__name__}
@@ -131,6 +156,12 @@ async def main(ckpt, yaml_path, out_dir, scenarios):
     orchestrator = client.orchestrator
     talker = orchestrator.pools[1].replicas[0].engine
     try:
+        entry = orchestrator.entry.stage_id
+        report["settings"] = {entry: await engine_settings(client)}
+        for stage_id, pool in sorted(orchestrator.pools.items()):
+            if stage_id != entry:
+                replica = next(iter(pool.replicas.values()))
+                report["settings"][stage_id] = await engine_settings(replica.engine)
         if "streamed" in scenarios:
             report["talker_fed"] = fed = {}
             pool = orchestrator.pools[1]
@@ -223,5 +254,11 @@ def _media(tokenizer, folder) -> dict:
 
 
 if __name__ == "__main__":
-    ckpt, yaml_path, out_dir, *scenarios = sys.argv[1:]
-    asyncio.run(main(ckpt, yaml_path, out_dir, scenarios))
+    parser = argparse.ArgumentParser()
+    parser.add_argument("ckpt")
+    parser.add_argument("yaml_path")
+    parser.add_argument("out_dir")
+    parser.add_argument("scenarios", nargs="+")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    asyncio.run(main(**vars(parser.parse_args())))

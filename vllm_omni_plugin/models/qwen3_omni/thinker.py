@@ -72,6 +72,7 @@ class Qwen3OmniThinkerStage(Qwen3OmniMoeThinkerForConditionalGeneration):
         self._rows = {"embed": torch.zeros(rows, width, dtype=dtype),
                       "hidden": torch.zeros(rows, width, dtype=dtype),
                       "positions": torch.zeros(rows, 3, dtype=torch.int64)}
+        self._tts_embed: torch.Tensor | None = None  # set by load_weights
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None,
                 **kwargs):
@@ -93,8 +94,23 @@ class Qwen3OmniThinkerStage(Qwen3OmniMoeThinkerForConditionalGeneration):
         are the step's (the same tensors every step)."""
         return self._rows
 
+    def load_weights(self, weights):
+        """vLLM's weight loading, then :meth:`stage_output_once`'s ``tts_embed``: on every
+        tensor-parallel rank, since the vocabulary-parallel embedding's forward all-reduces
+        over them and only one rank publishes (a lookup there alone hung TP 2)."""
+        loaded = super().load_weights(weights)
+        self._tts_embed = self._tts_rows()
+        return loaded
+
+    @torch.no_grad()
+    def _tts_rows(self) -> torch.Tensor:
+        return tts_token_embeds_from(self.get_language_model().model.embed_tokens,
+                                     self._omni_config)
+
     def stage_output_once(self) -> dict[str, torch.Tensor]:
         """Per-request outputs, published with a request's first chunk:
-        ``tts_embed`` ``[3, hidden]``."""
-        embed = self.get_language_model().model.embed_tokens
-        return {"tts_embed": tts_token_embeds_from(embed, self._omni_config)}
+        ``tts_embed`` ``[3, hidden]``, computed when the weights were loaded (here, on
+        the first call, where vLLM loaded none: ``--load-format dummy``)."""
+        if self._tts_embed is None:
+            self._tts_embed = self._tts_rows()
+        return {"tts_embed": self._tts_embed}

@@ -1,0 +1,73 @@
+"""``scripts/gpu_check.sh``'s dry run on vLLM's CPU build (``python -m
+plugin_tests.gpu_check --cpu``) in the cases this host can run: the thinker on tensor
+parallelism 2 (two worker processes, one core each) and the whole pipeline in bfloat16
+(where the CPU computes in it: AVX-512 BF16 or AMX). Every answer of the parity requests
+(alone and 8 at once) is compared with HF transformers teacher-forced along it
+(``pipeline_reference.agreement``). The float32 pipeline's parity is
+test_pipeline_engine.py's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from plugin_tests.conftest import PYTHON, REPO
+from plugin_tests.engine.pipeline_reference import ENGINE_TIMEOUT_S, NEAR_TIES, TALKER_FRAMES
+from plugin_tests.helpers import run_process_group
+
+pytestmark = pytest.mark.engine
+
+#: the parity scenario's answers: each prompt alone, then 8 at once
+ANSWERS = 4 + 8
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory) -> tuple[dict, str]:
+    """``(results, report)``: the dry run's JSON results and its printed report."""
+    out = tmp_path_factory.mktemp("gpu-check")
+    proc = run_process_group(
+        [PYTHON, "-m", "plugin_tests.gpu_check", "--cpu", "--cases", "tp2", "bf16",
+         "--scenarios", "parity", "--json", str(out / "results.json"), "--out", str(out)],
+        timeout=2 * ENGINE_TIMEOUT_S, cwd=REPO, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-6000:]}"
+    return json.loads((out / "results.json").read_text()), proc.stdout
+
+
+def _assert_agree(result: dict) -> None:
+    assert result["answers"] == ANSWERS and result["agreed"] == ANSWERS, result["problems"]
+    # every thinker token and every code of every frame was compared (at least 24
+    # frames of 16 codes an answer, and the thinker's tokens)
+    assert result["choices"] >= ANSWERS * TALKER_FRAMES * 16, result
+
+
+def test_a_tp2_thinker_speaks_as_hf(dry_run):
+    """The thinker on two TP ranks (one publishes): every choice is HF's own, in
+    float32. Before the fix its worker hung on the first audio request (the publishing
+    rank alone ran the vocabulary-parallel embedding's all-reduce)."""
+    results, report = dry_run
+    result = results["tp2"]
+    assert result["settings"]["0"]["tensor_parallel_size"] == 2
+    assert [s["tensor_parallel_size"] for k, s in result["settings"].items() if k != "0"] \
+        == [1, 1]
+    _assert_agree(result)
+    assert result["exact"] == result["choices"], result["worst"]
+    assert "tp2   ok" in report
+
+
+def test_a_bf16_pipeline_speaks_as_hf_within_bf16_rounding(dry_run):
+    """Every stage in bfloat16: each choice is HF's own (bfloat16 too) or trails it by
+    less than bfloat16's near-tie gap; the waveform is HF's decode of the same codes
+    within bfloat16's rounding."""
+    results, report = dry_run
+    result = results["bf16"]
+    if "skipped" in result:
+        pytest.skip(f"bf16 case: {result['skipped']}")
+    assert {s["dtype"] for s in result["settings"].values()} == {"bfloat16"}
+    _assert_agree(result)
+    ties = NEAR_TIES["bfloat16"]
+    assert all(result["worst"][kind] <= getattr(ties, kind) for kind in ties._fields)
+    assert result["exact"] >= 0.9 * result["choices"], result  # most choices are HF's
+    assert "bf16  ok" in report
