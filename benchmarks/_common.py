@@ -24,6 +24,8 @@ import urllib.request
 import wave
 from pathlib import Path
 
+from vllm_omni_plugin.config.pipelines import builtin_pipeline
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -386,7 +388,7 @@ def audio_pipeline_serve(args, tmp: Path) -> tuple[Path, list[str], dict, str]:
         ("first_chunk_size", "stream_first_chunk"))}
     streaming = {k: v for k, v in streaming.items() if v is not None}
     after = getattr(args, "talker_after_thinker", False)
-    yaml_path = write_short_talker_yaml(REPO / "stage_configs" / "qwen3_omni_moe.yaml",
+    yaml_path = write_short_talker_yaml(Path(builtin_pipeline("qwen3_omni_moe")),
                                         tmp / "pipeline.yaml", args.talker_frames, streaming,
                                         stream_input=False if after else None,
                                         devices=getattr(args, "stage_devices", None))

@@ -1,6 +1,6 @@
 """Audio chat throughput of the pipeline at several concurrencies, side by side in one run.
 
-One ``vllm serve CKPT --stage-configs-path stage_configs/qwen3_omni_moe.yaml`` on the
+One ``vllm serve CKPT --stage-configs-path qwen3_omni_moe`` on the
 tiny Qwen3-Omni checkpoint (every stage on vLLM's worker and model runner), with the
 talker's codec-frame budget set to ``--talker-frames`` (a copy of the YAML). Each chat
 asks for text and audio (``modalities: ["text", "audio"]``, greedy, ``max_tokens``

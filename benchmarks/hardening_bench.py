@@ -38,7 +38,6 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
-    REPO,
     Server,
     engine_core_pid,
     free_port,
@@ -50,7 +49,9 @@ from _common import (  # noqa: E402
     wait_health,
 )
 
-YAML = REPO / "stage_configs" / "qwen3_omni_moe.yaml"
+from vllm_omni_plugin.config.pipelines import builtin_pipeline  # noqa: E402
+
+YAML = Path(builtin_pipeline("qwen3_omni_moe"))
 
 
 def rss_mib(pid: int) -> float:

@@ -1,8 +1,8 @@
 """Images per second of BAGEL text to image (``POST /v1/images/generations``) at several
 concurrencies, with 1 vs 2 DiT replicas, side by side in one run.
 
-One ``vllm serve`` of the tiny BAGEL checkpoint per replica count, with
-``stage_configs/bagel.yaml`` and the DiT stage's ``runtime.num_replicas`` set (local
+One ``vllm serve`` of the tiny BAGEL checkpoint per replica count, with the built-in
+pipeline ``bagel`` and the DiT stage's ``runtime.num_replicas`` set (local
 replicas in the head, least-queue-length routing). vLLM's CPU build binds every engine's
 threads to the same cores unless told otherwise, so replicas on one host share them;
 with ``--pin-cores`` each DiT replica is a headless ``vllm serve --headless --stage-id
@@ -46,7 +46,9 @@ from _common import (  # noqa: E402
     wait_health,
 )
 
-YAML = REPO / "stage_configs" / "bagel.yaml"
+from vllm_omni_plugin.config.pipelines import builtin_pipeline  # noqa: E402
+
+YAML = Path(builtin_pipeline("bagel"))
 
 
 def write_yaml(path: Path, replicas: int) -> Path:

@@ -29,9 +29,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import REPO, fmt, make_checkpoint, median, table  # noqa: E402
+from _common import fmt, make_checkpoint, median, table  # noqa: E402
 
-YAML = REPO / "stage_configs" / "qwen3_omni_moe.yaml"
+from vllm_omni_plugin.config.pipelines import builtin_pipeline  # noqa: E402
+
+YAML = Path(builtin_pipeline("qwen3_omni_moe"))
 
 
 def main() -> int:

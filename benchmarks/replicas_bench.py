@@ -43,7 +43,6 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
-    REPO,
     Server,
     free_port,
     install_sigterm_as_interrupt,
@@ -54,7 +53,9 @@ from _common import (  # noqa: E402
     wait_health,
 )
 
-YAML = REPO / "stage_configs" / "qwen3_omni_moe.yaml"
+from vllm_omni_plugin.config.pipelines import builtin_pipeline  # noqa: E402
+
+YAML = Path(builtin_pipeline("qwen3_omni_moe"))
 
 
 def write_yaml(path: Path, args, talker_replicas: int) -> Path:

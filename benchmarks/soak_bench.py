@@ -1,7 +1,7 @@
 """A soak: mixed load against one server for a long time; per minute, the answers by
 status, the API server's and the engines' resident memory, and the payload store's files.
 
-One ``vllm serve CKPT --stage-configs-path stage_configs/qwen3_omni_moe.yaml`` on the
+One ``vllm serve CKPT --stage-configs-path qwen3_omni_moe`` on the
 tiny Qwen3-Omni checkpoint (the talker capped at ``--talker-frames`` frames), its payload
 store in a directory of its own (``VLLM_OMNI_PLUGIN_PAYLOAD_DIR``). ``--clients``
 clients send requests back to back for ``--minutes`` minutes, each cycling through the

@@ -2,7 +2,7 @@
 (``stream: true``, audio as ``delta.audio``) vs not, at several concurrencies, side by
 side in one run on one server.
 
-One ``vllm serve CKPT --stage-configs-path stage_configs/qwen3_omni_moe.yaml`` on the
+One ``vllm serve CKPT --stage-configs-path qwen3_omni_moe`` on the
 tiny Qwen3-Omni checkpoint, the talker's codec-frame budget set to ``--talker-frames``
 and code2wav's ``streaming`` as in the YAML unless ``--stream-chunk``,
 ``--stream-first-chunk`` or ``--stream-left-context`` say otherwise (streamed requests

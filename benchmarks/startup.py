@@ -27,7 +27,7 @@ On vLLM's CPU build every server gets ``--gpu-memory-utilization 0.3`` and
 ``VLLM_CPU_KVCACHE_SPACE=1`` (unless set).
 
 The talker's codec-frame budget comes from the YAML (2048 in
-``stage_configs/qwen3_omni_moe.yaml``; on CPU that makes the first request
+``vllm_omni_plugin/stage_configs/qwen3_omni_moe.yaml``; on CPU that makes the first request
 take minutes), so by default the script serves a temporary copy of the YAML
 with stage 1 ``default_sampling_params.max_tokens`` set to
 ``--talker-max-tokens`` (16).
@@ -56,7 +56,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
-    REPO,
     Server,
     engine_core_pid,
     fmt,
@@ -72,7 +71,9 @@ from _common import (  # noqa: E402
     write_short_talker_yaml,
 )
 
-DEFAULT_YAML = REPO / "stage_configs" / "qwen3_omni_moe.yaml"
+from vllm_omni_plugin.config.pipelines import builtin_pipeline  # noqa: E402
+
+DEFAULT_YAML = Path(builtin_pipeline("qwen3_omni_moe"))
 
 RE_ENGINE_READY = re.compile(r"stage (\d+) \(([^)]*)\) engine ready in ([\d.]+) s")
 RE_OMNI_WORKER = re.compile(r"\((?:EngineCore\S*|\w+) pid=(\d+)\).*stage (\d+): OmniWorker \(")

@@ -1,7 +1,7 @@
 """The talker's time per frame in a streamed chat with a long user turn vs a short one:
 what the talker's input costs it per step as the thinker's output grows.
 
-One ``vllm serve CKPT --stage-configs-path stage_configs/qwen3_omni_moe.yaml`` on the
+One ``vllm serve CKPT --stage-configs-path qwen3_omni_moe`` on the
 tiny Qwen3-Omni checkpoint (``--max-model-len`` large enough for the long turn), the
 talker capped at ``--talker-frames`` frames. Each chat streams text and ``pcm16``
 audio: the talker is fed the thinker's output while the thinker runs (the YAML's

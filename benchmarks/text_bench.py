@@ -4,7 +4,7 @@ Both servers serve the same tiny Qwen3-Omni checkpoint on the same vLLM build:
 
 * **plain**: ``vllm serve CKPT`` with the plugin switched off (``VLLM_PLUGINS=none``):
   vLLM's own ``Qwen3OmniMoeThinkerForConditionalGeneration`` on vLLM's worker;
-* **plugin**: ``vllm serve CKPT --stage-configs-path stage_configs/qwen3_omni_moe.yaml``:
+* **plugin**: ``vllm serve CKPT --stage-configs-path qwen3_omni_moe``:
   the thinker stage (vLLM's class, extended, on the plugin's ``OmniWorker``) answering
   text, with the talker and code2wav engines started and idle.
 
@@ -38,7 +38,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
-    REPO,
     Server,
     chat_load,
     fmt,
@@ -51,7 +50,9 @@ from _common import (  # noqa: E402
     wait_health,
 )
 
-YAML = REPO / "stage_configs" / "qwen3_omni_moe.yaml"
+from vllm_omni_plugin.config.pipelines import builtin_pipeline  # noqa: E402
+
+YAML = Path(builtin_pipeline("qwen3_omni_moe"))
 IDLE_S = 2.0
 COMMON = ["--max-model-len", "2048", "--dtype", "float32", "--gpu-memory-utilization", "0.3"]
 

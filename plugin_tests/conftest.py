@@ -9,10 +9,12 @@ import time
 
 import pytest
 
+from vllm_omni_plugin.config.pipelines import builtin_pipeline
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-QWEN3_OMNI_YAML = os.path.join(REPO, "stage_configs", "qwen3_omni_moe.yaml")
-QWEN3_OMNI_PD_YAML = os.path.join(REPO, "stage_configs", "qwen3_omni_moe_pd.yaml")
-BAGEL_YAML = os.path.join(REPO, "stage_configs", "bagel.yaml")
+QWEN3_OMNI_YAML = builtin_pipeline("qwen3_omni_moe")
+QWEN3_OMNI_PD_YAML = builtin_pipeline("qwen3_omni_moe_pd")
+BAGEL_YAML = builtin_pipeline("bagel")
 #: what the official BAGEL code computed on the tiny BAGEL checkpoint (seed 0), written
 #: by scripts/bagel_reference.sh
 BAGEL_REFERENCE = os.path.join(REPO, "plugin_tests", "fixtures", "bagel_reference")

@@ -4,7 +4,7 @@ the same device: what a maintainer with a GPU and PyPI's ``vllm`` runs
 (CI runs it: ``plugin_tests/engine/test_gpu_check.py``).
 
 Each case is one run of the engine script ``plugin_tests/engine/scripts/omni_pipeline.py``
-(the shipped ``stage_configs/qwen3_omni_moe.yaml``, three EngineCores, the tiny
+(the shipped ``vllm_omni_plugin/stage_configs/qwen3_omni_moe.yaml``, three EngineCores, the tiny
 checkpoint; the talker at :data:`~plugin_tests.engine.pipeline_reference.TALKER_FRAMES`
 frames) with nothing set that vLLM's defaults decide: on a GPU the thinker runs on the
 V2 model runner with CUDA graphs and async scheduling, the talker and code2wav eager as

@@ -17,7 +17,7 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
   export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
   extra=(--gpu-memory-utilization 0.3)
 fi
-"$VENV/bin/vllm" serve "$CKPT" --stage-configs-path stage_configs/qwen3_omni_moe.yaml \
+"$VENV/bin/vllm" serve "$CKPT" --stage-configs-path qwen3_omni_moe \
   --port "$PORT" --max-model-len 2048 --dtype float32 "${extra[@]}" > /tmp/vllm-omni-quickstart.log 2>&1 &
 echo $! > /tmp/vllm-omni-quickstart.pid
 echo "[quickstart] vllm serve started (pid $(cat /tmp/vllm-omni-quickstart.pid)), log: /tmp/vllm-omni-quickstart.log"

@@ -17,6 +17,7 @@ import pytest
 from plugin_tests.cli.children import Environments
 from plugin_tests.conftest import QWEN3_OMNI_YAML
 from plugin_tests.env_utils import FAKE_VLLM, shadow_vllm_version
+from vllm_omni_plugin.config.pipelines import builtin_pipelines
 
 pytestmark = pytest.mark.cli
 
@@ -39,16 +40,17 @@ result = {
   "platform": type(current_platform).__name__}
 """}
 
-#: The serve flags' hand-off to the engine arguments of the entry stage.
-_OMNI_FLAGS = {"name": "omni-flags", "code": f"""
+#: The serve flags' hand-off to the engine arguments of the entry stage, the pipeline
+#: named as a built-in one.
+_OMNI_FLAGS = {"name": "omni-flags", "code": """
 import argparse
 import vllm_omni_plugin
 from vllm.engine.arg_utils import AsyncEngineArgs
 vllm_omni_plugin.register()
-ns = argparse.Namespace(model="m", stage_configs_path={QWEN3_OMNI_YAML!r}, middleware=[])
+ns = argparse.Namespace(model="m", stage_configs_path="qwen3_omni_moe", middleware=[])
 args = AsyncEngineArgs.from_cli_args(ns)
-result = {{"extra": args.additional_config, "hf": args.hf_overrides,
-          "middleware": ns.middleware}}
+result = {"extra": args.additional_config, "hf": args.hf_overrides,
+          "middleware": ns.middleware}
 """}
 
 
@@ -104,9 +106,13 @@ def test_vllm_plugins_filter_keeps_plugin_out(envs):
 
 
 def test_vllm_discovers_plugin_and_adds_omni_group(envs):
-    """`vllm serve --help=Omni`: vLLM's CLI loads the entry point and shows the group."""
+    """`vllm serve --help=Omni`: vLLM's CLI loads the entry point and shows the group,
+    the built-in pipelines' names among its help."""
     out = _help(envs, "plugins-omni", "Omni")
     assert "--stage-configs-path" in out.stdout and "Switches on omni mode" in out.stdout
+    names = builtin_pipelines()
+    assert {"qwen3_omni_moe", "qwen3_omni_moe_pd", "bagel", "bagel_replicated"} <= set(names)
+    assert all(name in out.stdout for name in names)
 
 
 def test_vllm_plugins_env_switches_plugin_off(envs):
@@ -145,6 +151,7 @@ def test_out_of_range_override_registers_anyway(envs):
 
 
 def test_omni_flags_reach_additional_config(envs):
+    """The pipeline named by its built-in name is the package's YAML."""
     out = envs["plugins-unset"].steps["omni-flags"]
     assert out.rc == 0, out.stderr[-3000:]
     result = out.result

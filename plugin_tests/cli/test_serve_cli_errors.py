@@ -45,6 +45,12 @@ BAD_FLAGS = {
     "bad-policy": (["--omni-lb-policy", "fastest"], "invalid choice: 'fastest'"),
     "bad-admission-timeout": (["--omni-admission-timeout", "-1"],
                               "--omni-admission-timeout must be >= 0"),
+    "unknown-pipeline": (["--stage-configs-path", "qwen3_omni"],
+                         "'qwen3_omni' is neither a file nor a built-in pipeline (did you "
+                         "mean 'qwen3_omni_moe'"),
+    # the served model (the test's work directory) has no config.json
+    "auto-without-model-type": (["--stage-configs-path", "auto"],
+                                "has no config.json with a model_type; name a pipeline"),
 }
 
 #: The cases that run as a `vllm serve` process of their own: one through the head's

@@ -1,4 +1,4 @@
-"""BAGEL scenarios B and C with real processes (`stage_configs/bagel_replicated.yaml`):
+"""BAGEL scenarios B and C with real processes (the built-in pipeline `bagel_replicated`):
 the head `vllm serve` runs the AR stage's first replica (its own engine), a headless
 `vllm serve --headless --stage-id 0` a second AR replica, and two headless
 `vllm serve --headless --stage-id 1` processes one DiT replica each.
@@ -19,8 +19,8 @@ import threading
 import pytest
 import requests
 
-from plugin_tests.conftest import REPO
 from plugin_tests.serve_utils import ServeProcess, free_port
+from vllm_omni_plugin.config.pipelines import builtin_pipeline
 
 pytestmark = pytest.mark.e2e
 
@@ -34,7 +34,7 @@ WAIT_TIMEOUT = 5.0
 @pytest.fixture(scope="module")
 def cluster(tiny_bagel, tmp_path_factory):
     root = tmp_path_factory.mktemp("bagel_replicas")
-    yaml_path = f"{REPO}/stage_configs/bagel_replicated.yaml"
+    yaml_path = builtin_pipeline("bagel_replicated")
     master_port = free_port()
     common = [tiny_bagel, "--stage-configs-path", yaml_path, "--dtype", "float32",
               "--max-model-len", "512", "-oma", "127.0.0.1", "-omp", str(master_port)]

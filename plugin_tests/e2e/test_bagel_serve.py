@@ -1,5 +1,5 @@
 """End to end: a real ``vllm serve`` of the tiny BAGEL checkpoint with
-``stage_configs/bagel.yaml`` (vLLM's BAGEL as the AR stage, the plugin's DiT stage),
+the built-in pipeline ``bagel`` (vLLM's BAGEL as the AR stage, the plugin's DiT stage),
 driven with the official ``openai`` SDK: text to image (``/v1/images/generations``),
 image understanding, and bad requests."""
 

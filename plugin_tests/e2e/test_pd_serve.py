@@ -1,5 +1,5 @@
 """End to end with prefill/decode disaggregation: a real `vllm serve` of
-``stage_configs/qwen3_omni_moe_pd.yaml`` (the thinker's prefill engine, the entry engine
+the built-in pipeline ``qwen3_omni_moe_pd`` (the thinker's prefill engine, the entry engine
 pulling each prompt's KV cache from it through OmniMooncakeConnector over TCP, talker,
 code2wav) answering chats through the official ``openai`` SDK.
 

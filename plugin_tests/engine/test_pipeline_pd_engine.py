@@ -1,5 +1,5 @@
-"""The Qwen3-Omni pipeline with prefill/decode disaggregation (stage_configs/
-qwen3_omni_moe_pd.yaml) and a tight talker engine, driven in-process through
+"""The Qwen3-Omni pipeline with prefill/decode disaggregation (the built-in pipeline
+``qwen3_omni_moe_pd``) and a tight talker engine, driven in-process through
 OmniEngineClient: thinker tokens, codec codes and waveforms equal HF's, with the
 thinker's KV cache pulled from the prefill engine and the talker chunked and preempted.
 
@@ -43,8 +43,8 @@ TIGHT_TALKER = {"max_num_batched_tokens": 16, "max_num_seqs": 8, "block_size": 3
 
 @pytest.fixture(scope="module")
 def tight_run(tiny_qwen3_omni, tmp_path_factory):
-    """One run of the parity scenario on the PD pipeline (stage_configs/
-    qwen3_omni_moe_pd.yaml; the shipped one where the `pd` extra is not installed) with
+    """One run of the parity scenario on the PD pipeline (built-in ``qwen3_omni_moe_pd``;
+    the shipped one where the `pd` extra is not installed) with
     the :data:`TIGHT_TALKER` talker engine: ``(report, OUT_DIR, output)``."""
     out = tmp_path_factory.mktemp("pipeline-tight")
     source = QWEN3_OMNI_PD_YAML if _pd_installed() else QWEN3_OMNI_YAML
@@ -55,7 +55,7 @@ def tight_run(tiny_qwen3_omni, tmp_path_factory):
 
 
 def test_prefill_decode_disaggregation_keeps_parity(tight_run, hf_reference):
-    """The PD pipeline (stage_configs/qwen3_omni_moe_pd.yaml: the thinker's prefill on its
+    """The PD pipeline (built-in ``qwen3_omni_moe_pd``: the thinker's prefill on its
     own engine, KV cache pulled by the entry engine through OmniMooncakeConnector over
     TCP): text-only and text+audio requests, alone and 8 at once, give HF's thinker tokens,
     talker codes and waveform, as without PD; every request went through the prefill

@@ -15,6 +15,7 @@ from vllm_omni_plugin.config import (
     load_pipeline_config,
     parse_pipeline_config,
 )
+from vllm_omni_plugin.config.pipelines import builtin_pipeline
 from vllm_omni_plugin.config.schema import StreamingConfig
 from vllm_omni_plugin.processors import available_processors, get_plugin_manager, hookimpl
 
@@ -75,7 +76,7 @@ def mutate(**stage_updates) -> dict:
 
 
 def test_qwen3_omni_config_loads():
-    cfg = load_pipeline_config(REPO / "stage_configs" / "qwen3_omni_moe.yaml")
+    cfg = load_pipeline_config(builtin_pipeline("qwen3_omni_moe"))
     assert cfg.model_type == "qwen3_omni_moe"
     assert [s.name for s in cfg.topological_order()] == ["thinker", "talker", "code2wav"]
     assert cfg.entry_stage.name == "thinker"
@@ -92,7 +93,7 @@ def test_qwen3_omni_config_loads():
 
 
 def test_qwen3_omni_code2wav_streams_chunks_of_the_talker():
-    cfg = load_pipeline_config(REPO / "stage_configs" / "qwen3_omni_moe.yaml")
+    cfg = load_pipeline_config(builtin_pipeline("qwen3_omni_moe"))
     streaming = cfg.stage(2).streaming
     assert (streaming.chunk_size, streaming.left_context, streaming.first_chunk_size) == (
         25, 25, 5)
@@ -109,7 +110,7 @@ def test_streamed_chunks_grow_from_the_first_chunk_size_to_chunk_size():
 
 
 def test_qwen3_omni_pd_config_loads():
-    cfg = load_pipeline_config(REPO / "stage_configs" / "qwen3_omni_moe_pd.yaml")
+    cfg = load_pipeline_config(builtin_pipeline("qwen3_omni_moe_pd"))
     assert cfg.entry_stage.name == "thinker" and cfg.entry_stage.pd.role == "decode"
     prefill = cfg.prefill_stage_for(0)
     assert prefill.name == "thinker_prefill" and prefill.pd.protocol == "tcp"
@@ -117,7 +118,7 @@ def test_qwen3_omni_pd_config_loads():
     assert [s.name for s in cfg.topological_order()] == ["thinker", "talker", "code2wav"]
     # the same stages as without PD, apart from the pd blocks, the prefill stage and the
     # talker fed while the thinker runs (only without PD)
-    plain = load_pipeline_config(REPO / "stage_configs" / "qwen3_omni_moe.yaml")
+    plain = load_pipeline_config(builtin_pipeline("qwen3_omni_moe"))
     assert plain.stage(1).stream_input and not cfg.stage(1).stream_input
     drop = {"pd", "stream_input"}
     assert [s.model_dump(exclude=drop) for s in cfg.stages if not s.is_prefill] == [
@@ -125,8 +126,8 @@ def test_qwen3_omni_pd_config_loads():
 
 
 def test_bagel_replicated_config_is_bagel_with_headless_dit_replicas():
-    plain = load_pipeline_config(REPO / "stage_configs" / "bagel.yaml")
-    cfg = load_pipeline_config(REPO / "stage_configs" / "bagel_replicated.yaml")
+    plain = load_pipeline_config(builtin_pipeline("bagel"))
+    cfg = load_pipeline_config(builtin_pipeline("bagel_replicated"))
     assert cfg.stage(1).runtime.num_replicas == 0 and plain.stage(1).runtime.num_replicas == 1
     assert [s.model_dump(exclude={"runtime"}) for s in cfg.stages] == [
         s.model_dump(exclude={"runtime"}) for s in plain.stages]

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 
 from vllm_omni_plugin import envs
+from vllm_omni_plugin.config.pipelines import AUTO, builtin_pipelines, resolve_stage_configs
 from vllm_omni_plugin.config.settings import ClusterSettings, OmniSettings
 from vllm_omni_plugin.logger import init_logger
 
@@ -38,10 +39,12 @@ def add_omni_args(parser: argparse.ArgumentParser) -> None:
         "--stage-configs-path",
         type=str,
         default=None,
-        metavar="YAML",
-        help="Stage pipeline definition (YAML; see stage_configs/ in vllm-omni-plugin). "
-        "Switches on omni mode: the served model becomes the pipeline's entry stage and "
-        "the other stages start as their own vLLM engines. Validated before any engine starts.",
+        metavar="PIPELINE",
+        help="Stage pipeline: a YAML file, the name of a built-in pipeline "
+        f"({', '.join(builtin_pipelines())}), or '{AUTO}' (the built-in pipeline named "
+        "after the checkpoint's config.json model_type). Switches on omni mode: the served "
+        "model becomes the pipeline's entry stage and the other stages start as their own "
+        "vLLM engines. Validated before any engine starts.",
     )
     group.add_argument(
         "--stage-id", type=int, default=None, metavar="N",
@@ -122,14 +125,20 @@ FLAG_DEFAULTS = {"stage_id": None, "omni_master_address": _CLUSTER.host,
 def validate_omni_args(args: argparse.Namespace) -> None:
     """Check the omni flags that argparse cannot, and apply the cluster token.
 
-    Missing attributes (a namespace built by hand) get :data:`FLAG_DEFAULTS`.
+    Missing attributes (a namespace built by hand) get :data:`FLAG_DEFAULTS`;
+    ``stage_configs_path`` becomes the path of the YAML it names
+    (:func:`~vllm_omni_plugin.config.pipelines.resolve_stage_configs`).
 
     Raises:
-        ValueError: the message names the flag.
+        ValueError: the message names the flag (a ``StageConfigError`` for
+            ``--stage-configs-path``).
     """
     for name, value in FLAG_DEFAULTS.items():
         if not hasattr(args, name):
             setattr(args, name, value)
+    if getattr(args, "stage_configs_path", None):
+        args.stage_configs_path = resolve_stage_configs(
+            args.stage_configs_path, getattr(args, "model", None), getattr(args, "revision", None))
     if getattr(args, "replica_id", None) is not None:
         logger.warning("--replica-id is deprecated and ignored: the head's omni master "
                        "assigns replica ids")
@@ -276,6 +285,7 @@ def apply_omni_args(args: argparse.Namespace, engine_args) -> None:
     from vllm_omni_plugin.payload_store import default_run_dir
 
     validate_omni_args(args)
+    path = args.stage_configs_path
     pipeline = load_pipeline_config(path)
     entry = pipeline.entry_stage
     if args.stage_id is not None and args.stage_id != entry.stage_id:

@@ -42,14 +42,14 @@ engine failed (the others still run); with ``"probe"`` it also holds ``"probe"``
 from __future__ import annotations
 
 import gc
-import os
 import sys
 import time
 
 from _engines import memory_profile_calls, run_engines
 
-QWEN3_OMNI_YAML = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..",
-                               "stage_configs", "qwen3_omni_moe.yaml")
+from vllm_omni_plugin.config.pipelines import builtin_pipeline
+
+QWEN3_OMNI_YAML = builtin_pipeline("qwen3_omni_moe")
 ARCH = "OmniPluginQwen3OmniCode2Wav"
 STAGE_ID = 2
 

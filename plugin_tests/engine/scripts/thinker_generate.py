@@ -43,16 +43,16 @@ or ``{"error": traceback}`` when that engine failed (the others still run).
 from __future__ import annotations
 
 import gc
-import os
 import sys
 import time
 
 from _engines import run_engines
 
+from vllm_omni_plugin.config.pipelines import builtin_pipeline
+
 #: The pipeline whose thinker stage the engines run (settings only: the worker
 #: reads its stage id and payload directory).
-QWEN3_OMNI_YAML = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..",
-                               "stage_configs", "qwen3_omni_moe.yaml")
+QWEN3_OMNI_YAML = builtin_pipeline("qwen3_omni_moe")
 
 ARCH = "OmniPluginQwen3OmniThinker"
 

@@ -1,0 +1,50 @@
+"""The wheel carries the pipelines: the checkout's wheel (``pip wheel``), installed, not
+editable, into a directory of its own, names every built-in pipeline from a directory
+outside the checkout and loads it, from its own files."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+
+import pytest
+
+from plugin_tests.cli.children import run_command
+from plugin_tests.conftest import PYTHON, REPO
+from vllm_omni_plugin.config.pipelines import builtin_pipelines
+
+pytestmark = pytest.mark.cli
+
+#: run in the installed wheel's directory: where the package and each named pipeline are
+_RESOLVE = """
+import json, vllm_omni_plugin
+from vllm_omni_plugin.config import load_pipeline_config
+from vllm_omni_plugin.config.pipelines import builtin_pipelines, resolve_stage_configs
+paths = {name: resolve_stage_configs(name) for name in builtin_pipelines()}
+print(json.dumps({"package": vllm_omni_plugin.__file__, "paths": paths,
+                  "stages": {n: len(load_pipeline_config(p).stages) for n, p in paths.items()}}))
+"""
+
+
+def test_the_wheel_ships_every_pipeline_and_names_them_when_installed(tmp_path):
+    wheels, site, elsewhere = tmp_path / "wheels", tmp_path / "site", tmp_path / "elsewhere"
+    built = run_command([PYTHON, "-m", "pip", "wheel", "-q", "--no-deps",
+                         "--no-build-isolation", "-w", str(wheels), REPO], tmp_path, "wheel")
+    assert built.rc == 0, built.text[-3000:]
+    (wheel,) = wheels.glob("vllm_omni_plugin-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {f"vllm_omni_plugin/stage_configs/{name}.yaml" for name in builtin_pipelines()} \
+        <= names
+    installed = run_command([PYTHON, "-m", "pip", "install", "-q", "--no-deps", "--target",
+                             str(site), str(wheel)], tmp_path, "install")
+    assert installed.rc == 0, installed.text[-3000:]
+    elsewhere.mkdir()
+    out = run_command(["bash", "-c", f"cd {elsewhere} && exec {PYTHON} -c '{_RESOLVE}'"],
+                      tmp_path, "resolve", env_extra={"PYTHONPATH": str(site)})
+    assert out.rc == 0, out.text[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["package"].startswith(str(site))
+    assert set(got["paths"]) == set(builtin_pipelines())
+    for name, path in got["paths"].items():
+        assert path == f"{site}/vllm_omni_plugin/stage_configs/{name}.yaml"
+        assert got["stages"][name] >= 2
