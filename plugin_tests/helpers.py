@@ -11,6 +11,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import zmq
 
@@ -155,3 +156,42 @@ def served_bagel_config(checkpoint: str):
 
     served = json.loads((Path(checkpoint) / "config.json").read_text())
     return BagelConfig(**{k: v for k, v in served.items() if k != "model_type"})
+
+
+#: what building the wheel reads from the checkout
+WHEEL_SOURCES = ("pyproject.toml", "setup.cfg", "README.md", "vllm_omni_plugin")
+
+
+def installed_wheel(root, timeout: float = 300) -> Path:
+    """Build the checkout's wheel (``pip wheel``, no dependencies; from a copy of
+    :data:`WHEEL_SOURCES` in ``root/src``, so no ``build/`` of an earlier build leaks
+    into it) into ``root/wheels`` and install it, not editable, into ``root/site``
+    (``pip install --target``): a process with ``PYTHONPATH=root/site`` imports the
+    plugin, and vLLM finds its entry point, from the wheel's files. Returns
+    ``root/site``; fails the test with pip's output."""
+    import shutil
+
+    import pytest
+
+    from plugin_tests.conftest import PYTHON, REPO
+
+    root = Path(root)
+    src, wheels, site = root / "src", root / "wheels", root / "site"
+    src.mkdir(parents=True)
+    for name in WHEEL_SOURCES:
+        if os.path.isdir(os.path.join(REPO, name)):
+            shutil.copytree(os.path.join(REPO, name), src / name,
+                            ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(os.path.join(REPO, name), src / name)
+
+    def pip(*args: str) -> None:
+        done = run_process_group([PYTHON, "-m", "pip", *args], timeout=timeout,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if done.returncode != 0:
+            pytest.fail(f"pip {args[0]} exited {done.returncode}:\n{done.stdout[-3000:]}")
+
+    pip("wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(src))
+    (wheel,) = wheels.glob("vllm_omni_plugin-*.whl")
+    pip("install", "-q", "--no-deps", "--target", str(site), str(wheel))
+    return site

@@ -22,10 +22,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serving(model: str, args: list[str], log_path: str, env: dict | None = None):
-    """``vllm serve MODEL ARGS`` up and ready for the block (``.model`` set), stopped
-    after it."""
-    proc = ServeProcess([model, *args], log_path, env=env)
+def serving(model: str, args: list[str], log_path: str, env: dict | None = None,
+            cwd: str | None = None):
+    """``vllm serve MODEL ARGS`` (in ``cwd``) up and ready for the block (``.model``
+    set), stopped after it."""
+    proc = ServeProcess([model, *args], log_path, env=env, cwd=cwd)
     try:
         proc.wait_ready()
         proc.model = model
@@ -41,7 +42,7 @@ class ServeProcess:
     """
 
     def __init__(self, args: list[str], log_path: str, env: dict | None = None,
-                 prefix: list[str] | None = None):
+                 prefix: list[str] | None = None, cwd: str | None = None):
         self.port = free_port()
         self.log_path = log_path
         self.url = f"http://127.0.0.1:{self.port}"
@@ -55,7 +56,7 @@ class ServeProcess:
         self.proc = subprocess.Popen(
             [*(prefix or []), VLLM, "serve", *args, "--host", "127.0.0.1",
              "--port", str(self.port)],
-            stdout=self._log, stderr=subprocess.STDOUT, env=env,
+            stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
             start_new_session=True,
         )
 

@@ -10,7 +10,8 @@ import zipfile
 import pytest
 
 from plugin_tests.cli.children import run_command
-from plugin_tests.conftest import PYTHON, REPO
+from plugin_tests.conftest import PYTHON
+from plugin_tests.helpers import installed_wheel
 from vllm_omni_plugin.config.pipelines import builtin_pipelines
 
 pytestmark = pytest.mark.cli
@@ -27,17 +28,12 @@ print(json.dumps({"package": vllm_omni_plugin.__file__, "paths": paths,
 
 
 def test_the_wheel_ships_every_pipeline_and_names_them_when_installed(tmp_path):
-    wheels, site, elsewhere = tmp_path / "wheels", tmp_path / "site", tmp_path / "elsewhere"
-    built = run_command([PYTHON, "-m", "pip", "wheel", "-q", "--no-deps",
-                         "--no-build-isolation", "-w", str(wheels), REPO], tmp_path, "wheel")
-    assert built.rc == 0, built.text[-3000:]
-    (wheel,) = wheels.glob("vllm_omni_plugin-*.whl")
+    site = installed_wheel(tmp_path)
+    (wheel,) = (tmp_path / "wheels").glob("vllm_omni_plugin-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {f"vllm_omni_plugin/stage_configs/{name}.yaml" for name in builtin_pipelines()} \
         <= names
-    installed = run_command([PYTHON, "-m", "pip", "install", "-q", "--no-deps", "--target",
-                             str(site), str(wheel)], tmp_path, "install")
-    assert installed.rc == 0, installed.text[-3000:]
+    elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     out = run_command(["bash", "-c", f"cd {elsewhere} && exec {PYTHON} -c '{_RESOLVE}'"],
                       tmp_path, "resolve", env_extra={"PYTHONPATH": str(site)})

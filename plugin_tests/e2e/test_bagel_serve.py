@@ -1,19 +1,26 @@
 """End to end: a real ``vllm serve`` of the tiny BAGEL checkpoint with
 the built-in pipeline ``bagel`` (vLLM's BAGEL as the AR stage, the plugin's DiT stage),
 driven with the official ``openai`` SDK: text to image (``/v1/images/generations``),
-image understanding, and bad requests."""
+image understanding, and bad requests.
+
+The server runs the plugin as a user who installed its wheel does: the checkout's
+wheel installed (not editable) into a directory of its own, on ``PYTHONPATH``, the
+pipeline named (``--stage-configs-path bagel``), from a directory outside the checkout
+(``helpers.installed_wheel``)."""
 
 from __future__ import annotations
 
 import base64
 import io
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from plugin_tests.conftest import BAGEL_REFERENCE, BAGEL_YAML
+from plugin_tests.conftest import BAGEL_REFERENCE
+from plugin_tests.helpers import installed_wheel
 from plugin_tests.serve_utils import serving
 
 pytestmark = pytest.mark.e2e
@@ -25,9 +32,21 @@ PIXEL_MEAN_TOL = 3.0
 @pytest.fixture(scope="module")
 def server(tiny_bagel, tmp_path_factory):
     root = tmp_path_factory.mktemp("bagel_e2e")
-    with serving(tiny_bagel, ["--stage-configs-path", BAGEL_YAML, "--max-model-len", "512",
-                              "--dtype", "float32"], str(root / "serve.log")) as proc:
+    site = installed_wheel(root)
+    elsewhere = root / "elsewhere"
+    elsewhere.mkdir()
+    with serving(tiny_bagel, ["--stage-configs-path", "bagel", "--max-model-len", "512",
+                              "--dtype", "float32"], str(root / "serve.log"),
+                 env={**os.environ, "PYTHONPATH": str(site)}, cwd=str(elsewhere)) as proc:
         yield proc
+
+
+def test_the_server_runs_the_installed_wheel(server):
+    """The API server took the plugin, and the pipeline it named, from the wheel's
+    files."""
+    site = Path(server.log_path).parent / "site"
+    assert f"omni mode: pipeline {site}/vllm_omni_plugin/stage_configs/bagel.yaml " \
+        "(stages 0 ar, 1 dit)" in server.log()
 
 
 @pytest.fixture(scope="module")

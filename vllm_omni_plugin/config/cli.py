@@ -287,6 +287,8 @@ def apply_omni_args(args: argparse.Namespace, engine_args) -> None:
     validate_omni_args(args)
     path = args.stage_configs_path
     pipeline = load_pipeline_config(path)
+    logger.info("omni mode: pipeline %s (stages %s)", path,
+                ", ".join(f"{s.stage_id} {s.name}" for s in pipeline.stages))
     entry = pipeline.entry_stage
     if args.stage_id is not None and args.stage_id != entry.stage_id:
         raise ValueError(f"--stage-id {args.stage_id}: without --headless this process "
