@@ -288,7 +288,7 @@ def hf_media_reference(ckpt, media_dir, model, eos):
             speech = hf_speak(model, eos, **inputs)
             out[kind] = (prompt, speech.sequences[0, len(prompt):].tolist(), speech.codes,
                          speech.waveform, first_near_tie(speech.code_logits, speech.codes,
-                                                         model, "float32"))
+                                                         model))
         else:
             with torch.no_grad():
                 sequences = model.thinker.generate(**inputs, max_new_tokens=12,
@@ -325,12 +325,13 @@ def _gap(values) -> float:
     return float(top[0] - top[1])
 
 
-def first_near_tie(logits, codes, model, dtype: str) -> int:
-    """The first frame one of whose 16 codes HF chose by a gap under :data:`NEAR_TIES`'s
-    for ``dtype``, else the frame count; ``logits`` as :class:`HFSpeech` holds them."""
+def first_near_tie(logits, codes, model) -> int:
+    """The first frame one of whose 16 codes HF (in float32) chose by a gap under
+    :data:`NEAR_TIES`'s, else the frame count; ``logits`` as :class:`HFSpeech` holds
+    them."""
     from vllm_omni_plugin.models.qwen3_omni.talker_inputs import talker_logits_mask
 
-    ties, mask = NEAR_TIES[dtype], talker_logits_mask(model.config)
+    ties, mask = NEAR_TIES["float32"], talker_logits_mask(model.config)
     for frame in range(codes.shape[0]):
         if _gap(logits[0][frame].masked_fill(mask, float("-inf"))) < ties.code0:
             return frame
@@ -367,10 +368,6 @@ def assert_served_equal_hf(report, served, reference):
                 np.testing.assert_array_equal(codes, served[f"solo_codes_{i % n}"])
                 np.testing.assert_allclose(wav, served[f"solo_waveform_{i % n}"],
                                            rtol=0, atol=WAVEFORM_ATOL)
-
-
-#: code2wav's samples per code frame (24 kHz at 12.5 frames/s)
-SAMPLES_PER_FRAME = 1920
 
 
 class Agreement(NamedTuple):
