@@ -399,3 +399,24 @@ def audio_pipeline_serve(args, tmp: Path) -> tuple[Path, list[str], dict, str]:
             "--port", str(port), "--stage-configs-path", str(yaml_path)]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     return ckpt, argv, env, f"http://127.0.0.1:{port}"
+
+
+def audio_chat_load(url: str, model: str, requests: int, concurrency: int,
+                    max_tokens: int) -> tuple[float, list[float], list[float]]:
+    """``requests`` text + audio chats (greedy, ``max_tokens`` thinker tokens, prompts
+    differing per request), ``concurrency`` at a time: (requests/s, per-request latencies
+    in s, per-request seconds of speech)."""
+    latencies: list[float] = []
+    speech: list[float] = []
+
+    def body(i):
+        return {"model": model, "max_tokens": max_tokens, "temperature": 0,
+                "modalities": ["text", "audio"],
+                "messages": [{"role": "user", "content": f"request {i}: say something"}]}
+
+    def check(i, answer, latency):
+        latencies.append(latency)
+        speech.append(wav_seconds(answer["choices"][0]["message"]["audio"]["data"]))
+
+    rate = chat_load(url, body, requests, concurrency, check)
+    return rate, latencies, speech

@@ -31,35 +31,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     Server,
     add_audio_chat_args,
+    audio_chat_load,
     audio_pipeline_serve,
-    chat_load,
     fmt,
     install_sigterm_as_interrupt,
     median,
     percentile,
     table,
     wait_health,
-    wav_seconds,
 )
-
-
-def _load(url: str, model: str, requests: int, concurrency: int,
-          max_tokens: int) -> tuple[float, list[float], list[float]]:
-    """(requests/s, per-request latencies in s, per-request seconds of speech)."""
-    latencies: list[float] = []
-    speech: list[float] = []
-
-    def body(i):
-        return {"model": model, "max_tokens": max_tokens, "temperature": 0,
-                "modalities": ["text", "audio"],
-                "messages": [{"role": "user", "content": f"request {i}: say something"}]}
-
-    def check(i, answer, latency):
-        latencies.append(latency)
-        speech.append(wav_seconds(answer["choices"][0]["message"]["audio"]["data"]))
-
-    rate = chat_load(url, body, requests, concurrency, check)
-    return rate, latencies, speech
 
 
 def main() -> int:
@@ -75,12 +55,13 @@ def main() -> int:
         ready = wait_health(server, f"{url}/health", timeout=args.timeout)
         print(f"server ready in {ready:.1f} s (log {tmp / 'serve.log'})", flush=True)
         for c in args.concurrency:  # warm-up
-            _load(url, str(ckpt), 2 * c, c, args.max_tokens)
+            audio_chat_load(url, str(ckpt), 2 * c, c, args.max_tokens)
         for trial in range(args.trials):
             order = args.concurrency[trial % len(args.concurrency):] + \
                 args.concurrency[:trial % len(args.concurrency)]
             for c in order:
-                results[c].append(_load(url, str(ckpt), args.requests, c, args.max_tokens))
+                results[c].append(audio_chat_load(url, str(ckpt), args.requests, c,
+                                                  args.max_tokens))
                 print(f"trial {trial + 1}, c={c}: {results[c][-1][0]:.3f} req/s", flush=True)
     base = median([r[0] for r in results[args.concurrency[0]]])
     rows = []

@@ -23,10 +23,11 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def serving(model: str, args: list[str], log_path: str, env: dict | None = None,
-            cwd: str | None = None):
+            cwd: str | None = None, memory_flags: bool = True):
     """``vllm serve MODEL ARGS`` (in ``cwd``) up and ready for the block (``.model``
-    set), stopped after it."""
-    proc = ServeProcess([model, *args], log_path, env=env, cwd=cwd)
+    set), stopped after it; ``memory_flags`` as :class:`ServeProcess` takes it."""
+    proc = ServeProcess([model, *args], log_path, env=env, cwd=cwd,
+                        memory_flags=memory_flags)
     try:
         proc.wait_ready()
         proc.model = model
@@ -39,20 +40,24 @@ class ServeProcess:
     """``vllm serve ARGS`` in its own process group, log in ``log_path``.
 
     ``prefix``: command words before ``vllm`` (e.g. ``ip netns exec NS``).
+    ``memory_flags``: on vLLM's CPU build, give every engine a 1 GiB KV cache
+    (``VLLM_CPU_KVCACHE_SPACE``, unless set) and ask for a small share of host memory
+    (``--gpu-memory-utilization 0.3``, unless given): tests' pipelines that replace a
+    stage's ``runtime`` lose its KV cache size. False: the command as given.
     """
 
     def __init__(self, args: list[str], log_path: str, env: dict | None = None,
-                 prefix: list[str] | None = None, cwd: str | None = None):
+                 prefix: list[str] | None = None, cwd: str | None = None,
+                 memory_flags: bool = True):
         self.port = free_port()
         self.log_path = log_path
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = open(log_path, "w")
         env = dict(env or os.environ)
-        # vLLM's CPU build: an explicit KV cache (GiB) per engine, and a small share of
-        # host memory that must be free at start-up (tests start several engines).
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        if not any(a.startswith("--gpu-memory-utilization") for a in args):
-            args = [*args, "--gpu-memory-utilization", "0.3"]
+        if memory_flags:
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            if not any(a.startswith("--gpu-memory-utilization") for a in args):
+                args = [*args, "--gpu-memory-utilization", "0.3"]
         self.proc = subprocess.Popen(
             [*(prefix or []), VLLM, "serve", *args, "--host", "127.0.0.1",
              "--port", str(self.port)],

@@ -10,15 +10,10 @@ VENV="${VLLM_OMNI_PLUGIN_VENV:-.venv}"
 PORT="${PORT:-8000}"
 CKPT="${CKPT:-/tmp/tiny-qwen3-omni}"
 [ -f "$CKPT/config.json" ] || "$VENV/bin/python" -m vllm_omni_plugin.tools.tiny_checkpoint qwen3-omni "$CKPT" --seed 0
-extra=()
-if ! command -v nvidia-smi >/dev/null 2>&1; then
-  # vLLM's CPU build: KV cache size per engine (GiB), and the share of host memory
-  # that must be free at start-up (--gpu-memory-utilization means host memory there).
-  export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
-  extra=(--gpu-memory-utilization 0.3)
-fi
+# No memory flags: the pipeline sets each stage's share of its device (and, on vLLM's
+# CPU build, its KV cache size) and places the stages (--omni-placement auto).
 "$VENV/bin/vllm" serve "$CKPT" --stage-configs-path qwen3_omni_moe \
-  --port "$PORT" --max-model-len 2048 --dtype float32 "${extra[@]}" > /tmp/vllm-omni-quickstart.log 2>&1 &
+  --port "$PORT" --max-model-len 2048 --dtype float32 > /tmp/vllm-omni-quickstart.log 2>&1 &
 echo $! > /tmp/vllm-omni-quickstart.pid
 echo "[quickstart] vllm serve started (pid $(cat /tmp/vllm-omni-quickstart.pid)), log: /tmp/vllm-omni-quickstart.log"
 for _ in $(seq 1 300); do

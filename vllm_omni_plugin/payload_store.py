@@ -142,6 +142,30 @@ def default_run_dir() -> str:
                         f"{_RUN_DIR_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
+def check_room(directory: str, need: int, what: str) -> int:
+    """Bytes free where ``directory`` lives; ``need`` of them must be.
+
+    Raises:
+        OSError: (``ENOSPC``) fewer than ``need`` bytes are free; the message names the
+            directory, ``what`` needs the room, and the fixes: room in ``/dev/shm``
+            (Docker gives 64 MB: ``--shm-size``, or ``--ipc=host``), another directory
+            (``VLLM_OMNI_PLUGIN_PAYLOAD_DIR``), or a shorter ``--max-model-len``.
+    """
+    import errno
+
+    from vllm_omni_plugin import envs
+
+    free = shutil.disk_usage(directory).free
+    if free < need:
+        mib = 1 << 20
+        raise OSError(errno.ENOSPC, (
+            f"payload store {directory}: {free / mib:.0f} MiB free, but {what} takes about "
+            f"{need / mib:.0f} MiB there. Give it room: in a container, a larger /dev/shm "
+            "(docker run --shm-size=16g, or --ipc=host; Docker's default is 64 MB), or set "
+            f"{envs.PAYLOAD_DIR} to a directory with room; or lower --max-model-len"))
+    return free
+
+
 def _process_exists(pid: int) -> bool:
     try:
         os.kill(pid, 0)

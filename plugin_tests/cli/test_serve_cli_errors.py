@@ -11,14 +11,28 @@ with the plugin on. The deprecated ``--replica-id`` is checked in
 from __future__ import annotations
 
 import pytest
+import yaml
 
 from plugin_tests.cli.children import Child, Output, run_command, run_steps
 from plugin_tests.conftest import QWEN3_OMNI_PD_YAML, QWEN3_OMNI_YAML, VLLM
 
 pytestmark = pytest.mark.cli
 
+def _over_committed() -> str:
+    """The shipped pipeline with a talker that takes most of the device: 0.9 of a GPU,
+    and on vLLM's CPU build a KV cache larger than any host's memory."""
+    pipeline = yaml.safe_load(open(QWEN3_OMNI_YAML))
+    talker = pipeline["stages"][1]
+    talker["engine_args"]["gpu_memory_utilization"] = 0.9
+    talker["runtime"]["cpu_kv_cache_gib"] = 1 << 20
+    return yaml.safe_dump(pipeline)
+
+
 #: case -> (pipeline YAML, what the error names)
 BAD_PIPELINES = {
+    "over-committed": (_over_committed(),
+                       ["pipeline.yaml", "field 'memory'", "is over-committed",
+                        "stage 1 (talker)"]),
     "malformed-yaml": ("stages:\n  - stage_id: 0\n    name: thinker\n   kind: ar\n",
                        ["pipeline.yaml", "line 4", "malformed YAML"]),
     "unknown-processor": (open(QWEN3_OMNI_YAML).read().replace(

@@ -81,3 +81,51 @@ def test_reading_chunks_keeps_no_memory(tmp_path):
         tracemalloc.stop()
     reads = 20 * len(keys) * 10
     assert growth / reads < 10, f"{growth / reads:.1f} bytes kept per chunk read"
+
+
+def test_too_little_room_is_refused_naming_the_directory_and_the_fixes(tmp_path):
+    """A real filesystem asked for more than it has free."""
+    import errno
+    import shutil
+
+    from vllm_omni_plugin.payload_store import check_room
+
+    free = shutil.disk_usage(tmp_path).free
+    assert check_room(str(tmp_path), 1, "a test") >= 1
+    with pytest.raises(OSError) as err:
+        check_room(str(tmp_path), free + (1 << 40), "one request")
+    assert err.value.errno == errno.ENOSPC
+    for part in (f"payload store {tmp_path}:", "one request takes about", "--shm-size",
+                 "VLLM_OMNI_PLUGIN_PAYLOAD_DIR", "--max-model-len"):
+        assert part in str(err.value)
+
+
+def test_the_head_checks_room_for_one_request_of_the_entry_stages_length(tiny_qwen3_omni,
+                                                                         tmp_path):
+    """The thinker's payload per position (embed and hidden rows, M-RoPE positions) times
+    the entry engine's max_model_len, against the store's real free space."""
+    import shutil
+    import types
+
+    from transformers import AutoConfig
+
+    from vllm_omni_plugin.config.schema import StageConfig
+    from vllm_omni_plugin.engine.bootstrap import check_payload_room
+    from vllm_omni_plugin.models.qwen3_omni.thinker import Qwen3OmniThinkerStage
+
+    hf_config = AutoConfig.from_pretrained(tiny_qwen3_omni)
+    model_config = types.SimpleNamespace(  # the three fields a ModelConfig gives it
+        architectures=["OmniPluginQwen3OmniThinker"], hf_config=hf_config,
+        dtype=torch.bfloat16, max_model_len=2048)
+    width = hf_config.thinker_config.text_config.hidden_size
+    per_position = Qwen3OmniThinkerStage.payload_bytes_per_position(model_config)
+    assert per_position == 2 * width * 2 + 24
+    entry = StageConfig.model_validate({"stage_id": 0, "name": "thinker", "kind": "ar"})
+    check_payload_room(str(tmp_path), model_config, entry)
+    model_config.max_model_len = shutil.disk_usage(tmp_path).free // per_position + 1
+    with pytest.raises(OSError, match=rf"one request of --max-model-len "
+                       rf"{model_config.max_model_len} at stage 0 \(thinker\), "
+                       rf"{per_position} bytes per position, takes about"):
+        check_payload_room(str(tmp_path), model_config, entry)
+    model_config.architectures = ["Qwen3OmniMoeForConditionalGeneration"]  # not a stage's
+    check_payload_room(str(tmp_path), model_config, entry)

@@ -13,6 +13,13 @@ from dataclasses import dataclass
 
 from vllm_omni_plugin import envs
 from vllm_omni_plugin.config.pipelines import AUTO, builtin_pipelines, resolve_stage_configs
+from vllm_omni_plugin.config.placement import (
+    PLACEMENT_MODES,
+    Host,
+    apply_cpu_kv_cache,
+    place_engine,
+    plan_head,
+)
 from vllm_omni_plugin.config.settings import ClusterSettings, OmniSettings
 from vllm_omni_plugin.logger import init_logger
 
@@ -98,6 +105,15 @@ def add_omni_args(parser: argparse.ArgumentParser) -> None:
         f"{envs.CLUSTER_TOKEN} environment variable: command lines are visible to other "
         "users.")
     group.add_argument(
+        "--omni-placement", type=str, default="auto", choices=PLACEMENT_MODES,
+        help="Head: where stages without runtime.devices run. auto: on several GPUs the "
+        "entry stage on the first and the other stages spread over the rest; on vLLM's CPU "
+        "build (without VLLM_CPU_OMP_THREADS_BIND) the entry stage on half the cores and the "
+        "other stages on the other half. none: vLLM's own default (every engine on device "
+        "0, or vLLM's CPU binding). Either way the head refuses to start when the stages' "
+        "memory shares (engine_args.gpu_memory_utilization; runtime.cpu_kv_cache_gib on "
+        "the CPU build) over-commit a device.")
+    group.add_argument(
         "--replica-id", type=int, default=None, help=argparse.SUPPRESS)
 
 
@@ -119,7 +135,8 @@ FLAG_DEFAULTS = {"stage_id": None, "omni_master_address": _CLUSTER.host,
                  "omni_heartbeat_timeout": _CLUSTER.heartbeat_timeout,
                  "omni_replica_wait_timeout": _CLUSTER.replica_wait_timeout,
                  "omni_admission_timeout": _CLUSTER.admission_timeout,
-                 "omni_replica_address": None, "omni_cluster_token": None, "replica_id": None}
+                 "omni_replica_address": None, "omni_cluster_token": None, "replica_id": None,
+                 "omni_placement": "auto"}
 
 
 def validate_omni_args(args: argparse.Namespace) -> None:
@@ -294,15 +311,19 @@ def apply_omni_args(args: argparse.Namespace, engine_args) -> None:
         raise ValueError(f"--stage-id {args.stage_id}: without --headless this process "
                          f"serves the entry stage ({entry.stage_id}); start other stages' "
                          "replicas with --headless --stage-id N")
+    flag_share = engine_args.gpu_memory_utilization
     apply_stage_engine_args(engine_args, entry.engine_args)
+    _keep_explicit_share(engine_args, flag_share, entry)
     if entry.pd is not None:
         _set_decode_kv_transfer_config(engine_args, entry, path, args.omni_heartbeat_timeout,
                                        args.omni_master_address)
-    from vllm_omni_plugin.worker.cpu_placement import cpu_placement
-
+    host = Host.current()
+    devices = plan_head(pipeline, engine_args, args.omni_placement, path, host)
+    placement_env = place_engine(entry, engine_args, devices.get(entry.stage_id), host, path)
+    apply_cpu_kv_cache(entry, engine_args, host)
     settings = OmniSettings(
         stage_configs_path=os.path.abspath(path), stage_id=entry.stage_id, entry=True,
-        payload_dir=default_run_dir(), cpu_cores=cpu_placement(entry, engine_args, path),
+        payload_dir=default_run_dir(), devices=devices, placement_env=placement_env,
         cluster=ClusterSettings(
             host=args.omni_master_address, port=args.omni_master_port,
             heartbeat_timeout=args.omni_heartbeat_timeout, lb_policy=args.omni_lb_policy,
@@ -316,6 +337,18 @@ def apply_omni_args(args: argparse.Namespace, engine_args) -> None:
 
     if MIDDLEWARE_QUALNAME not in middleware and hasattr(args, "middleware"):
         args.middleware = [*middleware, MIDDLEWARE_QUALNAME]
+
+
+def _keep_explicit_share(engine_args, flag_share: float, entry) -> None:
+    """An explicit ``--gpu-memory-utilization`` (other than vLLM's default) wins over the
+    entry stage's ``engine_args.gpu_memory_utilization`` in the YAML."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    if flag_share != EngineArgs.gpu_memory_utilization \
+            and engine_args.gpu_memory_utilization != flag_share:
+        logger.info("stage %d (%s): --gpu-memory-utilization %g over the pipeline's %g",
+                    entry.stage_id, entry.name, flag_share, engine_args.gpu_memory_utilization)
+        engine_args.gpu_memory_utilization = flag_share
 
 
 def _set_decode_kv_transfer_config(engine_args, entry, path: str, heartbeat_timeout: float,

@@ -93,8 +93,12 @@ class RuntimeConfig(BaseModel):
 
     ``devices``: comma-separated device indices (``"0"``, ``"0,1"``); a YAML
     int or list of ints is accepted. On vLLM's CPU build they are the CPU cores the
-    stage's workers run on (:mod:`vllm_omni_plugin.worker.cpu_placement`); on other
-    platforms they are not applied yet. ``num_replicas``: engine copies the head
+    stage's workers run on; on a GPU, indices into the devices the head sees, one per
+    rank (:mod:`vllm_omni_plugin.config.placement`). Unset: ``--omni-placement``
+    decides. ``cpu_kv_cache_gib``: on vLLM's CPU build, the KV cache size (GiB) of each
+    engine of the stage (``kv_cache_memory_bytes``; ``VLLM_CPU_KVCACHE_SPACE`` wins);
+    ignored on GPUs, where ``engine_args.gpu_memory_utilization`` is the share.
+    ``num_replicas``: engine copies the head
     runs for this stage; ``0`` (not for the entry stage) leaves the stage to
     headless replicas (``vllm serve --headless --stage-id N``).
     ``max_inflight``: pipeline requests allowed in flight at this downstream
@@ -107,6 +111,7 @@ class RuntimeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     devices: str | None = None
+    cpu_kv_cache_gib: float | None = Field(default=None, gt=0)
     num_replicas: int = Field(default=1, ge=0)
     max_inflight: int | None = Field(default=None, ge=1)
     max_restarts: int = Field(default=5, ge=0)

@@ -54,10 +54,12 @@ class OmniSettings(BaseModel):
         entry: True for the engine ``vllm serve`` builds (the entry stage),
             False for downstream stage engines.
         payload_dir: the inter-stage payload store's run directory, or None.
-        cpu_cores: on vLLM's CPU build, the cores this engine's workers' OpenMP threads
-            run on (``VLLM_CPU_OMP_THREADS_BIND`` syntax, from the stage's
-            ``runtime.devices``; see :mod:`vllm_omni_plugin.worker.cpu_placement`),
-            or None: vLLM's own binding.
+        devices: the head's placement: device indices per stage id of every stage it
+            runs (``runtime.devices`` or ``--omni-placement``'s default; see
+            :mod:`vllm_omni_plugin.config.placement`); a stage absent is left to vLLM.
+        placement_env: the environment this engine's workers run in, which places
+            them (``{"CUDA_VISIBLE_DEVICES": "1"}``, ``{"VLLM_CPU_OMP_THREADS_BIND":
+            "0|1"}``; see :mod:`vllm_omni_plugin.worker.placement`), or None.
         cluster: the head's control-plane settings.
     """
 
@@ -66,7 +68,8 @@ class OmniSettings(BaseModel):
     stage_id: int = Field(default=0, ge=0)
     entry: bool = True
     payload_dir: str | None = None
-    cpu_cores: str | None = None
+    devices: dict[int, str] = Field(default_factory=dict)
+    placement_env: dict[str, str] | None = None
     cluster: ClusterSettings = Field(default_factory=ClusterSettings)
 
     def for_stage(self, stage_id: int, **changes: Any) -> OmniSettings:

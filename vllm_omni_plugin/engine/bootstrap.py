@@ -90,6 +90,7 @@ def build_head(entry_client, vllm_config, settings: OmniSettings) -> Head:
     """
     from vllm_omni_plugin.config.cli import base_args_from, prefill_base_args
     from vllm_omni_plugin.config.loader import load_pipeline_config
+    from vllm_omni_plugin.config.placement import Host, start_lanes
     from vllm_omni_plugin.coordinator import build_load_balancer_factory
     from vllm_omni_plugin.engine.stages import start_stage_engine
     from vllm_omni_plugin.payload_store import PayloadStore, remove_stale_run_dirs
@@ -107,6 +108,11 @@ def build_head(entry_client, vllm_config, settings: OmniSettings) -> Head:
     processors = {s.stage_id: get_processor(s.input_processor) for s in downstream}
     remove_stale_run_dirs(os.path.dirname(settings.payload_dir))
     store = PayloadStore(settings.payload_dir)
+    try:
+        check_payload_room(store.root, vllm_config.model_config, pipeline.entry_stage)
+    except OSError:
+        store.close()
+        raise
     cluster = HeadCluster(conf.host, conf.port, conf.heartbeat_timeout)
     balancer = build_load_balancer_factory(conf.lb_policy)
     prefill = pipeline.prefill_stage_for(pipeline.entry_stage.stage_id)
@@ -125,20 +131,30 @@ def build_head(entry_client, vllm_config, settings: OmniSettings) -> Head:
         bases[prefill.stage_id] = prefill_base_args(base, pipeline.entry_stage, vllm_config)
     plan = [(s, replica_id) for s in replicated
             for replica_id in cluster.register_local(s.stage_id, s.runtime.num_replicas)]
-    # Engines start concurrently: each start is mostly an EngineCore process
-    # spawning, importing and handshaking.
-    replicas, errors = [], []
-    with ThreadPoolExecutor(max_workers=max(1, len(plan)),
-                            thread_name_prefix="omni-stage-start") as executor:
-        futures = [(s, rid, executor.submit(start_stage_engine, s, bases[s.stage_id],
-                                            settings))
-                   for s, rid in plan]
-        for stage, replica_id, future in futures:
+    # Engines start concurrently (each start is mostly an EngineCore process spawning,
+    # importing and handshaking), except those sharing a GPU: one after another.
+    lanes = start_lanes(plan, settings.devices, Host.current())
+    for lane in lanes:
+        if len(lane) > 1:
+            logger.info("%s share a device: they start one after another", ", ".join(
+                f"stage {s.stage_id} ({s.name}) replica {rid}" for s, rid in lane))
+
+    def start_lane(lane) -> list:
+        started = []
+        for stage, replica_id in lane:
             try:
-                replicas.append(LocalReplica(stage.stage_id, replica_id,
-                                             future.result().engine, store.root))
+                engine = start_stage_engine(stage, bases[stage.stage_id], settings).engine
             except BaseException as exc:
-                errors.append(exc)
+                return [*started, exc]
+            started.append(LocalReplica(stage.stage_id, replica_id, engine, store.root))
+        return started
+
+    replicas, errors = [], []
+    with ThreadPoolExecutor(max_workers=max(1, len(lanes)),
+                            thread_name_prefix="omni-stage-start") as executor:
+        for started in executor.map(start_lane, lanes):
+            for item in started:
+                (errors if isinstance(item, BaseException) else replicas).append(item)
     if errors:
         for replica in replicas:
             replica.engine.shutdown()
@@ -170,6 +186,33 @@ def build_head(entry_client, vllm_config, settings: OmniSettings) -> Head:
     else:
         head.start()
     return head
+
+
+def check_payload_room(directory: str, model_config, entry) -> None:
+    """One request of the entry engine's ``max_model_len`` must fit the payload store:
+    its stage model's ``payload_bytes_per_position`` times that many positions (the
+    thinker's rows for the talker, BAGEL's keys and values for the DiT), checked before
+    the other stages start rather than when a long prompt fills the directory.
+
+    Raises:
+        OSError: too little room (the message names the directory and the fixes).
+    """
+    from vllm_omni_plugin.models import stage_model_class
+    from vllm_omni_plugin.payload_store import check_room
+
+    archs = model_config.architectures or []
+    per_position = getattr(stage_model_class(archs[0]) if archs else None,
+                            "payload_bytes_per_position", None)
+    if per_position is None:
+        return
+    per_position = per_position(model_config)
+    length = model_config.max_model_len
+    free = check_room(directory, per_position * length,
+                      f"one request of --max-model-len {length} at stage {entry.stage_id} "
+                      f"({entry.name}), {per_position} bytes per position,")
+    logger.info("payload store %s: %.0f MiB free; one request of %d positions takes "
+                "%.0f MiB", directory, free / (1 << 20), length,
+                per_position * length / (1 << 20))
 
 
 class HeadEngine:

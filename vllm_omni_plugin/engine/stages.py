@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 from vllm_omni_plugin.config.cli import apply_stage_engine_args
+from vllm_omni_plugin.config.placement import Host, apply_cpu_kv_cache, place_engine
 from vllm_omni_plugin.config.settings import OmniSettings
 from vllm_omni_plugin.logger import init_logger
 
@@ -30,8 +31,9 @@ def stage_engine_config(stage, base_args: dict, settings: OmniSettings,
                         bootstrap_port: int | None = None):
     """The ``VllmConfig`` of one engine of ``stage`` (a ``StageConfig``): ``base_args``,
     the YAML's ``engine_args`` over them, the stage model's ``hf_overrides``
-    (``engine_hf_overrides`` of its class), PD's KV transfer config and the plugin's
-    settings in ``additional_config``.
+    (``engine_hf_overrides`` of its class), PD's KV transfer config, its placement
+    (the head's plan in ``settings.devices``, else ``runtime.devices``) and KV cache size
+    on vLLM's CPU build, and the plugin's settings in ``additional_config``.
 
     Args:
         base_args: ``EngineArgs`` fields under the YAML's (model path first).
@@ -52,11 +54,12 @@ def stage_engine_config(stage, base_args: dict, settings: OmniSettings,
     if stage.pd is not None:
         args.kv_transfer_config = _kv_transfer_config(
             stage, settings.cluster.heartbeat_timeout, bootstrap_port)
-    from vllm_omni_plugin.worker.cpu_placement import cpu_placement
-
-    cores = cpu_placement(stage, args, settings.stage_configs_path)
+    host = Host.current()
+    env = place_engine(stage, args, settings.devices.get(stage.stage_id, stage.runtime.devices),
+                       host, settings.stage_configs_path)
+    apply_cpu_kv_cache(stage, args, host)
     args.additional_config = settings.for_stage(stage.stage_id,
-                                                cpu_cores=cores).additional_config()
+                                                placement_env=env).additional_config()
     try:
         apply_stage_engine_args(args, {"hf_overrides": _model_hf_overrides(args)})
         return args.create_engine_config(UsageContext.OPENAI_API_SERVER)

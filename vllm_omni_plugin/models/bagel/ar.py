@@ -59,6 +59,15 @@ class BagelARStage(BagelForConditionalGeneration):
         return out
 
     # -- stage outputs (read by the plugin's worker) --------------------------------
+    @classmethod
+    def payload_bytes_per_position(cls, model_config) -> int:
+        """Bytes one prompt position adds to a request's payload: ``k`` and ``v`` of
+        every decoder layer (KV heads x head size, the model's dtype)."""
+        llm = model_config.hf_config.llm_config
+        head_dim = llm.hidden_size // llm.num_attention_heads
+        return (2 * llm.num_hidden_layers * llm.num_key_value_heads * head_dim
+                * model_config.dtype.itemsize)
+
     def stage_output_rows(self) -> dict[str, torch.Tensor]:
         """Per-position outputs of the last forward: ``k``, ``v`` ``[num_tokens, layers,
         kv_heads, head_dim]``, rows in the model runner's batch order."""

@@ -87,6 +87,14 @@ class Qwen3OmniThinkerStage(Qwen3OmniMoeThinkerForConditionalGeneration):
         return hidden_states
 
     # -- stage outputs (read by the plugin's worker) --------------------------------
+    @classmethod
+    def payload_bytes_per_position(cls, model_config) -> int:
+        """Bytes one prompt or generated position adds to a request's payload:
+        ``embed`` and ``hidden`` (thinker hidden size, the model's dtype) and
+        ``positions`` (3 x int64)."""
+        width = model_config.hf_config.thinker_config.text_config.hidden_size
+        return 2 * width * model_config.dtype.itemsize + 3 * 8
+
     def stage_output_rows(self) -> dict[str, torch.Tensor]:
         """Per-position outputs of the last forward, in the model runner's batch order:
         ``embed``, ``hidden`` ``[max_num_batched_tokens, hidden]`` (model dtype) and
