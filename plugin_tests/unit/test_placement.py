@@ -113,20 +113,20 @@ QWEN = [(0, 1), (1, 1), (2, 1)]
     (QWEN, gpu(4), {}, {0: "0", 1: "1", 2: "2"}),
     ([(0, 2), (1, 1), (2, 1)], gpu(2), {}, {0: "0,1", 1: "0", 2: "0"}),
     ([(0, 1), (3, 1), (1, 1), (2, 1)], gpu(2), {}, {0: "0", 3: "1", 1: "1", 2: "1"}),
-    (QWEN, cpu(1), {}, {}),
-    (QWEN, cpu(2), {}, {0: "0", 1: "1", 2: "1"}),
-    (QWEN, cpu(3), {}, {0: "0,1", 1: "2", 2: "2"}),
-    (QWEN, cpu(16), {}, {0: "0,1,2,3,4,5,6,7", 1: "8,9,10,11", 2: "12,13,14,15"}),
-    ([(0, 2), (1, 1)], cpu(4), {}, {0: "0,1", 1: "2,3"}),
-    (QWEN, cpu(2), {CPU_BIND_ENV: "0"}, {}),
-], ids=["1gpu", "2gpu", "4gpu", "tp2-2gpu", "pd-2gpu", "1core", "2cores", "3cores",
-        "16cores", "tp2-4cores", "cpu-binding-kept"])
+    (QWEN, cpu(2), {}, {}),
+    (QWEN, cpu(3), {}, {0: "0", 1: "1", 2: "1"}),
+    (QWEN, cpu(4), {}, {0: "0,1", 1: "2", 2: "2"}),
+    (QWEN, cpu(16), {}, {0: "0,1,2,3,4,5,6,7", 1: "8,9,10", 2: "11,12,13"}),
+    ([(0, 2), (1, 1)], cpu(5), {}, {0: "0,1", 1: "2,3"}),
+    (QWEN, cpu(3), {CPU_BIND_ENV: "0"}, {}),
+], ids=["1gpu", "2gpu", "4gpu", "tp2-2gpu", "pd-2gpu", "2cores", "3cores", "4cores",
+        "16cores", "tp2-5cores", "cpu-binding-kept"])
 def test_auto_placement(stages, host, environ, expected):
     assert default_devices(stages, host, environ) == expected
 
 
 @pytest.mark.parametrize("name", builtin_pipelines())
-@pytest.mark.parametrize("host", [gpu(1), gpu(2), cpu(2)], ids=["1gpu", "2gpu", "cpu"])
+@pytest.mark.parametrize("host", [gpu(1), gpu(2), cpu(4)], ids=["1gpu", "2gpu", "cpu"])
 def test_every_shipped_pipeline_fits_by_default(name, host):
     """No memory flag: the YAML's shares fit one GPU (and spread over two); on the CPU
     build every stage has a KV cache size (vLLM's default share would be 0.92 each)."""

@@ -255,15 +255,22 @@ def test_async_runner_output_of_a_failed_request_carries_its_stop_token(store):
 
     from vllm_omni_plugin.worker.omni_worker import _FixedAsyncOutput
 
+    kv_output = object()
+
     class Pending(AsyncModelRunnerOutput):
         def get_output(self):
             return ModelRunnerOutput(req_ids=["bad", "ok"], req_id_to_index={"bad": 0, "ok": 1},
                                      sampled_token_ids=[[9], [5]])
 
+        def get_kv_connector_output(self):  # abstract since vLLM 0.33
+            return kv_output
+
     io = StageIO(0, store)
     io.begin_step(_step(new=[_new("bad", {PAYLOAD: [1]}), _new("ok")],
                         scheduled={"bad": 1, "ok": 1}))
-    assert _FixedAsyncOutput(Pending(), io).get_output().sampled_token_ids == [[7], [5]]
+    fixed = _FixedAsyncOutput(Pending(), io)
+    assert fixed.get_output().sampled_token_ids == [[7], [5]]
+    assert fixed.get_kv_connector_output() is kv_output
 
 
 def _runner(*req_ids):

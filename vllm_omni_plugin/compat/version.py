@@ -12,7 +12,7 @@ import functools
 #: The vLLM releases this plugin supports, as in setup.cfg's install_requires
 #: (plugin_tests/unit/test_compat_matrix.py keeps the two, the README table and the
 #: CI matrix in step). Every minor release in it is tested by ``.ci/run``.
-SUPPORTED_RANGE = ">=0.30.0,<0.33"
+SUPPORTED_RANGE = ">=0.30.0,<0.34"
 
 
 def _parse(version: str) -> tuple[int, int, int]:

@@ -108,8 +108,9 @@ def add_omni_args(parser: argparse.ArgumentParser) -> None:
         "--omni-placement", type=str, default="auto", choices=PLACEMENT_MODES,
         help="Head: where stages without runtime.devices run. auto: on several GPUs the "
         "entry stage on the first and the other stages spread over the rest; on vLLM's CPU "
-        "build (without VLLM_CPU_OMP_THREADS_BIND) the entry stage on half the cores and the "
-        "other stages on the other half. none: vLLM's own default (every engine on device "
+        "build with 3 or more cores (and no VLLM_CPU_OMP_THREADS_BIND) the last core left to "
+        "the API server and schedulers, the entry stage's workers on half the others and "
+        "the other stages' on the rest. none: vLLM's own default (every engine on device "
         "0, or vLLM's CPU binding). Either way the head refuses to start when the stages' "
         "memory shares (engine_args.gpu_memory_utilization; runtime.cpu_kv_cache_gib on "
         "the CPU build) over-commit a device.")

@@ -9,10 +9,17 @@ cores its workers run on, on a GPU platform indices into the devices this proces
   tensor x pipeline parallel size); each other stage (a prefill stage first) on the next
   ``r`` devices the entry stage leaves, cycling over them; with no device left, on the
   entry stage's first ones.
-* ``auto`` on vLLM's CPU build, ``N >= 2`` cores this process may run on and no
-  ``VLLM_CPU_OMP_THREADS_BIND`` in the environment (a binding there is kept): the entry
-  stage on the first half of the cores (rounded up), the other stages on the rest, each
-  on an equal slice of its own when there are as many cores as stages, else all of them.
+* ``auto`` on vLLM's CPU build, with ``N >= 3`` cores this process may run on and no
+  ``VLLM_CPU_OMP_THREADS_BIND`` in the environment (a binding there is kept): the last
+  core is left to the processes that are not workers (API server, each engine's
+  scheduler loop), as vLLM's own binding reserves one; the entry stage's workers run on
+  the first half of the others (rounded up), the other stages' on the rest, each on an
+  equal slice of its own when there are as many cores as stages, else all of them.
+  With 2 cores vLLM's binding stays (workers on core 0, the rest on core 1): the
+  thinker's worker on core 0 and the others' on core 1 was measured at 0.74x its audio
+  chat requests/s on the tiny checkpoint at concurrency 8 (``benchmarks/
+  placement_bench.py``, medians of 3 trials), core 1 then shared with the API server and
+  the schedulers.
 * ``none``: vLLM's own default, every engine on device 0 (CPU: vLLM's binding).
 
 Memory. Every engine takes a share of its device, and the shares of the engines on one
@@ -195,6 +202,7 @@ def default_devices(stages: Sequence[tuple[int, int]], host: Host,
     (entry_id, entry_ranks), others = stages[0], stages[1:]
     devices = list(host.devices)
     if host.is_cpu:
+        devices = devices[:-1]  # left to the API server and the schedulers
         if len(devices) < 2 or environ.get(CPU_BIND_ENV):
             return {}
         first = len(devices) - len(devices) // 2

