@@ -97,12 +97,17 @@ class Host:
         return cls("gpu", tuple(range(current_platform.device_count())),
                    current_platform.device_control_env_var)
 
+    def visible(self, environ=os.environ) -> list[str]:
+        """The devices this process's placement variable lists (``CUDA_VISIBLE_DEVICES``
+        order), empty when it is unset."""
+        return [d.strip() for d in environ.get(self.env_var, "").split(",") if d.strip()]
+
     def name(self, device: int, environ=os.environ) -> str:
         """How errors and logs name ``device``: ``GPU 3`` (its physical index when the
         placement variable maps it), ``host memory``."""
         if self.is_cpu:
             return f"host memory ({self.memory_bytes / GIB:.0f} GiB)"
-        visible = [d for d in environ.get(self.env_var, "").split(",") if d.strip()]
+        visible = self.visible(environ)
         physical = visible[device] if device < len(visible) else str(device)
         return f"GPU {physical}"
 
@@ -110,9 +115,15 @@ class Host:
 def ranks(engine_args: Any) -> int:
     """Tensor x pipeline parallel size of an engine (``EngineArgs`` or a YAML
     ``engine_args`` dict)."""
-    get = engine_args.get if isinstance(engine_args, dict) else \
-        lambda name, default=None: getattr(engine_args, name, default)
-    return (get("tensor_parallel_size", 1) or 1) * (get("pipeline_parallel_size", 1) or 1)
+    get = _field_getter(engine_args)
+    return (get("tensor_parallel_size") or 1) * (get("pipeline_parallel_size") or 1)
+
+
+def _field_getter(engine_args: Any):
+    """``name -> value or None`` over an ``EngineArgs`` or a YAML ``engine_args`` dict."""
+    if isinstance(engine_args, dict):
+        return engine_args.get
+    return lambda name: getattr(engine_args, name, None)
 
 
 def in_process_engines() -> bool:
@@ -149,7 +160,7 @@ def placement_env(devices: str, n_ranks: int, host: Host,
     if len(wanted) != n_ranks:
         raise ValueError(f"{len(wanted)} devices for an engine of {n_ranks} ranks (tensor x "
                          "pipeline parallel size): give one device per rank")
-    visible = [d.strip() for d in environ.get(host.env_var, "").split(",") if d.strip()]
+    visible = host.visible(environ)
     return {host.env_var: ",".join(visible[d] if visible else str(d) for d in wanted)}
 
 
@@ -269,7 +280,7 @@ def engine_share(stage: StageConfig, engine_args: Any, devices: str | None, host
     from vllm.engine.arg_utils import EngineArgs
 
     cli = not isinstance(engine_args, dict)
-    get = (lambda name: getattr(engine_args, name, None)) if cli else engine_args.get
+    get = _field_getter(engine_args)
     util = get("gpu_memory_utilization")
     util = float(EngineArgs.gpu_memory_utilization if util is None else util)
     util_source = "--gpu-memory-utilization" if cli else "engine_args.gpu_memory_utilization"
