@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import re
 from typing import NamedTuple
@@ -55,11 +56,12 @@ def qwen3_omni_facts() -> dict:
 
 def qwen3_omni_config(tensors: dict[str, Tensor] | None = None) -> dict:
     """A ``config.json`` for the released Qwen3-Omni-30B-A3B-Instruct: transformers'
-    ``Qwen3OmniMoeConfig`` defaults with the talker's shapes set from the listing (the
-    published ``config.json`` was not found; the defaults lack the talker's shared
-    expert and have 32 code groups where the checkpoint has 16). Derived, not published:
-    only the talker's and code2wav's fields are checked against the listing (their
-    loaders are the plugin's; the thinker is vLLM's own)."""
+    ``Qwen3OmniMoeConfig`` defaults with the shapes of the thinker's decoder and encoder
+    outputs and of the talker set from the listing (the published ``config.json`` was
+    not found; the defaults have a 28-layer thinker with a 3,584-token vocabulary, no
+    talker shared expert and 32 code groups where the checkpoint has 16). Derived, not
+    published: what the listing's shapes do not show (rope, token ids, the talker's
+    ``accept_hidden_layer``) keeps transformers' defaults."""
     from transformers import Qwen3OmniMoeConfig
 
     tensors = tensors or qwen3_omni_tensors()
@@ -67,20 +69,35 @@ def qwen3_omni_config(tensors: dict[str, Tensor] | None = None) -> dict:
     def rows(key: str) -> int:
         return tensors[key].shape[0]
 
-    layer = "talker.model.layers.0."
-    head_dim = rows(layer + "self_attn.q_norm.weight")
+    def decoder(model: str, embedding: str) -> dict:
+        """A Qwen3-MoE decoder's shapes, from the listing's keys under ``model``."""
+        layer = f"{model}.layers.0."
+        head_dim = rows(layer + "self_attn.q_norm.weight")
+        return dict(
+            vocab_size=rows(f"{model}.{embedding}.weight"),
+            hidden_size=tensors[f"{model}.{embedding}.weight"].shape[1],
+            num_hidden_layers=1 + max(int(k.split(".")[3]) for k in tensors
+                                      if k.startswith(f"{model}.layers.")),
+            head_dim=head_dim,
+            num_attention_heads=rows(layer + "self_attn.q_proj.weight") // head_dim,
+            num_key_value_heads=rows(layer + "self_attn.k_proj.weight") // head_dim,
+            num_experts=rows(layer + "mlp.gate.weight"),
+            moe_intermediate_size=rows(layer + "mlp.experts.0.gate_proj.weight"))
+
     config = Qwen3OmniMoeConfig().to_dict()
+    thinker = config["thinker_config"]
+    thinker["text_config"].update(decoder("thinker.model", "embed_tokens"),
+                                  tie_word_embeddings="thinker.lm_head.weight" not in tensors)
+    thinker["audio_config"]["output_dim"] = rows("thinker.audio_tower.proj2.weight")
+    vision = thinker["vision_config"]
+    vision["out_hidden_size"] = rows("thinker.visual.merger.mlp.2.weight")
+    patch = tensors["thinker.visual.patch_embed.proj.weight"].shape[-1]
+    vision["image_size"] = patch * math.isqrt(rows("thinker.visual.pos_embed.weight"))
+    vision["apply_vit_abs_pos_embed"] = True  # it has a pos_embed
     config["talker_config"]["text_config"].update(
-        vocab_size=rows("talker.model.codec_embedding.weight"),
-        hidden_size=tensors["talker.model.codec_embedding.weight"].shape[1],
-        num_hidden_layers=1 + max(int(k.split(".")[3]) for k in tensors
-                                  if k.startswith("talker.model.layers.")),
-        head_dim=head_dim,
-        num_attention_heads=rows(layer + "self_attn.q_proj.weight") // head_dim,
-        num_key_value_heads=rows(layer + "self_attn.k_proj.weight") // head_dim,
-        num_experts=rows(layer + "mlp.gate.weight"),
-        moe_intermediate_size=rows(layer + "mlp.experts.0.gate_proj.weight"),
-        shared_expert_intermediate_size=rows(layer + "mlp.shared_expert.gate_proj.weight"))
+        decoder("talker.model", "codec_embedding"),
+        shared_expert_intermediate_size=rows(
+            "talker.model.layers.0.mlp.shared_expert.gate_proj.weight"))
     groups = 1 + sum(k.startswith("talker.code_predictor.lm_head.") for k in tensors)
     config["talker_config"]["num_code_groups"] = groups
     config["talker_config"]["code_predictor_config"].update(
@@ -90,3 +107,49 @@ def qwen3_omni_config(tensors: dict[str, Tensor] | None = None) -> dict:
                                   if k.startswith("talker.code_predictor.model.layers.")))
     config["architectures"] = ["Qwen3OmniMoeForConditionalGeneration"]
     return config
+
+
+BAGEL = os.path.join(CHECKPOINTS, "bagel-7b-mot")
+
+
+def bagel_facts() -> dict:
+    with open(os.path.join(BAGEL, "facts.json")) as f:
+        return json.load(f)
+
+
+def bagel_tensors() -> dict[str, Tensor]:
+    """Every key of BAGEL-7B-MoT's ``ema.safetensors`` and ``ae.safetensors`` (derived
+    from the official modeling code, not published: see the fixtures' README), bf16."""
+    with open(os.path.join(BAGEL, "tensors.derived.json")) as f:
+        derived = json.load(f)
+    return {key: Tensor(tuple(row["shape"]), "BF16", row["file"])
+            for file in ("ema.safetensors", "ae.safetensors")
+            for key, row in derived[file].items()}
+
+
+def bagel_config() -> dict:
+    """A vLLM ``config.json`` (``model_type: bagel``) for BAGEL-7B-MoT, from the vendored
+    facts: the LLM and ViT sizes, the official code's load-time overrides (``qk_norm``,
+    untied head, one ViT layer fewer than ``vit_config.json``, 70 patches a side, latents
+    up to 64 a side, the FLUX autoencoder). The release ships no ``config.json``: a user
+    writes this one (the plan tool's ``--write-config``)."""
+    facts = bagel_facts()
+    overrides = facts["official_load_time_overrides"]["value"]
+    llm_dims, vit_dims = facts["llm_dims"]["value"], facts["vit_dims"]["value"]
+    llm = dict(llm_dims, architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+               hidden_act="silu", qk_norm=overrides["llm_config.qk_norm"],
+               tie_word_embeddings=overrides["llm_config.tie_word_embeddings"],
+               use_sliding_window=False, sliding_window=None,
+               max_window_layers=llm_dims["num_hidden_layers"])
+    vit = {"model_type": "siglip_vision_model", "num_channels": 3,
+           "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6,
+           "num_hidden_layers": vit_dims["stored_layers"],
+           **{k: vit_dims[k] for k in ("hidden_size", "intermediate_size",
+                                       "num_attention_heads", "patch_size", "image_size")}}
+    return {"architectures": ["BagelForConditionalGeneration"], "model_type": "bagel",
+            "visual_gen": True, "visual_und": True, "interpolate_pos": False,
+            "timestep_shift": 1.0, "connector_act": overrides["connector_act"],
+            "latent_patch_size": overrides["latent_patch_size"],
+            "max_latent_size": overrides["max_latent_size"],
+            "vit_max_num_patch_per_side": overrides["vit_max_num_patch_per_side"],
+            "llm_config": llm, "vit_config": vit, "vae_config": overrides["ae"]}

@@ -1,7 +1,8 @@
 """The vendored listing of the released Qwen3-Omni-30B-A3B-Instruct agrees with the
 published facts it was checked against (plugin_tests/fixtures/checkpoints/README.md):
 key count, parameter count, the index's total size, keys per prefix, and the shard
-holding code2wav. The plugin's talker and code2wav loaders take that checkpoint whole."""
+holding code2wav. Every stage's loader takes its part of the released Qwen3-Omni and
+BAGEL checkpoints."""
 
 from __future__ import annotations
 
@@ -36,32 +37,69 @@ def test_the_listing_is_the_published_checkpoint():
     assert in_last <= shards["model-00015-of-00015.safetensors"] < in_last + (1 << 16)
 
 
-def test_the_talker_and_code2wav_loaders_take_the_released_checkpoint(tmp_path):
-    """The talker's and code2wav's engines, configured from the shipped pipeline over the
-    released config (derived from the listing: ``qwen3_omni_config``), built on the meta
-    device in a child process (``plugin_tests/meta_load.py``); each loader is fed all
-    28,010 listed tensors at their shapes. Every parameter is loaded and no error is
-    raised: each loader takes every key of its prefix (an unknown one raises) and skips
-    the others. The same load with one of its tensors a row too long fails naming it."""
+def _meta_load(tmp_path, pipeline: str, config: dict, bad_keys: dict[str, str]) -> list:
+    """Run ``plugin_tests.meta_load`` over ``config``: one result per stage."""
     import json
     import subprocess
 
     from plugin_tests.conftest import PYTHON, REPO
-    from plugin_tests.released_checkpoints import qwen3_omni_config
 
-    (tmp_path / "config.json").write_text(json.dumps(qwen3_omni_config()))
-    done = subprocess.run([PYTHON, "-m", "plugin_tests.meta_load", str(tmp_path), "talker",
-                           "code2wav"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    done = subprocess.run([PYTHON, "-m", "plugin_tests.meta_load", pipeline, str(tmp_path),
+                           *(f"{stage}:{key}" for stage, key in bad_keys.items())],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
     results = [json.loads(line) for line in done.stdout.splitlines()
                if line.startswith('{"stage"')]
-    assert done.returncode == 0 and len(results) == 2, done.stderr[-3000:]
+    assert done.returncode == 0 and len(results) == len(bad_keys), done.stderr[-3000:]
+    return results
+
+
+def _assert_every_parameter_loaded(results: list, bad_keys: dict[str, str]) -> None:
     def named(names: list[str]) -> list[str]:
         # vLLM 0.30 and 0.31 report a fused expert weight it loaded without the
         # ``routed_experts`` module its parameter sits in
         return sorted(n.replace(".routed_experts.", ".") for n in names)
 
     for result in results:
-        assert result["error"] is None, result["error"]
+        assert result["error"] is None, (result["stage"], result["error"])
         assert named(result["loaded"]) == named(result["params"]), result["stage"]
         assert result["bad_shape_error"] and result["bad_shape_error"].startswith(
-            f"{result['stage']}."), result
+            bad_keys[result["stage"]]), result
+
+
+def test_every_qwen3_omni_stage_loader_takes_the_released_checkpoint(tmp_path):
+    """The thinker's (vLLM's own model and loader, extended), talker's and code2wav's
+    engines, configured from the shipped pipeline over the released config (derived from
+    the listing: ``qwen3_omni_config``), built on the meta device in a child process
+    (``plugin_tests/meta_load.py``); each loader is fed all 28,010 listed tensors at their
+    shapes. Every parameter is loaded and no error is raised: each loader takes every key
+    of its prefix (an unknown one raises) and skips the others. The same load with one of
+    its tensors a row too long fails naming it."""
+    from plugin_tests.released_checkpoints import qwen3_omni_config
+
+    bad_keys = {stage: f"{stage}.model.layers.1.mlp.experts.3.down_proj.weight"
+                for stage in ("thinker", "talker")}
+    bad_keys["code2wav"] = "code2wav.decoder.1.block.2.conv1.conv.weight"
+    results = _meta_load(tmp_path, "qwen3_omni_moe", qwen3_omni_config(), bad_keys)
+    _assert_every_parameter_loaded(results, bad_keys)
+
+
+def test_every_bagel_stage_loader_takes_the_released_checkpoint(tmp_path):
+    """BAGEL-7B-MoT: the AR stage (vLLM's own ``BagelForConditionalGeneration``, extended)
+    and the DiT stage (the plugin's generation expert and FLUX decoder), configured from
+    the shipped pipeline over a config built from the vendored facts (``bagel_config``),
+    are fed every key of ``ema.safetensors`` and ``ae.safetensors`` as derived from the
+    official modeling code (not from the plugin's modules, so not circular). Every
+    parameter of each is loaded; a wrong shape fails naming the key."""
+    from plugin_tests.released_checkpoints import bagel_config
+    from vllm_omni_plugin.models.bagel.tiny_checkpoint import BAGEL_SPECIAL_TOKENS
+    from vllm_omni_plugin.tools.tiny_tokenizer import QWEN25_ADDED_TOKENS, build_qwen_tokenizer
+
+    # the DiT reads its image markers' ids from the tokenizer (Qwen2.5's, in the release)
+    build_qwen_tokenizer(QWEN25_ADDED_TOKENS, BAGEL_SPECIAL_TOKENS).save_pretrained(tmp_path)
+    # vLLM's column-parallel loaders cut a tensor to the parameter's rows: a norm's
+    # loader checks the whole shape
+    bad_keys = {"ar": "language_model.model.layers.1.input_layernorm.weight",
+                "dit": "language_model.model.layers.1.input_layernorm_moe_gen.weight"}
+    results = _meta_load(tmp_path, "bagel", bagel_config(), bad_keys)
+    _assert_every_parameter_loaded(results, bad_keys)

@@ -84,7 +84,7 @@ def test_files_written(ckpt):
     names = {p.name for p in ckpt.iterdir()}
     for required in (
         "config.json",
-        "model.safetensors",
+        "model.safetensors.index.json",
         "generation_config.json",
         "tokenizer.json",
         "tokenizer_config.json",
@@ -333,12 +333,27 @@ def test_multimodal_thinker(model, tokenizer, ckpt):
 # ---------------------------------------------------------------------------- determinism / CLI
 
 
+def _weights(folder) -> dict[str, bytes]:
+    """The bytes of every weight shard in ``folder``, by file name."""
+    return {p.name: p.read_bytes() for p in sorted(folder.glob("model-*.safetensors"))}
+
+
+def test_the_weights_are_sharded_with_an_index(ckpt):
+    """Several shards and an index, as the released checkpoint has: what lets the
+    talker's and code2wav's engines skip the shards they need nothing from."""
+    import json
+
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    shards = _weights(ckpt)
+    assert len(shards) > 2 and set(index["weight_map"].values()) == set(shards)
+    assert not (ckpt / "model.safetensors").exists()
+
+
 def test_same_seed_identical_different_seed_differs(ckpt, tmp_path):
     tc.build_qwen3_omni(tmp_path / "again", seed=0)
     tc.build_qwen3_omni(tmp_path / "other", seed=1)
-    ref = (ckpt / "model.safetensors").read_bytes()
-    assert (tmp_path / "again" / "model.safetensors").read_bytes() == ref
-    assert (tmp_path / "other" / "model.safetensors").read_bytes() != ref
+    assert _weights(tmp_path / "again") == _weights(ckpt)
+    assert _weights(tmp_path / "other") != _weights(ckpt)
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (tmp_path / "again" / name).read_bytes() == (ckpt / name).read_bytes()
 
@@ -365,7 +380,7 @@ def test_cli_subprocess(ckpt, tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "parameters" in proc.stdout
     # same seed in another process: byte-identical weights
-    assert (out / "model.safetensors").read_bytes() == (ckpt / "model.safetensors").read_bytes()
+    assert _weights(out) == _weights(ckpt)
 
 
 def test_cli_unknown_model(capsys):

@@ -57,3 +57,21 @@ def load_stacked(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
         raise ValueError(f"the checkpoint lacks weights of {len(missing)} parameters of "
                          f"{owner}, e.g. {missing[:3]}")
     return set(loaded)
+
+
+
+class OwnShards:
+    """Mixin for a stage model that takes only some of a shared checkpoint's weights
+    (those under :attr:`checkpoint_prefixes`): vLLM's default loader (0.32 and later,
+    ``DefaultModelLoader.Source.is_unused_weight``) then skips every safetensors shard
+    whose keys :meth:`is_unused_checkpoint_weight` all accepts, and logs how many it
+    skipped. Qwen3-Omni's code2wav (0.2 GiB) sits in the last of 15 shards (66 GiB in
+    all). vLLM 0.30 and 0.31 read every shard.
+    """
+
+    #: checkpoint key prefixes this model loads; others are skipped
+    checkpoint_prefixes: tuple[str, ...] = ()
+
+    def is_unused_checkpoint_weight(self, name: str) -> bool:
+        """True for a checkpoint key this model does not load."""
+        return not name.startswith(self.checkpoint_prefixes)

@@ -10,7 +10,7 @@ Usage::
 
 Nothing is downloaded: the weights come from ``torch.manual_seed(seed)`` plus the
 constructor of the Hugging Face model class, and the tokenizer is built in-process with
-the ``tokenizers`` library. The same seed gives byte-identical ``model.safetensors``.
+the ``tokenizers`` library. The same seed gives byte-identical weight shards.
 
 qwen3-omni
 ==========
@@ -25,7 +25,9 @@ Files in OUT_DIR:
 
 * ``config.json`` - ``Qwen3OmniMoeConfig``, architectures
   ``["Qwen3OmniMoeForConditionalGeneration"]``, ``dtype`` float32.
-* ``model.safetensors`` - all weights (float32, no tied weights).
+* ``model-0000N-of-0000M.safetensors`` and ``model.safetensors.index.json`` - all weights
+  (float32, no tied weights) in shards of :data:`TINY_SHARD_SIZE`, as the released
+  checkpoint is sharded: the talker's and code2wav's engines read only their shards.
 * ``generation_config.json`` - bos/pad ``<|endoftext|>``, eos ``[<|im_end|>, <|endoftext|>]``.
 * ``tokenizer.json`` / ``tokenizer_config.json`` / ``chat_template.jinja`` - a byte-level
   BPE tokenizer (Qwen2 pre-tokenizer regex, NFC, byte-level decoder, so *any* text
@@ -499,6 +501,10 @@ QWEN3_OMNI_PREPROCESSOR_CONFIG: dict[str, Any] = {
 }
 
 
+#: shard size of the tiny Qwen3-Omni checkpoint (about 36 MB in float32): several shards
+TINY_SHARD_SIZE = "4MB"
+
+
 def _save_processor(out_dir: Path) -> None:
     """Write the upstream-shaped preprocessor_config.json.
 
@@ -548,7 +554,9 @@ def build_qwen3_omni(out_dir: str | os.PathLike, seed: int = 0) -> dict[str, Any
     model.generation_config = gen
 
     logger.info("saving to %s", out)
-    model.save_pretrained(out, safe_serialization=True)
+    # sharded with an index, as the released checkpoint is: the talker's and code2wav's
+    # engines read only the shards holding their weights (models/weights.py OwnShards)
+    model.save_pretrained(out, safe_serialization=True, max_shard_size=TINY_SHARD_SIZE)
     gen.save_pretrained(out)
     tokenizer.save_pretrained(out)
     set_tokenizer_class(out, "Qwen2Tokenizer")

@@ -78,7 +78,7 @@ from vllm_omni_plugin.models.qwen3_omni.talker_inputs import (
     HF_CODE2WAV_CHUNK_SIZE,
     HF_CODE2WAV_LEFT_CONTEXT,
 )
-from vllm_omni_plugin.models.weights import load_stacked
+from vllm_omni_plugin.models.weights import OwnShards, load_stacked
 
 logger = init_logger(__name__)
 
@@ -633,7 +633,7 @@ def _batches(items: list, frames, bound: int) -> list[list]:
     return groups if items else []
 
 
-class Qwen3OmniCode2WavStage(nn.Module, SupportsMRoPE):
+class Qwen3OmniCode2WavStage(OwnShards, nn.Module, SupportsMRoPE):
     """The code2wav stage as a vLLM model (checkpoint prefix ``code2wav.``).
 
     The model does its real work only inside an engine step the plugin's worker binds to
@@ -649,6 +649,7 @@ class Qwen3OmniCode2WavStage(nn.Module, SupportsMRoPE):
     """
 
     uses_stage_step = True
+    checkpoint_prefixes = (WEIGHT_PREFIX,)
     max_batch_frames = 4 * (HF_CODE2WAV_CHUNK_SIZE + HF_CODE2WAV_LEFT_CONTEXT)
 
     def __init__(self, *, vllm_config, prefix: str = ""):

@@ -55,7 +55,7 @@ from vllm.model_executor.models.qwen3_moe import Qwen3MoeMLP, Qwen3MoeModel
 from vllm_omni_plugin.logger import init_logger
 from vllm_omni_plugin.models.qwen3_omni import talker_inputs as ti
 from vllm_omni_plugin.models.qwen3_omni.code2wav import MAX_FRAMES
-from vllm_omni_plugin.models.weights import load_stacked
+from vllm_omni_plugin.models.weights import OwnShards, load_stacked
 
 logger = init_logger(__name__)
 
@@ -251,7 +251,7 @@ def talker_context(hf_config) -> int:
                int(thinker) + ti.ASSISTANT_PREFIX_LEN + MAX_FRAMES)
 
 
-class Qwen3OmniTalkerStage(nn.Module, SupportsMRoPE):
+class Qwen3OmniTalkerStage(OwnShards, nn.Module, SupportsMRoPE):
     """The talker (checkpoint prefix ``talker.``) as a vLLM model; see the module docstring.
 
     Reads each request's input payload (``thinker2talker``) and row map from the
@@ -260,6 +260,7 @@ class Qwen3OmniTalkerStage(nn.Module, SupportsMRoPE):
     """
 
     uses_stage_step = True
+    checkpoint_prefixes = ("talker.",)
 
     @classmethod
     def engine_hf_overrides(cls, hf_config) -> dict:
@@ -503,9 +504,9 @@ class Qwen3OmniTalkerStage(nn.Module, SupportsMRoPE):
         """
         decoder, own = [], []
         for name, tensor in weights:
-            if not name.startswith("talker."):
+            if self.is_unused_checkpoint_weight(name):
                 continue
-            name = name[len("talker."):]
+            name = name.removeprefix(self.checkpoint_prefixes[0])
             if name == "model.codec_embedding.weight":
                 name = "model.embed_tokens.weight"
             (decoder if name.startswith("model.") else own).append((name, tensor))
