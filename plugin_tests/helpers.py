@@ -195,3 +195,29 @@ def installed_wheel(root, timeout: float = 300) -> Path:
     (wheel,) = wheels.glob("vllm_omni_plugin-*.whl")
     pip("install", "-q", "--no-deps", "--target", str(site), str(wheel))
     return site
+
+
+def ci_matrix() -> list[tuple[str, str, str]]:
+    """[(vLLM release, build, its test kinds, e.g. "unit, cli, engine")] from ``.ci/run``'s
+    MATRIX line (rows of ``release[@build]:kind,kind``, build ``cpu`` unless named; a
+    release may have several rows), oldest release first."""
+    import re
+
+    from packaging.version import Version
+
+    from plugin_tests.conftest import REPO
+
+    (line,) = re.findall(r'^MATRIX="([^"]*)"$', (Path(REPO) / ".ci/run").read_text(), re.M)
+    kinds: dict[tuple[str, str], list[str]] = {}
+    for entry in line.split():
+        release, row = entry.split(":")
+        release, _, build = release.partition("@")
+        kinds.setdefault((release, build or "cpu"), []).extend(row.split(","))
+    return [(release, build, ", ".join(kinds[release, build]))
+            for release, build in sorted(kinds, key=lambda k: Version(k[0]))]
+
+
+def newest_engine_release() -> str:
+    """The newest vLLM release CI runs engines on (a CPU-build row with ``engine``)."""
+    return [release for release, build, kinds in ci_matrix()
+            if build == "cpu" and "engine" in kinds][-1]

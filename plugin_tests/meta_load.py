@@ -17,27 +17,6 @@ import json
 import sys
 
 
-def _engine_config(stage, pipeline: str, config_dir: str):
-    from vllm_omni_plugin.config.pipelines import builtin_pipeline
-    from vllm_omni_plugin.config.settings import OmniSettings
-    from vllm_omni_plugin.engine.stages import stage_engine_config
-
-    settings = OmniSettings(stage_configs_path=builtin_pipeline(pipeline))
-    return stage_engine_config(stage, {"model": config_dir, "dtype": "bfloat16",
-                                             "skip_tokenizer_init": True}, settings)
-
-
-def _build(stage, vllm_config):
-    import torch
-    from vllm.config import set_current_vllm_config
-
-    from vllm_omni_plugin.models import stage_model_class
-
-    cls = stage_model_class(stage.engine_args["hf_overrides"]["architectures"][0])
-    with set_current_vllm_config(vllm_config), torch.device("meta"):
-        return cls(vllm_config=vllm_config)
-
-
 def _load(model, vllm_config, tensors, wrong: str | None = None) -> set[str]:
     import torch
     from vllm.config import set_current_vllm_config
@@ -53,29 +32,25 @@ def _load(model, vllm_config, tensors, wrong: str | None = None) -> set[str]:
 
 
 def main(argv: list[str]) -> int:
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.utils.network_utils import get_open_port
-
     import vllm_omni_plugin
     from plugin_tests.released_checkpoints import bagel_tensors, qwen3_omni_tensors
     from vllm_omni_plugin.config.loader import load_pipeline_config
     from vllm_omni_plugin.config.pipelines import builtin_pipeline
+    from vllm_omni_plugin.tools.plan import build_on_meta, engine_configs, single_rank
 
     pipeline_name, config_dir = argv[0], argv[1]
     wanted = dict(arg.split(":", 1) for arg in argv[2:])
     vllm_omni_plugin.register()
-    pipeline = load_pipeline_config(builtin_pipeline(pipeline_name))
+    path = builtin_pipeline(pipeline_name)
+    pipeline = load_pipeline_config(path)
     stages = [next(s for s in pipeline.stages if s.name == name) for name in wanted]
-    configs = [_engine_config(stage, pipeline_name, config_dir) for stage in stages]
-    with set_current_vllm_config(configs[0]):
-        init_distributed_environment(1, 0, f"tcp://127.0.0.1:{get_open_port()}", 0, "gloo")
-        initialize_model_parallel(1, 1)
+    base = {"model": config_dir, "dtype": "bfloat16", "skip_tokenizer_init": True}
+    configs = [config for _, config in engine_configs(pipeline, path, base, stages)]
+    single_rank(configs[0])
     tensors = bagel_tensors() if pipeline_name == "bagel" else qwen3_omni_tensors()
-    for (name, bad_key), stage, vllm_config in zip(wanted.items(), stages, configs,
-                                                   strict=True):
+    for (name, bad_key), vllm_config in zip(wanted.items(), configs, strict=True):
         result = {"stage": name, "error": None, "bad_shape_error": None}
-        model = _build(stage, vllm_config)
+        model = build_on_meta(vllm_config)
         result["params"] = sorted(n for n, _ in model.named_parameters())
         try:
             result["loaded"] = sorted(_load(model, vllm_config, tensors))

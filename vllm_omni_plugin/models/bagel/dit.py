@@ -58,7 +58,11 @@ from vllm.model_executor.models.bagel import PositionEmbedding
 from vllm.model_executor.models.qwen2 import Qwen2MLP
 
 from vllm_omni_plugin.logger import init_logger
-from vllm_omni_plugin.models.bagel.autoencoder import FluxDecoder, to_uint8_image
+from vllm_omni_plugin.models.bagel.autoencoder import (
+    FluxDecoder,
+    autoencoder_config,
+    to_uint8_image,
+)
 from vllm_omni_plugin.models.weights import load_stacked
 from vllm_omni_plugin.processors.hookspecs import RequestError
 
@@ -602,6 +606,21 @@ class BagelDiTStage(nn.Module):
         self.stage_step = None
         self.stage_profiling = False
         self._outputs: dict[str, dict[str, torch.Tensor]] = {}
+
+    @classmethod
+    def plan_profile(cls, model_config) -> tuple[int, int]:
+        """What vLLM's memory profile runs here (:meth:`BagelDiT.profile_peak`), for
+        :mod:`vllm_omni_plugin.tools.plan`: ``(tokens, extra_bytes)``, the tokens one
+        denoising step of the largest image feeds the transformer at once (a context
+        and the latents, ``max_latent_size ** 2`` each, per CFG branch) and the FLUX
+        decoder's widest activations at full resolution (four ``side ** 2 x ch``
+        tensors at the model's dtype)."""
+        config = model_config.hf_config
+        latents = int(config.max_latent_size) ** 2
+        side = max_image_side(config)
+        ch = int(autoencoder_config(config.vae_config)["ch"])
+        return (len(BRANCHES) * 2 * latents,
+                4 * side * side * ch * model_config.dtype.itemsize)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[n]`` placeholder ids -> ``[n, hidden]`` zeros (the prompt carries nothing)."""

@@ -684,6 +684,21 @@ class Qwen3OmniCode2WavStage(OwnShards, nn.Module, SupportsMRoPE):
             "max_position_embeddings": nq * MAX_FRAMES + 1,
         }}}
 
+    @classmethod
+    def plan_profile(cls, model_config) -> tuple[int, int]:
+        """What vLLM's memory profile runs here (:meth:`profile_decode`), for
+        :mod:`vllm_omni_plugin.tools.plan`: ``(tokens, extra_bytes)``, the
+        :attr:`max_batch_frames` frames of the largest decoder call through the
+        pre-transformer, and its upsampling decoder's widest activations: four tensors of
+        ``samples x decoder_dim / 2 ** len(upsample_rates)`` (the last block's width at
+        the waveform's rate; each block halves the channels and multiplies the length by
+        its rate, so the last is the largest), at the model's dtype."""
+        cfg = model_config.hf_config.code2wav_config
+        samples = cls.max_batch_frames * int(math.prod(list(cfg.upsample_rates)
+                                                       + list(cfg.upsampling_ratios)))
+        width = int(cfg.decoder_dim) // 2 ** len(cfg.upsample_rates)
+        return cls.max_batch_frames, 4 * samples * width * model_config.dtype.itemsize
+
     # -- vLLM model interface -----------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[n]`` prompt ids -> ``[n, hidden]`` rows of the code embedding."""
