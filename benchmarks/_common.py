@@ -226,6 +226,21 @@ def engine_core_pid(pid: int) -> int:
     return proc.ppid() if title and title[0].startswith("VLLM::Worker") else pid
 
 
+def stage_engine_core_pid(log: str, stage_id: int) -> int:
+    """The EngineCore of stage ``stage_id``'s latest engine, from a server's log (its
+    worker's "stage N: OmniWorker (vLLM's ...)" line; :func:`engine_core_pid`).
+
+    Raises:
+        LookupError: no such line in ``log``.
+    """
+    import re
+
+    pids = re.findall(rf"\(\S+ pid=(\d+)\).*stage {stage_id}: \w+ \(vLLM's", log)
+    if not pids:
+        raise LookupError(f"no worker of stage {stage_id} in the log")
+    return engine_core_pid(int(pids[-1]))
+
+
 def http_get_status(url: str, timeout: float = 2.0) -> int | None:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:

@@ -39,11 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
     Server,
-    engine_core_pid,
     free_port,
     install_sigterm_as_interrupt,
     make_checkpoint,
     post_json,
+    stage_engine_core_pid,
     table,
     venv_bin,
     wait_health,
@@ -125,9 +125,7 @@ def burst(args, url: str, model: str, pid: int) -> dict:
 
 
 def restart(url: str, model: str, server: Server) -> dict:
-    pids = re.findall(r"\((?:EngineCore|Worker) pid=(\d+)\).*stage 1: loaded",
-                      "\n".join(line for _, line in server.snapshot()))
-    engine = engine_core_pid(int(pids[-1]))
+    engine = stage_engine_core_pid("\n".join(line for _, line in server.snapshot()), 1)
     t0 = server.elapsed()
     os.kill(engine, 9)
     status, answered = chat(url, model, "After the kill.")
