@@ -27,7 +27,7 @@ def _stage(stage_id: int, weights_gib: float, kv_kib: int, max_len: int = 1000,
 
 def _plan(gib: float, *stages: StagePlan, count: int = 1) -> Plan:
     plan = Plan("p.yaml", "m", Devices(count, gib), 0.05, list(stages), {})
-    return _allocate(plan, None)[0]
+    return _allocate(plan)
 
 
 @pytest.mark.parametrize(("text", "devices"), [

@@ -51,10 +51,9 @@ import argparse
 import dataclasses
 import math
 import sys
-from typing import Any
 
-#: bytes in a GiB
-GIB = 1 << 30
+from vllm_omni_plugin.config.placement import CPU_BIND_ENV, GIB, Host
+
 #: per-engine allowance for what vLLM's profile does not count: CUDA context (~0.5 GiB),
 #: CUDA graph pool (vLLM logs it after capture, 0.1-1 GiB for these models), NCCL
 ENGINE_OVERHEAD_GIB = 1.0
@@ -95,9 +94,8 @@ class Devices:
     def bytes(self) -> int:
         return int(self.gib * GIB)
 
-    def host(self):
-        from vllm_omni_plugin.config.placement import CPU_BIND_ENV, Host
-
+    def host(self) -> Host:
+        """The devices as the head's placement sees a host of them."""
         if self.cpu:
             return Host("cpu", (0,), CPU_BIND_ENV, self.bytes)
         return Host("gpu", tuple(range(self.count)), "CUDA_VISIBLE_DEVICES")
@@ -245,9 +243,9 @@ def engine_configs(pipeline, path: str, base: dict, stages=None):
 def make_plan(model: str, pipeline_name: str, devices: Devices, *,
               max_model_len: int | None = None, dtype: str = "bfloat16",
               quantization: dict[str, str] | None = None,
-              headroom: float = HEADROOM) -> tuple[Plan, Any]:
+              headroom: float = HEADROOM) -> Plan:
     """The plan of ``pipeline_name`` (a built-in name or a YAML path) serving ``model``
-    on ``devices``; returns it and the pipeline (``quantization`` applied).
+    on ``devices``.
 
     Raises:
         StageConfigError: the pipeline is invalid, or a stage of ``quantization`` is
@@ -286,10 +284,10 @@ def make_plan(model: str, pipeline_name: str, devices: Devices, *,
             vllm_config.scheduler_config.max_num_seqs, peak,
             0 if devices.cpu else int(ENGINE_OVERHEAD_GIB * GIB),
             vllm_config.model_config.quantization))
-    return _allocate(Plan(path, model, devices, headroom, stages, {}), pipeline)
+    return _allocate(Plan(path, model, devices, headroom, stages, {}))
 
 
-def _allocate(plan: Plan, pipeline) -> tuple[Plan, Any]:
+def _allocate(plan: Plan) -> Plan:
     """Each engine's KV cache and share (module docstring), per device."""
     size = plan.devices.bytes
     for device in sorted({d for s in plan.stages for d in s.devices}):
@@ -313,7 +311,7 @@ def _allocate(plan: Plan, pipeline) -> tuple[Plan, Any]:
             open_ = still
         for s in on:
             s.share = math.floor((s.fixed + s.kv_bytes) / size * 100) / 100
-    return plan, pipeline
+    return plan
 
 
 def plan_yaml(plan: Plan, command: str) -> str:
@@ -412,7 +410,7 @@ def plan_from_args(argv: list[str]) -> tuple[Plan, str]:
     import vllm_omni_plugin
 
     vllm_omni_plugin.register()
-    plan, _ = make_plan(args.model, args.pipeline, args.devices,
+    plan = make_plan(args.model, args.pipeline, args.devices,
                         max_model_len=args.max_model_len, dtype=args.dtype,
                         quantization=quantization, headroom=args.headroom)
     rest, skip = [], False
