@@ -17,11 +17,10 @@ from collections.abc import Callable
 import zmq
 
 from vllm_omni_plugin.logger import init_logger
-from vllm_omni_plugin.wire import auth
+from vllm_omni_plugin.wire import auth, envelope
 from vllm_omni_plugin.wire.codec import (
     BoundedDecoder,
     FrameRejected,
-    RejectReason,
     reject_stat_keys,
 )
 from vllm_omni_plugin.wire.sockets import WakePipe, connect
@@ -187,15 +186,7 @@ class OmniCoordClientForHub:
                 self._install(latest)
 
     def _decode(self, frames: list[zmq.Frame]) -> ReplicaList:
-        if len(frames) not in (1, 2):
-            raise FrameRejected(RejectReason.BAD_ENVELOPE, f"{len(frames)} parts")
-        payload = frames[0].buffer
-        self._decoder.check_size(payload)
-        if self._key is not None:
-            mac = frames[1].buffer if len(frames) == 2 else None
-            if not auth.verify(self._key, payload, mac):
-                raise FrameRejected(RejectReason.BAD_TOKEN, "missing or wrong signature")
-        decoded = self._decoder.decode(payload)
+        decoded = envelope.unseal(self._key, [f.buffer for f in frames], self._decoder)
         with self._cond:
             self._stats["frames_received"] += 1
             self._stats["lists_accepted"] += 1

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import zmq
 
 from vllm_omni_plugin.logger import init_logger
-from vllm_omni_plugin.wire import auth
+from vllm_omni_plugin.wire import auth, envelope
 from vllm_omni_plugin.wire.codec import encode
 from vllm_omni_plugin.wire.sockets import connect
 
@@ -192,7 +192,7 @@ class OmniCoordClientForStage:
                 event_type=event_type,
             )
         )
-        parts = [payload] if self._key is None else [payload, auth.sign(self._key, payload)]
+        parts = envelope.seal(self._key, payload)
         try:
             self._socket.send_multipart(parts, zmq.NOBLOCK)
             self.stats["events_sent"] += 1

@@ -28,16 +28,15 @@ import msgspec
 import zmq
 
 from vllm_omni_plugin.logger import init_logger
-from vllm_omni_plugin.wire import auth
+from vllm_omni_plugin.wire import auth, envelope
 from vllm_omni_plugin.wire.codec import (
     BoundedDecoder,
     FrameRejected,
     RejectLog,
-    RejectReason,
     encode,
     reject_stat_keys,
 )
-from vllm_omni_plugin.wire.sockets import ROUTER_HARD_MAX_BYTES, WakePipe, bind
+from vllm_omni_plugin.wire.sockets import ROUTER_HARD_MAX_BYTES, PollerThread, bind
 
 from .messages import (
     MAX_EVENT_FRAME_BYTES,
@@ -158,8 +157,9 @@ class OmniCoordinator:
         self._ctx = zmq.Context()
         self._router: zmq.Socket | None = None
         self._pub: zmq.Socket | None = None
-        self._waker = WakePipe()
-        self._stop = threading.Event()
+        self._thread = PollerThread("OmniCoordinator", self._step, self._poll_timeout_ms,
+                                    self._count_internal_error)
+        self._waker = self._thread.waker
         self._closed = False
         try:
             self._router = self._ctx.socket(zmq.ROUTER)
@@ -175,10 +175,8 @@ class OmniCoordinator:
         self.router_zmq_addr: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         self.pub_zmq_addr: str = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
 
-        self._thread = threading.Thread(
-            target=self._run, name="OmniCoordinator", daemon=True
-        )
-        self._thread.start()
+        self._next_check = time.monotonic() + self._check_interval
+        self._thread.start([self._router])
         logger.info(
             "OmniCoordinator listening: events on %s, replica list on %s "
             "(heartbeat timeout %.1fs, auth %s)",
@@ -257,11 +255,7 @@ class OmniCoordinator:
         if self._closed:
             return
         self._closed = True
-        self._stop.set()
-        self._waker.wake()
-        self._thread.join(timeout=5.0)
-        if self._thread.is_alive():  # pragma: no cover - defensive
-            logger.warning("OmniCoordinator thread did not stop within 5 s")
+        self._thread.stop()
         self._release_resources()
         logger.info("OmniCoordinator closed")
 
@@ -273,41 +267,26 @@ class OmniCoordinator:
 
     # ------------------------------------------------------------ poller loop
 
-    def _run(self) -> None:
-        assert self._router is not None
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._waker.fd, zmq.POLLIN)
-        next_check = time.monotonic() + self._check_interval
-        while not self._stop.is_set():
-            try:
-                next_check = self._run_once(poller, next_check)
-            except Exception:  # keep serving: a dead loop would silently stall the cluster
-                with self._lock:
-                    self._stats["internal_errors"] += 1
-                logger.exception("OmniCoordinator loop error (continuing)")
-                self._stop.wait(0.05)
-
-    def _run_once(self, poller: zmq.Poller, next_check: float) -> float:
-        """One poll + timers; returns the next liveness-check time (monotonic)."""
-        now = time.monotonic()
+    def _poll_timeout_ms(self) -> int:
+        """Milliseconds until the next liveness check or (re)publish is due."""
         with self._lock:
             interval = self._publish_min_interval if self._dirty else self._republish_interval
-        deadline = min(next_check, self._last_publish + interval)
-        timeout_ms = int(max(0.0, deadline - now) * 1000.0 + 0.999)
-        ready = dict(poller.poll(timeout_ms))
-        if self._stop.is_set():
-            return next_check
-        if self._waker.fd in ready:
-            self._waker.drain()
+        deadline = min(self._next_check, self._last_publish + interval)
+        return int(max(0.0, deadline - time.monotonic()) * 1000.0 + 0.999)
+
+    def _step(self, ready: dict) -> None:
+        """One round of the serving thread: received events, then the timers."""
         if self._router in ready:
             self._drain_router()
         now = time.monotonic()
-        if now >= next_check:
+        if now >= self._next_check:
             self._check_liveness(now)
-            next_check = now + self._check_interval
+            self._next_check = now + self._check_interval
         self._maybe_publish(now)
-        return next_check
+
+    def _count_internal_error(self) -> None:
+        with self._lock:
+            self._stats["internal_errors"] += 1
 
     def _drain_router(self) -> None:
         """Receive up to ``_RECV_BATCH`` frames, then apply the accepted events together.
@@ -371,15 +350,7 @@ class OmniCoordinator:
         # ROUTER prepends the sender identity: [identity, payload] or
         # [identity, payload, hmac].
         try:
-            if len(frames) not in (2, 3):
-                raise FrameRejected(RejectReason.BAD_ENVELOPE, f"{len(frames)} parts")
-            payload = frames[1]
-            self._decoder.check_size(payload)
-            if self._key is not None:
-                mac = frames[2] if len(frames) == 3 else None
-                if not auth.verify(self._key, payload, mac):
-                    raise FrameRejected(RejectReason.BAD_TOKEN, "missing or wrong signature")
-            return self._decoder.decode(payload)
+            return envelope.unseal(self._key, frames[1:], self._decoder)
         except FrameRejected as rej:
             self._count_reject(rej)
             return None
@@ -533,7 +504,7 @@ class OmniCoordinator:
                 len(snapshot.replicas), len(payload), MAX_LIST_FRAME_BYTES,
             )
             return False
-        parts = [payload] if self._key is None else [payload, auth.sign(self._key, payload)]
+        parts = envelope.seal(self._key, payload)
         with self._pub_lock:
             try:
                 if self._pub is None:

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 import zmq
 
 from vllm_omni_plugin.logger import init_logger
-from vllm_omni_plugin.wire import PROTOCOL_VERSION, auth
+from vllm_omni_plugin.wire import PROTOCOL_VERSION, auth, envelope
 from vllm_omni_plugin.wire.codec import BoundedDecoder, FrameRejected, RejectReason, encode
 from vllm_omni_plugin.wire.sockets import connect
 
@@ -180,7 +180,7 @@ class OmniMasterClient:
             if len(payload) > MAX_REQUEST_FRAME_BYTES:
                 raise ValueError(f"request is {len(payload)} bytes, over the "
                                  f"{MAX_REQUEST_FRAME_BYTES}-byte limit")
-            parts = [payload] if self._key is None else [payload, auth.sign(self._key, payload)]
+            parts = envelope.seal(self._key, payload)
             self.stats["requests"] += 1
             for _ in range(self._retries + 1):
                 self.stats["attempts"] += 1
@@ -218,9 +218,7 @@ class OmniMasterClient:
             self.stats["bad_replies"] += 1
             return None
         payload = frames[0]
-        if self._key is not None and not auth.verify(
-            self._key, payload, frames[1] if len(frames) == 2 else None
-        ):
+        if not envelope.verified(self._key, frames):
             # An unverifiable reply is trusted for one thing only: a master with a
             # different token telling us it rejected our signature (the worst an
             # injected one can do is fail this request, as dropping it would).

@@ -41,7 +41,7 @@ import msgspec
 import zmq
 
 from vllm_omni_plugin.logger import init_logger
-from vllm_omni_plugin.wire import auth
+from vllm_omni_plugin.wire import auth, envelope
 from vllm_omni_plugin.wire.codec import (
     BoundedDecoder,
     FrameRejected,
@@ -50,7 +50,7 @@ from vllm_omni_plugin.wire.codec import (
     encode,
     reject_stat_keys,
 )
-from vllm_omni_plugin.wire.sockets import ROUTER_HARD_MAX_BYTES, WakePipe, bind
+from vllm_omni_plugin.wire.sockets import ROUTER_HARD_MAX_BYTES, PollerThread, bind
 
 from .messages import (
     MAX_REQUEST_FRAME_BYTES,
@@ -356,8 +356,9 @@ class OmniMasterServer:
         self._call_lock = threading.Lock()  # closed flag vs. enqueue
         self._ctx = zmq.Context()
         self._router: zmq.Socket | None = None
-        self._waker = WakePipe()
-        self._stop = threading.Event()
+        self._thread = PollerThread("OmniMasterServer", self._step, lambda: None,
+                                    self._count_internal_error)
+        self._waker = self._thread.waker
         self._closed = False
         try:
             self._router = self._ctx.socket(zmq.ROUTER)
@@ -369,8 +370,8 @@ class OmniMasterServer:
             self._release_resources()
             raise
         self.address: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._thread = threading.Thread(target=self._run, name="OmniMasterServer", daemon=True)
-        self._thread.start()
+
+        self._thread.start([self._router])
         logger.info(
             "OmniMasterServer listening on %s (ports %d-%d, endpoints %s, auth %s)",
             self.address, lo, hi, ",".join(names), "on" if self._key else "off",
@@ -439,11 +440,7 @@ class OmniMasterServer:
             if self._closed:
                 return
             self._closed = True
-        self._stop.set()
-        self._waker.wake()
-        self._thread.join(timeout=5.0)
-        if self._thread.is_alive():  # pragma: no cover - defensive
-            logger.warning("OmniMasterServer thread did not stop within 5 s")
+        self._thread.stop()
         self._fail_pending_calls()
         self._release_resources()
         logger.info("OmniMasterServer closed")
@@ -503,26 +500,15 @@ class OmniMasterServer:
 
     # ------------------------------------------------------------ poller loop
 
-    def _run(self) -> None:
-        assert self._router is not None
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._waker.fd, zmq.POLLIN)
-        while not self._stop.is_set():
-            try:
-                ready = dict(poller.poll())
-                if self._stop.is_set():
-                    break
-                if self._waker.fd in ready:
-                    self._waker.drain()
-                self._drain_calls()
-                if self._router in ready:
-                    self._drain_router()
-            except Exception:  # keep serving
-                with self._lock:
-                    self._stats["internal_errors"] += 1
-                logger.exception("OmniMasterServer loop error (continuing)")
-                self._stop.wait(0.05)
+    def _step(self, ready: dict) -> None:
+        """One round of the serving thread: in-process calls, then received frames."""
+        self._drain_calls()
+        if self._router in ready:
+            self._drain_router()
+
+    def _count_internal_error(self) -> None:
+        with self._lock:
+            self._stats["internal_errors"] += 1
 
     def _drain_router(self) -> None:
         assert self._router is not None
@@ -542,15 +528,7 @@ class OmniMasterServer:
         # ROUTER prepends the sender identity: [identity, payload(, hmac)].
         identity = frames[0].bytes
         try:
-            if len(frames) not in (2, 3):
-                raise FrameRejected(RejectReason.BAD_ENVELOPE, f"{len(frames)} parts")
-            payload = frames[1].buffer
-            self._decoder.check_size(payload)
-            if self._key is not None:
-                mac = frames[2].buffer if len(frames) == 3 else None
-                if not auth.verify(self._key, payload, mac):
-                    raise FrameRejected(RejectReason.BAD_TOKEN, "missing or wrong signature")
-            req = self._decoder.decode(payload)
+            req = envelope.unseal(self._key, [f.buffer for f in frames[1:]], self._decoder)
         except FrameRejected as rej:
             self._count_reject(rej)
             self._answer_reject(identity, frames, rej)
@@ -624,9 +602,7 @@ class OmniMasterServer:
 
     def _send(self, identity: bytes, payload: bytes) -> None:
         assert self._router is not None
-        parts = [identity, payload]
-        if self._key is not None:
-            parts.append(auth.sign(self._key, payload))
+        parts = [identity, *envelope.seal(self._key, payload)]
         try:
             self._router.send_multipart(parts, zmq.NOBLOCK)
         except zmq.ZMQError:  # peer gone (ROUTER_MANDATORY) or its queue full

@@ -59,13 +59,12 @@ def load_stacked(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
     return set(loaded)
 
 
-
 class OwnShards:
     """Mixin for a stage model that takes only some of a shared checkpoint's weights
     (those under :attr:`checkpoint_prefixes`): vLLM's default loader (0.32 and later,
     ``DefaultModelLoader.Source.is_unused_weight``) then skips every safetensors shard
     whose keys :meth:`is_unused_checkpoint_weight` all accepts, and logs how many it
-    skipped. Qwen3-Omni's code2wav (0.2 GiB) sits in the last of 15 shards (66 GiB in
+    skipped. Qwen3-Omni's code2wav (0.4 GiB) sits in the last of 15 shards (66 GiB in
     all). vLLM 0.30 and 0.31 read every shard.
     """
 

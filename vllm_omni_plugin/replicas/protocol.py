@@ -29,8 +29,8 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from vllm_omni_plugin.coordinator.messages import PROTOCOL_VERSION
-from vllm_omni_plugin.wire import auth
-from vllm_omni_plugin.wire.codec import BoundedDecoder, FrameRejected, RejectReason, encode
+from vllm_omni_plugin.wire import auth, envelope
+from vllm_omni_plugin.wire.codec import BoundedDecoder, encode
 
 #: Names of the endpoints the master assigns each remote replica a port for: its task
 #: channel, and the bootstrap server of a prefill stage's engine (vLLM's Mooncake
@@ -171,8 +171,7 @@ class Channel:
 
     def frames(self, msg: msgspec.Struct) -> list[bytes]:
         """The frames that carry ``msg`` (plus its signature when signing)."""
-        body = encode(msg)
-        return [body, auth.sign(self._key, body)] if self._key else [body]
+        return envelope.seal(self._key, encode(msg))
 
     def decode(self, frames: list[bytes]):
         """Decode a message's frames.
@@ -181,9 +180,4 @@ class Channel:
             FrameRejected: bad envelope, oversize, bad signature, malformed,
                 wrong version or type, or invalid fields.
         """
-        if len(frames) != (2 if self._key else 1):
-            raise FrameRejected(RejectReason.BAD_ENVELOPE, f"{len(frames)} parts")
-        self._decoder.check_size(frames[0])
-        if self._key and not auth.verify(self._key, frames[0], frames[1]):
-            raise FrameRejected(RejectReason.BAD_TOKEN)
-        return self._decoder.decode(frames[0]).msg
+        return envelope.unseal(self._key, frames, self._decoder).msg

@@ -5,8 +5,13 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from collections.abc import Callable, Sequence
 
 import zmq
+
+from vllm_omni_plugin.logger import init_logger
+
+logger = init_logger(__name__)
 
 #: Frames larger than this are dropped by libzmq itself (the sending peer is
 #: disconnected) before Python sees them, bounding the memory one peer can make
@@ -76,3 +81,64 @@ def connect(ctx: zmq.Context, socket_type: int, addr: str,
         ctx.term()
         raise RuntimeError(f"cannot connect to coordinator at {addr}: {e}") from e
     return sock
+
+
+class PollerThread:
+    """The daemon thread that serves a ZMQ endpoint, and its stop.
+
+    Once started, the thread polls the sockets given to :meth:`start` and its own
+    :class:`WakePipe` (:attr:`waker`, which other threads use to interrupt a poll) for
+    input, with the timeout ``timeout()`` gives (ms; None: until input), then calls
+    ``step(ready)`` with the ready sockets, until :meth:`stop`. An exception in a step
+    is counted (``on_error``) and logged, and the loop goes on 50 ms later: a dead
+    loop would silently stall the cluster.
+
+    Args:
+        name: the thread's name, in logs.
+        step: one round of work on what ``poll`` found ready (``{socket: event}``).
+        timeout: milliseconds until the next round is due without input, or None.
+        on_error: counts a failed step.
+    """
+
+    def __init__(self, name: str, step: Callable[[dict], None],
+                 timeout: Callable[[], int | None], on_error: Callable[[], None]) -> None:
+        self.name = name
+        self.waker = WakePipe()
+        self._stopping = threading.Event()
+        self._step, self._timeout, self._on_error = step, timeout, on_error
+        self._thread: threading.Thread | None = None
+
+    def start(self, sockets: Sequence[zmq.Socket]) -> None:
+        """Serve ``sockets`` from now on."""
+        self._thread = threading.Thread(target=self._run, args=(sockets,), name=self.name,
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the loop and join the thread (up to ``timeout`` s; a warning if it is
+        still running then). The caller closes the sockets, then :attr:`waker`."""
+        self._stopping.set()
+        self.waker.wake()
+        if self._thread is None:
+            return
+        self._thread.join(timeout=timeout)
+        if self._thread.is_alive():  # pragma: no cover - defensive
+            logger.warning("%s thread did not stop within %g s", self.name, timeout)
+
+    def _run(self, sockets: Sequence[zmq.Socket]) -> None:
+        poller = zmq.Poller()
+        for sock in sockets:
+            poller.register(sock, zmq.POLLIN)
+        poller.register(self.waker.fd, zmq.POLLIN)
+        while not self._stopping.is_set():
+            try:
+                ready = dict(poller.poll(self._timeout()))
+                if self._stopping.is_set():
+                    return
+                if self.waker.fd in ready:
+                    self.waker.drain()
+                self._step(ready)
+            except Exception:  # keep serving
+                self._on_error()
+                logger.exception("%s loop error (continuing)", self.name)
+                self._stopping.wait(0.05)
