@@ -15,7 +15,7 @@ from plugin_tests.helpers import wait_until
 from vllm_omni_plugin.coordinator.messages import EventType, ReplicaEvent, ReplicaStatus
 from vllm_omni_plugin.wire import auth, envelope
 from vllm_omni_plugin.wire.codec import BoundedDecoder, FrameRejected, RejectReason, encode
-from vllm_omni_plugin.wire.sockets import PollerThread
+from vllm_omni_plugin.wire.sockets import PollerThread, ephemeral_ports, free_listen_port
 
 KEY = b"cluster-token"
 EVENT = ReplicaEvent("tcp://127.0.0.1:1", "tcp://127.0.0.1:2", 1, ReplicaStatus.UP, 3,
@@ -110,3 +110,17 @@ def test_stopping_a_thread_never_started_returns():
     thread = PollerThread("never", lambda ready: None, lambda: None, lambda: None)
     thread.stop()
     thread.waker.close()
+
+
+def test_a_listen_port_is_free_and_below_the_ephemeral_range(tmp_path):
+    import socket
+
+    low, _ = ephemeral_ports()
+    ports = {free_listen_port() for _ in range(20)}
+    assert all(10000 <= p < low for p in ports) and len(ports) > 1  # random, not sequential
+    with socket.socket() as taken:
+        port = free_listen_port()
+        taken.bind(("", port))  # it was free
+    (tmp_path / "range").write_text("1024\t5000\n")
+    assert ephemeral_ports(str(tmp_path / "range")) == (1024, 5000)
+    assert ephemeral_ports(str(tmp_path / "missing")) == (32768, 60999)

@@ -96,11 +96,11 @@ def _kv_transfer_config(stage, heartbeat_timeout: float, bootstrap_port: int | N
     """A new engine id (and, for a prefill engine, ``bootstrap_port`` or a free one) for
     each start."""
     from vllm.config import KVTransferConfig
-    from vllm.utils.network_utils import get_open_port
 
     from vllm_omni_plugin.kv_transfer import kv_transfer_config, new_engine_id
+    from vllm_omni_plugin.wire.sockets import free_listen_port
 
-    port = (bootstrap_port or get_open_port()) if stage.is_prefill else None
+    port = (bootstrap_port or free_listen_port()) if stage.is_prefill else None
     return KVTransferConfig(**kv_transfer_config(
         stage.pd, new_engine_id(stage.name), stage.pd.transfer_timeout(heartbeat_timeout),
         port))

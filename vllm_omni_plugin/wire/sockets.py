@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
+import socket
 import threading
 from collections.abc import Callable, Sequence
 
@@ -18,6 +20,45 @@ logger = init_logger(__name__)
 #: the coordinator buffer. Frames between :data:`MAX_EVENT_FRAME_BYTES` and this
 #: are received and counted as ``rejected.oversize``.
 ROUTER_HARD_MAX_BYTES = 64 * 1024
+
+
+#: Linux's default ephemeral range (``net.ipv4.ip_local_port_range``), when unreadable
+EPHEMERAL_DEFAULT = (32768, 60999)
+#: the lowest port :func:`free_listen_port` picks
+LISTEN_PORT_FLOOR = 10000
+
+
+def ephemeral_ports(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
+    """The host's ephemeral port range, from which the kernel gives outgoing
+    connections (and ``bind(port 0)``) their local port."""
+    try:
+        with open(path) as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return EPHEMERAL_DEFAULT
+
+
+def free_listen_port(tries: int = 100) -> int:
+    """A TCP port free now, for a server that another process binds later, picked at
+    random below the ephemeral range (from :data:`LISTEN_PORT_FLOOR`). A port from
+    ``bind(port 0)`` is an ephemeral one: until the server binds it, any outgoing
+    connection on the host may take it as its local port, or another process picking
+    the same way get it too (seen in CI: a Mooncake bootstrap port "already in use").
+
+    Raises:
+        OSError: none of ``tries`` ports was free.
+    """
+    low = ephemeral_ports()[0]
+    top = low - 1 if low - 1 > LISTEN_PORT_FLOOR else 65535
+    for port in random.sample(range(LISTEN_PORT_FLOOR, top + 1), tries):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free TCP port among {tries} tried in {LISTEN_PORT_FLOOR}-{top}")
 
 
 def bind(sock: zmq.Socket, addr: str) -> None:
