@@ -241,6 +241,16 @@ def stage_engine_core_pid(log: str, stage_id: int) -> int:
     return engine_core_pid(int(pids[-1]))
 
 
+def timed_audio_chat(url: str, model: str, text: str,
+                     timeout: float = 900) -> tuple[int, float]:
+    """One text + audio chat (4 thinker tokens, greedy): (HTTP status, seconds)."""
+    start = time.perf_counter()
+    status, _ = post_json(f"{url}/v1/chat/completions", {
+        "model": model, "max_tokens": 4, "temperature": 0, "modalities": ["text", "audio"],
+        "messages": [{"role": "user", "content": text}]}, timeout=timeout)
+    return status, time.perf_counter() - start
+
+
 def http_get_status(url: str, timeout: float = 2.0) -> int | None:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:

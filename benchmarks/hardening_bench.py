@@ -42,9 +42,9 @@ from _common import (  # noqa: E402
     free_port,
     install_sigterm_as_interrupt,
     make_checkpoint,
-    post_json,
     stage_engine_core_pid,
     table,
+    timed_audio_chat,
     venv_bin,
     wait_health,
 )
@@ -70,14 +70,6 @@ def percentile(values: list[float], q: float) -> float | None:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
-def chat(url: str, model: str, text: str) -> tuple[int, float]:
-    start = time.perf_counter()
-    status, _ = post_json(f"{url}/v1/chat/completions", {
-        "model": model, "max_tokens": 4, "temperature": 0, "modalities": ["text", "audio"],
-        "messages": [{"role": "user", "content": text}]}, timeout=900)
-    return status, time.perf_counter() - start
-
-
 def log_time(server: Server, pattern: str, after: float, timeout: float = 300) -> float:
     """Seconds since launch of the first log line after ``after`` matching ``pattern``."""
     deadline = time.monotonic() + timeout
@@ -96,7 +88,7 @@ def burst(args, url: str, model: str, pid: int) -> dict:
     done = threading.Event()
 
     def one(i: int) -> None:
-        outcome = chat(url, model, f"Request number {i}.")
+        outcome = timed_audio_chat(url, model, f"Request number {i}.")
         with lock:
             results.append(outcome)
 
@@ -128,7 +120,7 @@ def restart(url: str, model: str, server: Server) -> dict:
     engine = stage_engine_core_pid("\n".join(line for _, line in server.snapshot()), 1)
     t0 = server.elapsed()
     os.kill(engine, 9)
-    status, answered = chat(url, model, "After the kill.")
+    status, answered = timed_audio_chat(url, model, "After the kill.")
     return {
         "detected": log_time(server, r"stage 1 replica \d+ .*engine core exited", t0) - t0,
         "restarted": log_time(server, r"stage 1 replica \d+ .*restarted in", t0) - t0,
@@ -166,7 +158,7 @@ def main() -> None:
         with server:
             wait_health(server, f"{url}/health", timeout=600)
             for i in range(2):
-                chat(url, str(ckpt), f"Warm up {i}.")
+                timed_audio_chat(url, str(ckpt), f"Warm up {i}.")
             b = burst(args, url, str(ckpt), server.proc.pid)
             r = restart(url, str(ckpt), server)
     rows = []

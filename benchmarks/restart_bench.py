@@ -37,9 +37,9 @@ from _common import (  # noqa: E402
     Server,
     audio_pipeline_serve,
     install_sigterm_as_interrupt,
-    post_json,
     stage_engine_core_pid,
     table,
+    timed_audio_chat,
     wait_health,
 )
 
@@ -67,14 +67,6 @@ def _compile(server: Server) -> dict:
             "load_failures": re.findall(r"Compiling model again due to a load failure.*", text)}
 
 
-def _chat(url: str, model: str, text: str) -> tuple[int, float]:
-    start = time.perf_counter()
-    status, _ = post_json(f"{url}/v1/chat/completions", {
-        "model": model, "max_tokens": 4, "temperature": 0, "modalities": ["text", "audio"],
-        "messages": [{"role": "user", "content": text}]}, timeout=600)
-    return status, time.perf_counter() - start
-
-
 def _wait_log(server: Server, pattern: str, timeout: float = 300) -> re.Match:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -94,13 +86,14 @@ def start(argv: list[str], env: dict, log: Path, url: str, model: str,
         result = {"health_s": health, **_compile(server)}
         talker = re.search(r"stage 1 \(talker\) engine ready in ([\d.]+) s", text)
         result["talker_ready_s"] = float(talker.group(1)) if talker else None
-        status, _ = _chat(url, model, "Warm up.")
+        status, _ = timed_audio_chat(url, model, "Warm up.", timeout=600)
         assert status == 200, server.tail()
         if kill_talker:
             os.kill(stage_engine_core_pid(_log(server), 1), 9)
             restarted = _wait_log(server, r"stage 1 replica \d+ .*restarted in ([\d.]+) s")
             result["talker_restart_s"] = float(restarted.group(1))
-            result["after_restart"] = _chat(url, model, "After the restart.")
+            result["after_restart"] = timed_audio_chat(url, model, "After the restart.",
+                                                       timeout=600)
     return result
 
 

@@ -153,3 +153,23 @@ def bagel_config() -> dict:
             "max_latent_size": overrides["max_latent_size"],
             "vit_max_num_patch_per_side": overrides["vit_max_num_patch_per_side"],
             "llm_config": llm, "vit_config": vit, "vae_config": overrides["ae"]}
+
+
+def write_released_config(name: str, folder: str) -> str:
+    """Write the derived ``config.json`` of released checkpoint ``name`` (``qwen3_omni``
+    or ``bagel``) into ``folder`` (made if missing), with, for BAGEL, a tokenizer with
+    Qwen2.5's special tokens (its DiT reads its image markers' ids from it); returns
+    ``folder``."""
+    os.makedirs(folder, exist_ok=True)
+    config = {"qwen3_omni": qwen3_omni_config, "bagel": bagel_config}[name]()
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    if name == "bagel":
+        from vllm_omni_plugin.models.bagel.tiny_checkpoint import BAGEL_SPECIAL_TOKENS
+        from vllm_omni_plugin.tools.tiny_tokenizer import (
+            QWEN25_ADDED_TOKENS,
+            build_qwen_tokenizer,
+        )
+
+        build_qwen_tokenizer(QWEN25_ADDED_TOKENS, BAGEL_SPECIAL_TOKENS).save_pretrained(folder)
+    return folder

@@ -32,31 +32,14 @@ SHIPPED = {
 }
 
 
-def released_config_dirs(root: str) -> dict[str, str]:
-    """Directories under ``root`` with each released checkpoint's derived
-    ``config.json`` (and, for BAGEL, a tokenizer with Qwen2.5's special tokens: the
-    DiT reads its image markers' ids from it)."""
-    from plugin_tests.released_checkpoints import bagel_config, qwen3_omni_config
-    from vllm_omni_plugin.models.bagel.tiny_checkpoint import BAGEL_SPECIAL_TOKENS
-    from vllm_omni_plugin.tools.tiny_tokenizer import QWEN25_ADDED_TOKENS, build_qwen_tokenizer
-
-    dirs = {}
-    for name, config in (("qwen3_omni", qwen3_omni_config()), ("bagel", bagel_config())):
-        dirs[name] = os.path.join(root, name)
-        os.makedirs(dirs[name], exist_ok=True)
-        with open(os.path.join(dirs[name], "config.json"), "w") as f:
-            json.dump(config, f)
-    build_qwen_tokenizer(QWEN25_ADDED_TOKENS, BAGEL_SPECIAL_TOKENS).save_pretrained(
-        dirs["bagel"])
-    return dirs
-
-
 def main(argv: list[str]) -> int:
+    from plugin_tests.released_checkpoints import write_released_config
     from vllm_omni_plugin.config.pipelines import BUILTIN_DIR
     from vllm_omni_plugin.tools.plan import plan_from_args, render
 
     with tempfile.TemporaryDirectory() as root:
-        dirs = released_config_dirs(root)
+        dirs = {name: write_released_config(name, os.path.join(root, name))
+                for name in ("qwen3_omni", "bagel")}
         plans = {}
         for name, (checkpoint, args) in SHIPPED.items():
             plan, text = plan_from_args([dirs[checkpoint], *args])

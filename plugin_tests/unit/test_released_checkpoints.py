@@ -37,14 +37,16 @@ def test_the_listing_is_the_published_checkpoint():
     assert in_last <= shards["model-00015-of-00015.safetensors"] < in_last + (1 << 16)
 
 
-def _meta_load(tmp_path, pipeline: str, config: dict, bad_keys: dict[str, str]) -> list:
-    """Run ``plugin_tests.meta_load`` over ``config``: one result per stage."""
+def _meta_load(tmp_path, checkpoint: str, pipeline: str, bad_keys: dict[str, str]) -> list:
+    """Run ``plugin_tests.meta_load`` over released ``checkpoint``'s derived config
+    (``write_released_config``): one result per stage."""
     import json
     import subprocess
 
     from plugin_tests.conftest import PYTHON, REPO
+    from plugin_tests.released_checkpoints import write_released_config
 
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    write_released_config(checkpoint, str(tmp_path))
     done = subprocess.run([PYTHON, "-m", "plugin_tests.meta_load", pipeline, str(tmp_path),
                            *(f"{stage}:{key}" for stage, key in bad_keys.items())],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -75,12 +77,10 @@ def test_every_qwen3_omni_stage_loader_takes_the_released_checkpoint(tmp_path):
     shapes. Every parameter is loaded and no error is raised: each loader takes every key
     of its prefix (an unknown one raises) and skips the others. The same load with one of
     its tensors a row too long fails naming it."""
-    from plugin_tests.released_checkpoints import qwen3_omni_config
-
     bad_keys = {stage: f"{stage}.model.layers.1.mlp.experts.3.down_proj.weight"
                 for stage in ("thinker", "talker")}
     bad_keys["code2wav"] = "code2wav.decoder.1.block.2.conv1.conv.weight"
-    results = _meta_load(tmp_path, "qwen3_omni_moe", qwen3_omni_config(), bad_keys)
+    results = _meta_load(tmp_path, "qwen3_omni", "qwen3_omni_moe", bad_keys)
     _assert_every_parameter_loaded(results, bad_keys)
 
 
@@ -91,15 +91,9 @@ def test_every_bagel_stage_loader_takes_the_released_checkpoint(tmp_path):
     are fed every key of ``ema.safetensors`` and ``ae.safetensors`` as derived from the
     official modeling code (not from the plugin's modules, so not circular). Every
     parameter of each is loaded; a wrong shape fails naming the key."""
-    from plugin_tests.released_checkpoints import bagel_config
-    from vllm_omni_plugin.models.bagel.tiny_checkpoint import BAGEL_SPECIAL_TOKENS
-    from vllm_omni_plugin.tools.tiny_tokenizer import QWEN25_ADDED_TOKENS, build_qwen_tokenizer
-
-    # the DiT reads its image markers' ids from the tokenizer (Qwen2.5's, in the release)
-    build_qwen_tokenizer(QWEN25_ADDED_TOKENS, BAGEL_SPECIAL_TOKENS).save_pretrained(tmp_path)
     # vLLM's column-parallel loaders cut a tensor to the parameter's rows: a norm's
     # loader checks the whole shape
     bad_keys = {"ar": "language_model.model.layers.1.input_layernorm.weight",
                 "dit": "language_model.model.layers.1.input_layernorm_moe_gen.weight"}
-    results = _meta_load(tmp_path, "bagel", bagel_config(), bad_keys)
+    results = _meta_load(tmp_path, "bagel", "bagel", bad_keys)
     _assert_every_parameter_loaded(results, bad_keys)
