@@ -216,6 +216,40 @@ def test_v2_keeps_the_step_batch_from_prepare_inputs_and_stores_it_after_the_for
     assert "self.input_batch" not in ast.unparse(runner)
 
 
+# -- streaming_max_tokens: a resumable request's later chunks keep the first max_tokens -
+def test_a_resumable_requests_next_chunk_brings_its_own_max_tokens():
+    """vLLM's own ``Scheduler._update_request_as_session`` (patched where it needs it)
+    on a real ``Request``: after a chunk of 2 tokens, the next chunk's 5 is the session's
+    limit. Only the scheduler is a stand-in: the method reads three of its counters."""
+    from types import SimpleNamespace
+
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import Request, RequestStatus, StreamingUpdate
+
+    from vllm_omni_plugin.compat import streaming_max_tokens
+
+    streaming_max_tokens.apply()
+    method = Scheduler._update_request_as_session
+    assert getattr(method, MARKER, False) is streaming_max_tokens.needed(
+        inspect.unwrap(method))
+
+    def request(prompt, max_tokens):
+        return Request("r", prompt, SamplingParams(max_tokens=max_tokens), None,
+                       resumable=True)
+
+    session = request([1, 2, 3], 2)
+    session.append_output_token_ids([7, 8])
+    session.num_computed_tokens = 4  # the last sampled token (8) was not fed
+    session.status = RequestStatus.WAITING_FOR_STREAMING_REQ
+    scheduler = SimpleNamespace(hash_block_size=16, num_waiting_for_streaming_input=1,
+                                log_stats=False)
+    Scheduler._update_request_as_session(scheduler, session,
+                                         StreamingUpdate.from_request(request([8], 5)))
+    assert session.prompt_token_ids == [1, 2, 3, 7, 8]
+    assert session.max_tokens == 5
+
+
 # -- exit_gc: CPython collects a vLLM process's whole heap again at exit --------------
 def test_shim_needed_exit_gc_engine_core_freezes_its_heap_on_rocm_only():
     """``run_engine_core`` freezes the surviving heap before exit only under

@@ -15,6 +15,7 @@ PATCH_MODULES = (
     "vllm_omni_plugin.compat.engine_client",
     "vllm_omni_plugin.compat.serve_headless",
     "vllm_omni_plugin.compat.compile_cache_key",
+    "vllm_omni_plugin.compat.streaming_max_tokens",
 )
 
 MARKER = "__vllm_omni_plugin_patched__"
