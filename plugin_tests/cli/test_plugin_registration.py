@@ -160,4 +160,4 @@ def test_omni_flags_reach_additional_config(envs):
     assert settings["entry"] is True and settings["payload_dir"]
     assert result["hf"]["architectures"] == ["OmniPluginQwen3OmniThinker"]
     assert result["middleware"] == [
-        "vllm_omni_plugin.entrypoints.audio_output.OmniAudioMiddleware"]
+        "vllm_omni_plugin.entrypoints.middleware.OmniApiMiddleware"]

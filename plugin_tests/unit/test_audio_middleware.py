@@ -17,14 +17,14 @@ import torch
 
 from vllm_omni_plugin.engine.omni_request import StageResult, current_omni_request
 from vllm_omni_plugin.entrypoints.audio_encoding import AUDIO_FORMATS, encode_audio
-from vllm_omni_plugin.entrypoints.audio_output import (
+from vllm_omni_plugin.entrypoints.chat_audio import (
     CHAT_PATH,
     COMPLETIONS_PATH,
-    VOICES_PATH,
-    OmniAudioMiddleware,
     parse_audio_request,
 )
 from vllm_omni_plugin.entrypoints.media_input import RequestError
+from vllm_omni_plugin.entrypoints.middleware import VOICES_PATH
+from vllm_omni_plugin.entrypoints.middleware import OmniApiMiddleware as OmniAudioMiddleware
 from vllm_omni_plugin.entrypoints.speech import (
     SPEECH_PATH,
     parse_speech_request,

@@ -802,7 +802,7 @@ def test_the_entry_feed_copies_each_row_about_once(tmp_path):
     """The API server reads the entry stage's rows for the fed stage after nearly every
     token: it keeps them in buffers that double when full, so 200 chunks move the rows
     O(log 200) times (joining all rows again for each chunk was O(rows²) a request)."""
-    from vllm_omni_plugin.engine.orchestrator import _EntryFeed
+    from vllm_omni_plugin.engine.streaming import InputStream as _EntryFeed
 
     store = PayloadStore(str(tmp_path / "run"))
     store.create("k")

@@ -334,7 +334,7 @@ def apply_omni_args(args: argparse.Namespace, engine_args) -> None:
         engine_args.additional_config if isinstance(engine_args.additional_config, dict)
         else None)
     middleware = list(getattr(args, "middleware", None) or [])
-    from vllm_omni_plugin.entrypoints.audio_output import MIDDLEWARE_QUALNAME
+    from vllm_omni_plugin.entrypoints.middleware import MIDDLEWARE_QUALNAME
 
     if MIDDLEWARE_QUALNAME not in middleware and hasattr(args, "middleware"):
         args.middleware = [*middleware, MIDDLEWARE_QUALNAME]

@@ -1,6 +1,6 @@
 """What one API request asks of the pipeline beyond vLLM's own fields, and what it got.
 
-The API layer (:mod:`vllm_omni_plugin.entrypoints.audio_output`) validates the
+The API layer (:mod:`vllm_omni_plugin.entrypoints.middleware`) validates the
 client's ``modalities`` and ``audio`` fields, builds an :class:`OmniRequest` and
 runs vLLM's handler inside :func:`omni_request_scope`; the orchestrator, called
 by vLLM's handler in the same task (or a task created from it), finds it with

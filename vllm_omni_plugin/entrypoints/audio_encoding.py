@@ -75,3 +75,8 @@ def encode_audio(samples, sample_rate: int, fmt: str) -> bytes:
     sf.write(buf, data, sample_rate, format=spec.container, subtype=spec.subtype,
              endian="LITTLE" if spec.container == "RAW" else "FILE")
     return buf.getvalue()
+
+
+def sample_rate_of(payload: dict) -> int:
+    """The sample rate (Hz) in a final stage's output payload (``sample_rate`` ``[k]``)."""
+    return int(payload["sample_rate"].reshape(-1)[0])

@@ -23,12 +23,24 @@ above and the model's knobs may stand in the chat body, and the answer is a
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
+import json
 import time
 import uuid
 
+from vllm_omni_plugin.engine.omni_request import IMAGE, OmniRequest
+from vllm_omni_plugin.entrypoints.asgi import (
+    captured,
+    error_body,
+    hf_config,
+    send_failure,
+    send_json,
+)
+from vllm_omni_plugin.entrypoints.chat_audio import COMPLETIONS_PATH
 from vllm_omni_plugin.entrypoints.media_input import required_text
+from vllm_omni_plugin.processors import plan_image
 from vllm_omni_plugin.processors.hookspecs import ImageRequest, RequestError
 
 IMAGES_PATH = "/v1/images/generations"
@@ -176,3 +188,49 @@ def chat_image_response(encoded: bytes, fmt: str, model: str, usage: dict | None
                 "role": "assistant",
                 "content": [{"type": "image_url", "image_url": {"url": url}}]}}],
             "usage": usage}
+
+
+def plan_image_request(scope, body: dict, field: str = "model"):
+    """Validate an image request and plan it with the served model's plugin.
+
+    Returns:
+        ``(ImageRequest, ImagePlan, output_format, output_compression)``.
+
+    Raises:
+        RequestError: naming the field; ``field`` when the served model draws no
+            images.
+    """
+    request, fmt, compression = parse_image_request(body)
+    config = hf_config(scope)
+    plan = None if config is None else plan_image(config, request)
+    if plan is None:
+        raise RequestError(field, "the served model does not generate images")
+    return request, plan, fmt, compression
+
+
+async def serve_image(app, scope, receive, send, request, plan, fmt: str,
+                      compression: int | None, chat: bool = False) -> None:
+    """``POST /v1/images/generations``, or a chat completion asking for an image
+    (``chat``): the completion of :func:`completion_body`, whose downstream stages
+    draw the image, answered as OpenAI's ``ImagesResponse`` or as a
+    ``chat.completion`` with an image content part (see the module docstring)."""
+    omni = OmniRequest(modalities=(IMAGE,), options={"image": plan.options},
+                       companions=dict(plan.companions))
+    completions = {**scope, "path": COMPLETIONS_PATH, "raw_path": COMPLETIONS_PATH.encode()}
+    answer = await captured(
+        app, completions, receive,
+        json.dumps(completion_body(request, plan.prompt)).encode(), omni)
+    result = omni.result
+    if result is not None and result.error:
+        return await send_failure(send, result)
+    if answer.status != 200:
+        return await answer.replay(send, answer.body)  # vLLM's own error
+    if result is None or "image" not in result.payload:
+        return await send_json(send, 500, error_body(
+            "the pipeline's final stage produced no image", 500))
+    encoded = await asyncio.to_thread(encode_image, result.payload["image"], fmt,
+                                      compression)
+    response = chat_image_response(encoded, fmt, request.model,
+                                   json.loads(answer.body).get("usage")) if chat \
+        else images_response(encoded, fmt, plan.width, plan.height)
+    await send_json(send, 200, json.dumps(response).encode())

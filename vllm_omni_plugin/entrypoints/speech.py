@@ -19,11 +19,20 @@ are containers, encoded once the whole speech exists.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 from dataclasses import dataclass
 
-from vllm_omni_plugin.engine.omni_request import AUDIO, TEXT
+from vllm_omni_plugin.engine.omni_request import AUDIO, TEXT, OmniRequest
+from vllm_omni_plugin.entrypoints.asgi import captured, error_body, send_failure, sse
+from vllm_omni_plugin.entrypoints.audio_encoding import (
+    AUDIO_FORMATS,
+    STREAM_FORMAT,
+    encode_audio,
+    sample_rate_of,
+)
+from vllm_omni_plugin.entrypoints.chat_audio import CHAT_PATH
 from vllm_omni_plugin.entrypoints.media_input import RequestError, required_text
 
 SPEECH_PATH = "/v1/audio/speech"
@@ -106,7 +115,7 @@ def speech_chat_body(speech: SpeechRequest) -> dict:
 
 def sse_delta(encoded: bytes) -> bytes:
     """OpenAI's ``speech.audio.delta`` event (``audio``: base64 of ``encoded``)."""
-    return _sse({"type": "speech.audio.delta",
+    return sse({"type": "speech.audio.delta",
                  "audio": base64.b64encode(encoded).decode("ascii")})
 
 
@@ -114,7 +123,7 @@ def sse_done(usage: dict | None) -> bytes:
     """OpenAI's ``speech.audio.done`` event with ``usage`` (``input_tokens``,
     ``output_tokens``, ``total_tokens``: the entry stage's, from a chat ``usage``)."""
     usage = usage or {}
-    return _sse({"type": "speech.audio.done", "usage": {
+    return sse({"type": "speech.audio.done", "usage": {
         "input_tokens": usage.get("prompt_tokens", 0),
         "output_tokens": usage.get("completion_tokens", 0),
         "total_tokens": usage.get("total_tokens", 0)}})
@@ -122,8 +131,86 @@ def sse_done(usage: dict | None) -> bytes:
 
 def sse_error(error: bytes) -> bytes:
     """An ``error`` event carrying an OpenAI error body (``{"error": {...}}``)."""
-    return _sse({"type": "error", **json.loads(error)})
+    return sse({"type": "error", **json.loads(error)})
 
 
-def _sse(event: dict) -> bytes:
-    return b"data: " + json.dumps(event).encode() + b"\n\n"
+async def serve_speech(app, scope, receive, send, speech: SpeechRequest) -> None:
+    """``POST /v1/audio/speech``: the chat completion of :func:`speech_chat_body`,
+    answered as audio bytes or as OpenAI's speech events; ``pcm`` chunk by chunk as
+    the pipeline produces them (see the module docstring)."""
+    streamed = speech.format == STREAM_FORMAT
+    request = OmniRequest(modalities=(TEXT, AUDIO), voice=speech.voice,
+                          partials=asyncio.Queue() if streamed else None)
+    chat_scope = {**scope, "path": CHAT_PATH, "raw_path": CHAT_PATH.encode()}
+    chat = asyncio.ensure_future(captured(
+        app, chat_scope, receive, json.dumps(speech_chat_body(speech)).encode(), request))
+    try:
+        sent = await _speech_chunks(send, speech, request, chat) if streamed else None
+        answer = await chat
+    finally:
+        if not chat.done():  # the client went away mid-stream
+            chat.cancel()
+    result = request.result
+    if sent is not None:  # the response started: finish it
+        if result is None or result.error:
+            if speech.stream_format == "sse":
+                status = result.status if result is not None else 500
+                error = result.error if result is not None else "no speech was produced"
+                await send({"type": "http.response.body", "more_body": False,
+                            "body": sse_error(error_body(error, status))})
+            else:  # raw audio cannot carry an error: the client sees it cut short
+                await send({"type": "http.response.body", "body": b"",
+                            "more_body": False})
+            return
+        rest = encode_audio(result.payload["waveform"][sent:].numpy(),
+                            result.sample_rate, speech.format)
+        body = rest if speech.stream_format == "audio" else (
+            sse_delta(rest) + sse_done(json.loads(answer.body).get("usage")))
+        return await send({"type": "http.response.body", "body": body,
+                           "more_body": False})
+    if result is not None and result.error:
+        return await send_failure(send, result)
+    if answer.status != 200 or result is None:
+        return await answer.replay(send, answer.body)  # vLLM's own error
+    encoded = encode_audio(result.payload["waveform"].numpy(), result.sample_rate,
+                           speech.format)
+    if speech.stream_format == "sse":
+        usage = json.loads(answer.body).get("usage")
+        body = sse_delta(encoded) + sse_done(usage)
+    else:
+        body = encoded
+    await send({"type": "http.response.start", "status": 200, "headers": [
+        (b"content-type", _media_type(speech)),
+        (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _speech_chunks(send, speech: SpeechRequest, request: OmniRequest,
+                         chat: asyncio.Future) -> int | None:
+    """Send each chunk of speech the orchestrator produces while ``chat`` runs (the
+    response starts with the first); the samples sent, or None when none came."""
+    partials, sent = request.partials, None
+    while True:
+        getter = asyncio.ensure_future(partials.get())
+        await asyncio.wait({getter, chat}, return_when=asyncio.FIRST_COMPLETED)
+        if not getter.done():
+            getter.cancel()
+            return sent  # the rest of the waveform is in the result
+        payload = getter.result()
+        if sent is None:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", _media_type(speech))]})
+            sent = 0
+        samples = payload["waveform"]
+        encoded = encode_audio(samples.numpy(), sample_rate_of(payload), speech.format)
+        sent += samples.shape[0]
+        await send({"type": "http.response.body", "more_body": True,
+                    "body": encoded if speech.stream_format == "audio"
+                    else sse_delta(encoded)})
+        partials.task_done()
+
+
+def _media_type(speech: SpeechRequest) -> bytes:
+    """The content type of a speech answer: SSE, or the audio format's media type."""
+    return b"text/event-stream" if speech.stream_format == "sse" else \
+        AUDIO_FORMATS[speech.format].media_type.encode()

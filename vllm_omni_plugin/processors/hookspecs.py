@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from vllm_omni_plugin.config.schema import StageConfig
 
 PROJECT_NAME = "vllm_omni_plugin"
+#: Longest voice name accepted (speaker names in Qwen3-Omni's config are short words).
+MAX_VOICE_CHARS = 64
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
@@ -140,7 +142,7 @@ def omni_register_stage_input_processors() -> dict[str, StageInputProcessor]:
 
     ``upstream`` holds one entry per id in ``stage.inputs`` (same order);
     ``stage`` is the *consuming* stage's config; ``request_extras`` carries
-    per-request data from the client request (e.g. ``speaker``). Names must be
+    per-request data from the client request (e.g. the voice). Names must be
     unique across all plugins (a duplicate raises ``ValueError`` at lookup).
     """
 
@@ -148,10 +150,29 @@ def omni_register_stage_input_processors() -> dict[str, StageInputProcessor]:
 @dataclass
 class Voices:
     """The voices a checkpoint speaks in: ``names`` as the client writes them (matched
-    case-insensitively), ``default`` the one used when a request names none."""
+    case-insensitively), ``default`` the one used when a request names none.
+
+    :meth:`resolve` is the one check of a requested voice: the API calls it to answer
+    HTTP 400 before any stage runs, and a model's stage input processor to turn the
+    voice into the model's speaker id."""
 
     names: list[str]
     default: str
+
+    def resolve(self, voice: str | None) -> str:
+        """The name in :attr:`names` that ``voice`` matches case-insensitively;
+        :attr:`default` for None.
+
+        Raises:
+            ValueError: the checkpoint has no such voice (the message lists them).
+        """
+        if voice is None:
+            return self.default
+        for name in self.names:
+            if name.lower() == voice.lower():
+                return name
+        raise ValueError(f"unknown voice {voice[:MAX_VOICE_CHARS]!r}; known: "
+                         f"{', '.join(self.names)}")
 
 
 @hookspec(firstresult=True)

@@ -16,10 +16,10 @@ from vllm_omni_plugin import extra_args as xargs
 from vllm_omni_plugin.models.qwen3_omni.talker_inputs import (
     ASSISTANT_PREFIX_LEN,
     ASSISTANT_ROWS,
-    default_speaker,
     resolve_speaker,
+    voices,
 )
-from vllm_omni_plugin.processors.hookspecs import StageInput, UpstreamOutput, Voices, hookimpl
+from vllm_omni_plugin.processors.hookspecs import StageInput, UpstreamOutput, hookimpl
 
 
 def user_positions(config, prompt_ids: list[int]) -> list[int]:
@@ -144,8 +144,4 @@ def omni_register_stage_input_processors():
 
 @hookimpl
 def omni_list_voices(hf_config):
-    talker_config = getattr(hf_config, "talker_config", None)
-    names = sorted(getattr(talker_config, "speaker_id", None) or {}, key=str.lower)
-    if not names:
-        return None
-    return Voices(names=names, default=default_speaker(talker_config))
+    return voices(getattr(hf_config, "talker_config", None))

@@ -108,6 +108,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from vllm_omni_plugin.processors.hookspecs import Voices
+
 __all__ = [
     "HF_CODE2WAV_CHUNK_SIZE",
     "HF_CODE2WAV_LEFT_CONTEXT",
@@ -142,28 +144,31 @@ ASSISTANT_ROWS = 4
 DEFAULT_SPEAKER = "ethan"
 
 
-def default_speaker(talker_config) -> str:
-    """The speaker of a request that names none: :data:`DEFAULT_SPEAKER`, or the
-    alphabetically first (lower-cased) name when the checkpoint lacks it."""
-    speakers = sorted(k.lower() for k in (talker_config.speaker_id or {}))
-    return DEFAULT_SPEAKER if DEFAULT_SPEAKER in speakers or not speakers else speakers[0]
+def voices(talker_config) -> Voices | None:
+    """The checkpoint's voices (``talker_config.speaker_id``'s names), None when it has
+    none. The default is :data:`DEFAULT_SPEAKER`, or the alphabetically first
+    (lower-cased) name when the checkpoint lacks it."""
+    names = sorted(getattr(talker_config, "speaker_id", None) or {}, key=str.lower)
+    if not names:
+        return None
+    lower = sorted(name.lower() for name in names)
+    return Voices(names=names,
+                  default=DEFAULT_SPEAKER if DEFAULT_SPEAKER in lower else lower[0])
 
 
-def resolve_speaker(talker_config, name: str | None) -> int:
-    """Speaker name (case-insensitive) -> codec id; None picks :data:`DEFAULT_SPEAKER`
-    (or the alphabetically first speaker when the checkpoint lacks it).
+def resolve_speaker(talker_config, voice: str | None) -> int:
+    """A request's voice (case-insensitive; None: the default, see :func:`voices`) ->
+    the talker's speaker codec id, checked by :meth:`Voices.resolve`.
 
     Raises:
-        ValueError: unknown name (the message lists the known speakers), or the
+        ValueError: unknown voice (the message lists the known ones), or the
             checkpoint defines none.
     """
-    speakers = {k.lower(): v for k, v in (talker_config.speaker_id or {}).items()}
-    if not speakers:
+    known = voices(talker_config)
+    if known is None:
         raise ValueError("the checkpoint's talker_config defines no speakers")
-    key = default_speaker(talker_config) if name is None else name.lower()
-    if key not in speakers:
-        raise ValueError(f"unknown voice {name!r}; known: {', '.join(sorted(speakers))}")
-    return speakers[key]
+    name = known.resolve(voice).lower()
+    return next(v for k, v in talker_config.speaker_id.items() if k.lower() == name)
 
 
 @dataclass

@@ -1,0 +1,114 @@
+"""ASGI helpers the omni API middleware's handlers share: OpenAI-shaped error bodies,
+JSON answers, a captured inner response, a replayed request body, vLLM's app state."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from vllm_omni_plugin.engine.omni_request import OmniRequest, StageResult, omni_request_scope
+
+#: OpenAI's error ``type`` per HTTP status (others: ``InternalServerError``).
+ERROR_TYPES = {400: "BadRequestError", 413: "RequestTooLargeError", 429: "RateLimitError",
+               503: "ServiceUnavailableError"}
+
+
+def error_body(message: str, code: int, param: str | None = None) -> bytes:
+    """OpenAI's error object, ``{"error": {"message", "type", "param", "code"}}``, as JSON."""
+    kind = ERROR_TYPES.get(code, "InternalServerError")
+    return json.dumps({"error": {"message": message, "type": kind, "param": param,
+                                 "code": code}}).encode()
+
+
+async def send_json(send, status: int, body: bytes, retry_after: float | None = None) -> None:
+    """Answer with the JSON ``body``; ``Retry-After`` (whole seconds, at least 1) when
+    ``retry_after`` is given."""
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode())]
+    if retry_after is not None:
+        headers.append((b"retry-after", str(max(1, math.ceil(retry_after))).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_failure(send, result: StageResult) -> None:
+    """Answer with a failed pipeline request's status and error."""
+    await send_json(send, result.status, error_body(result.error or "", result.status),
+                    result.retry_after)
+
+
+def sse(chunk: dict) -> bytes:
+    """One server-sent event carrying ``chunk`` as JSON."""
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+def is_json(scope) -> bool:
+    """Whether FastAPI would parse the body as JSON: no (or an empty) content
+    type, ``application/json`` or ``application/*+json``."""
+    for name, value in scope.get("headers", ()):
+        if name.lower() == b"content-type":
+            kind = value.split(b";")[0].strip().lower()
+            return not kind or kind == b"application/json" or (
+                kind.startswith(b"application/") and kind.endswith(b"+json"))
+    return True
+
+
+def replay(body: bytes, receive):
+    """An ASGI ``receive`` that yields ``body`` once, then the client's own
+    messages (so vLLM still sees a real disconnect)."""
+    sent = False
+
+    async def replayed():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
+
+
+def vllm_config(scope):
+    """The served model's ``VllmConfig`` from vLLM's app state, or None."""
+    return getattr(getattr(scope.get("app"), "state", None), "vllm_config", None)
+
+
+def hf_config(scope):
+    """The served checkpoint's HF config, or None."""
+    return getattr(getattr(vllm_config(scope), "model_config", None), "hf_config", None)
+
+
+class Capture:
+    """An ASGI ``send`` that keeps a whole response (status, headers, body)."""
+
+    def __init__(self):
+        self.status, self.headers, self.body = 500, [], b""
+
+    async def replay(self, send, body: bytes) -> None:
+        """Send the captured status and headers with ``body``."""
+        headers = [(k, v) for k, v in self.headers if k.lower() != b"content-length"]
+        headers.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": self.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def send(self, message):
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+            self.headers = list(message.get("headers", []))
+        elif message["type"] == "http.response.body":
+            self.body += message.get("body", b"")
+
+
+async def captured(app, scope, receive, body: bytes, request: OmniRequest) -> Capture:
+    """vLLM's (``app``'s) whole answer to ``body`` at ``scope``, run in ``request``'s
+    scope."""
+    capture = Capture()
+    with omni_request_scope(request):
+        try:
+            await app(scope, replay(body, receive), capture.send)
+        except Exception:
+            # a failure the orchestrator recorded (and logged) answers with its own
+            # status (vLLM's handler for exceptions would make every one a 500)
+            if request.result is None or not request.result.error:
+                raise
+    return capture
