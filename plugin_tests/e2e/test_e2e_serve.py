@@ -33,6 +33,11 @@ STREAM_CHUNK = 5
 
 #: --limit-mm-per-prompt of the module's server
 MEDIA_LIMITS = {"image": 2, "audio": 2, "video": 1}
+#: the module's server's --omni-realtime-max-sessions and --omni-realtime-idle-timeout
+REALTIME_SESSIONS = 3
+REALTIME_IDLE_S = 10
+#: bytes of one second of the Realtime API's audio (pcm16 at 24 kHz)
+RATE_BYTES = 24000 * 2
 #: the talker's runtime.devices: on vLLM's CPU build, the core its worker runs on (the
 #: last one this process may use, away from the thinker's)
 TALKER_CORE = max(os.sched_getaffinity(0))
@@ -82,6 +87,9 @@ def server(tiny_qwen3_omni, tmp_path_factory):
                                    "--max-model-len", "2048", "--dtype", "float32",
                                    "--omni-replica-wait-timeout", "3",
                                    "--limit-mm-per-prompt", json.dumps(MEDIA_LIMITS),
+                                   "--omni-realtime-max-sessions", str(REALTIME_SESSIONS),
+                                   "--omni-realtime-idle-timeout", str(REALTIME_IDLE_S),
+                                   "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                                    *_trust_request_mm_kwargs()],
                  str(root / "serve.log"), env=env) as proc:
         yield proc
@@ -560,3 +568,339 @@ def test_bad_media_is_a_400_naming_the_field(server, case):
     part, _ = _media_parts()["image"]
     ok = server.chat(server.audio_body(messages=[{"role": "user", "content": [part]}]))
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["audio"]["data"]
+
+
+
+# -- the Realtime API (/v1/realtime) through the official SDK's realtime client -----------
+def _realtime(server, scenario, timeout: float = 300, **connect):
+    """Run ``scenario(connection, events)`` on one realtime session of the server (the
+    SDK's async client; every server event checked against the SDK's types)."""
+    import asyncio
+
+    import openai
+
+    from plugin_tests.realtime_client import Events
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="-")
+        async with client.realtime.connect(model=server.model, **connect) as connection:
+            events = Events(connection)
+            created = await events.next()
+            assert created["type"] == "session.created", created
+            return await scenario(connection, events)
+
+    return asyncio.run(asyncio.wait_for(run(), timeout))
+
+
+async def _respond(connection, events, **response) -> dict:
+    """``response.create``; the events up to its ``response.done``, checked for the
+    order OpenAI gives them; returns ``{"events", "response", "transcript", "pcm"}``."""
+    from plugin_tests.realtime_client import audio_of, kinds
+
+    await connection.response.create(**({"response": response} if response else {}))
+    got = await events.until("response.done")
+    order = kinds(got)
+    done = got[-1]["response"]
+    assert order[0] == "response.created", order
+    assert done["status"] in ("completed", "cancelled"), done
+    message = [i for i in done["output"] if i["type"] == "message"]
+    transcript = ""
+    if message:
+        for kind in ("response.output_item.added", "conversation.item.added",
+                     "response.content_part.added", "response.content_part.done",
+                     "response.output_item.done"):
+            assert kind in order, (kind, order)
+        assert order.index("response.output_item.added") < order.index(
+            "response.content_part.added") < order.index("response.content_part.done")
+        part = message[0]["content"][0]
+        transcript = part.get("transcript") if "transcript" in part else part.get("text")
+        deltas = "".join(e["delta"] for e in got if e["type"] in (
+            "response.output_audio_transcript.delta", "response.output_text.delta"))
+        assert deltas == transcript
+    return {"events": got, "response": done, "transcript": transcript, "pcm": audio_of(got)}
+
+
+def test_realtime_text_in_text_and_audio_out_over_two_turns(server):
+    """A text turn answered with a spoken transcript and pcm16 audio deltas; a second
+    turn's prompt holds the first turn (its input tokens exceed the first's input plus
+    output); a text-only response has text deltas and no audio."""
+    from plugin_tests.realtime_client import session, text_item
+
+    async def scenario(connection, events):
+        await connection.session.update(session=session(max_output_tokens=8))
+        updated = await events.until("session.updated")
+        assert updated[-1]["session"]["audio"]["output"]["voice"] == "ethan"
+        await connection.conversation.item.create(item=text_item("Say hello"))
+        added = await events.until("conversation.item.done")
+        assert added[-1]["item"]["role"] == "user"
+        first = await _respond(connection, events)
+        await connection.conversation.item.create(item=text_item("And again, please"))
+        await events.until("conversation.item.done")
+        second = await _respond(connection, events, output_modalities=["text"])
+        return first, second
+
+    first, second = _realtime(server, scenario)
+    done = first["response"]
+    assert done["status"] == "completed" and done["output_modalities"] == ["audio"]
+    assert first["transcript"] and len(first["pcm"]) > 0 and len(first["pcm"]) % 2 == 0
+    assert 0 < done["usage"]["output_tokens"] <= 8
+    assert second["response"]["status"] == "completed" and second["pcm"] == b""
+    assert second["transcript"], second["events"]
+    assert second["response"]["usage"]["input_tokens"] > \
+        done["usage"]["input_tokens"] + done["usage"]["output_tokens"]
+
+
+def test_realtime_speech_in_with_server_vad_is_answered(server):
+    """The speech fixture streamed as 100 ms appends with server VAD: speech started and
+    stopped where the speech is, the buffer committed as a user audio item, and a
+    response created by itself, whose prompt holds the audio (more input tokens than a
+    text turn)."""
+    from plugin_tests.realtime_client import chunks, kinds, session, speech_pcm
+
+    async def scenario(connection, events):
+        await connection.session.update(session=session(turn_detection={
+            "type": "server_vad", "silence_duration_ms": 500}))
+        await events.until("session.updated")
+        for piece in chunks(speech_pcm(before_s=0.5, after_s=1.0)):
+            await connection.input_audio_buffer.append(audio=piece)
+        got = await events.until("response.done")
+        return got
+
+    got = _realtime(server, scenario)
+    order = kinds(got)
+    for kind in ("input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
+                 "input_audio_buffer.committed", "response.created", "response.done"):
+        assert kind in order, (kind, order)
+    assert order.index("input_audio_buffer.speech_stopped") < order.index("response.created")
+    started = next(e for e in got if e["type"] == "input_audio_buffer.speech_started")
+    stopped = next(e for e in got if e["type"] == "input_audio_buffer.speech_stopped")
+    assert 0 <= started["audio_start_ms"] <= 600 and 3000 <= stopped["audio_end_ms"] <= 4300
+    user = next(e["item"] for e in got if e["type"] == "conversation.item.added"
+                and e["item"]["role"] == "user")
+    assert user["content"][0]["type"] == "input_audio" and user["id"] == started["item_id"]
+    done = got[-1]["response"]
+    assert done["status"] == "completed" and done["usage"]["input_tokens"] > 30, done
+
+
+def test_realtime_barge_in_cancels_the_playing_response(server):
+    """Speech while a response plays: ``speech_started``, the response ``cancelled``
+    (``turn_detected``) with its assistant item truncated where its audio stopped, its
+    pipeline request stopped in the server; the new turn is then answered."""
+    from plugin_tests.realtime_client import chunks, kinds, session, speech_pcm, text_item
+
+    async def scenario(connection, events):
+        await connection.session.update(session=session(
+            max_output_tokens=64, turn_detection={"type": "server_vad"}))
+        await events.until("session.updated")
+        for piece in chunks(speech_pcm(before_s=0.3, after_s=0)[:RATE_BYTES // 5]):
+            await connection.input_audio_buffer.append(audio=piece)  # silence: loads VAD
+        await connection.input_audio_buffer.clear()
+        await events.until("input_audio_buffer.cleared")
+        await connection.conversation.item.create(item=text_item("Tell me a story"))
+        await connection.response.create()
+        first = await events.until("response.output_audio.delta")
+        for piece in chunks(speech_pcm(before_s=0, after_s=1.0)):
+            await connection.input_audio_buffer.append(audio=piece)
+        cancelled = await events.until("response.done")
+        after = await events.until("response.done")
+        return first, cancelled, after
+
+    first, cancelled, after = _realtime(server, scenario)
+    response_id = next(e["response"]["id"] for e in first if e["type"] == "response.created")
+    order = kinds(cancelled)
+    done = cancelled[-1]["response"]
+    assert done["id"] == response_id and done["status"] == "cancelled", done
+    assert done["status_details"]["reason"] == "turn_detected"
+    assert order.index("input_audio_buffer.speech_started") < len(order) - 1
+    truncated = next(e for e in cancelled if e["type"] == "conversation.item.truncated")
+    assert truncated["item_id"] == done["output"][0]["id"] and truncated["audio_end_ms"] > 0
+    assert after[-1]["response"]["status"] == "completed"
+    assert "input_audio_buffer.committed" in kinds(after)
+    assert re.search(r"request \S+ cancelled \(client disconnected\) while at stage",
+                     server.log())
+
+
+def test_realtime_tool_call_round_trip(server):
+    """A function tool named by ``tool_choice``: the response is a ``function_call`` item
+    with JSON arguments; its ``function_call_output`` then goes into the next response's
+    prompt."""
+    from plugin_tests.realtime_client import session, text_item
+
+    tool = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                           "required": ["city"]}}
+
+    async def scenario(connection, events):
+        # room for the whole call: vLLM guides it into hermes' <tool_call>{...}</tool_call>
+        await connection.session.update(session=session(
+            max_output_tokens=200, modalities=("text",), tools=[tool],
+            tool_choice={"type": "function", "name": "get_weather"}))
+        await events.until("session.updated")
+        await connection.conversation.item.create(item=text_item("Weather in Paris?"))
+        await events.until("conversation.item.done")
+        call = await _respond(connection, events)
+        item = next(i for i in call["response"]["output"] if i["type"] == "function_call")
+        await connection.conversation.item.create(item={
+            "type": "function_call_output", "call_id": item["call_id"],
+            "output": json.dumps({"city": "Paris", "temperature_c": 21, "sky": "clear"})})
+        await events.until("conversation.item.done")
+        await connection.session.update(session={"type": "realtime", "tool_choice": "none"})
+        await events.until("session.updated")
+        answer = await _respond(connection, events)
+        return call, item, answer
+
+    call, item, answer = _realtime(server, scenario)
+    assert item["name"] == "get_weather" and item["arguments"]
+    json.loads(item["arguments"])  # whole JSON (the tiny model's, guided by vLLM)
+    done_args = next(e for e in call["events"]
+                     if e["type"] == "response.function_call_arguments.done")
+    assert done_args["call_id"] == item["call_id"] and done_args["arguments"] == item["arguments"]
+    first, second = call["response"]["usage"], answer["response"]["usage"]
+    assert answer["response"]["status"] == "completed"
+    assert second["input_tokens"] > first["input_tokens"] + first["output_tokens"]
+
+
+def test_realtime_conversation_over_the_context_drops_its_oldest_items(server):
+    """Three long user turns (about 800 tokens each) over the server's 2048-token
+    context: the response drops the oldest item (``conversation.item.deleted``, logged)
+    and answers from the two left."""
+    from plugin_tests.realtime_client import session, text_item
+
+    async def scenario(connection, events):
+        await connection.session.update(session=session(modalities=("text",)))
+        await events.until("session.updated")
+        ids = []
+        for i in range(3):
+            # about 800 tokens each: the tiny checkpoint's tokenizer makes "word " 4
+            await connection.conversation.item.create(item=text_item(f"{i} " + "word " * 200))
+            ids.append((await events.until("conversation.item.done"))[-1]["item"]["id"])
+        answer = await _respond(connection, events)
+        return ids, answer
+
+    ids, answer = _realtime(server, scenario)
+    deleted = [e["item_id"] for e in answer["events"] if e["type"] == "conversation.item.deleted"]
+    assert deleted == ids[:1], deleted
+    assert answer["response"]["status"] == "completed"
+    assert 1600 < answer["response"]["usage"]["input_tokens"] <= 2048
+    assert f"its oldest item ({ids[0]}, user) is dropped" in server.log()
+
+
+@pytest.mark.parametrize("send, param, code", [
+    ("not json", None, "invalid_json"),
+    ({"type": "session.dance"}, "type", "invalid_event"),
+    ({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {
+        "format": {"type": "audio/pcmu"}}}}}, "session.audio.input.format.type",
+     "invalid_value"),
+    ({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {
+        "format": {"type": "audio/pcm", "rate": 16000}}}}},
+     "session.audio.input.format.rate", "invalid_value"),
+    ({"type": "session.update", "session": {"type": "realtime", "audio": {"output": {
+        "voice": "nobody"}}}}, "session.audio.output.voice", "invalid_value"),
+    ({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"abc").decode()},
+     "audio", "invalid_value"),
+    ({"type": "input_audio_buffer.commit"}, None, "input_audio_buffer_commit_empty"),
+    ({"type": "conversation.item.create", "item": {"type": "message", "role": "user",
+                                                   "content": [{"type": "input_image"}]}},
+     "item.content[0].type", "invalid_value"),
+    ({"type": "response.cancel"}, None, "response_cancel_not_active"),
+    ("x" * (15 * 1024 * 1024 + 1), None, "event_too_large"),
+], ids=["malformed", "unknown-type", "format", "rate", "voice", "odd-bytes", "empty-commit",
+        "content-type", "cancel-idle", "oversize"])
+def test_realtime_bad_event_is_an_error_naming_the_field_and_the_session_lives(
+        server, send, param, code):
+    async def scenario(connection, events):
+        await connection.send_raw(send if isinstance(send, str) else json.dumps(send))
+        error = (await events.until("error"))[-1]["error"]
+        await connection.session.update(session={"type": "realtime", "instructions": "ok"})
+        updated = await events.until("session.updated")
+        return error, updated[-1]
+
+    error, updated = _realtime(server, scenario)
+    assert error["param"] == param and error["code"] == code, error
+    assert updated["session"]["instructions"] == "ok"
+
+
+def test_realtime_session_limit_and_idle_timeout(server):
+    """One session more than --omni-realtime-max-sessions gets an error event and close
+    code 1013, and one fits again once a session closed; a session that sends nothing for
+    --omni-realtime-idle-timeout seconds is told so and closed (code 1000)."""
+    import asyncio
+    import time
+
+    import openai
+    from websockets.exceptions import ConnectionClosed
+
+    from plugin_tests.realtime_client import Events
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="-")
+        managers = [client.realtime.connect(model=server.model, max_retries=0)
+                    for _ in range(REALTIME_SESSIONS + 1)]
+        connections = [await m.__aenter__() for m in managers]
+        firsts = [await Events(c).next() for c in connections]
+        refused = firsts[-1]
+        try:
+            await asyncio.wait_for(connections[-1].recv_bytes(), 30)
+            closed = None
+        except ConnectionClosed as exc:
+            closed = exc
+        await managers[0].__aexit__(None, None, None)
+        deadline = time.monotonic() + 30
+        while True:  # until the server has seen the first session go
+            started = time.monotonic()
+            again = await client.realtime.connect(model=server.model,
+                                                  max_retries=0).__aenter__()
+            created = await Events(again).next()
+            if created["type"] == "session.created" or time.monotonic() > deadline:
+                break
+            await again.close()
+            await asyncio.sleep(0.2)
+        idle = await Events(again).next(timeout=REALTIME_IDLE_S + 10)
+        waited = time.monotonic() - started
+        for manager in managers[1:]:
+            await manager.__aexit__(None, None, None)
+        return firsts, refused, closed, created, idle, waited
+
+    firsts, refused, closed, created, idle, waited = asyncio.run(run())
+    assert [e["type"] for e in firsts[:-1]] == ["session.created"] * REALTIME_SESSIONS
+    assert refused["type"] == "error" and refused["error"]["code"] == "session_limit_reached"
+    assert closed is not None and closed.rcvd.code == 1013, closed
+    assert created["type"] == "session.created"
+    assert idle["type"] == "error" and idle["error"]["code"] == "idle_timeout"
+    assert REALTIME_IDLE_S - 1 <= waited <= REALTIME_IDLE_S + 10
+
+
+def test_realtime_client_gone_mid_response_frees_every_stage(server):
+    """A client that closes the socket while a response plays: the pipeline request is
+    stopped at once (logged), and no payload file or admission slot is left."""
+    import glob
+    import sys
+    import time
+    from pathlib import Path
+
+    from plugin_tests.realtime_client import session, text_item
+
+    async def scenario(connection, events):
+        await connection.session.update(session=session(max_output_tokens=64))
+        await events.until("session.updated")
+        await connection.conversation.item.create(item=text_item("Tell me a story"))
+        await connection.response.create()
+        await events.until("response.output_audio.delta")
+
+    before = server.log().count("cancelled (client disconnected)")
+    _realtime(server, scenario)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from soak_bench import payload_files
+
+    (run_dir,) = glob.glob(f"/dev/shm/vllm-omni-plugin-{server.proc.pid}-*")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        in_flight = [v for (name, _), v in server.metrics().items()
+                     if name == "vllm_omni:stage_requests_in_flight"]
+        if server.log().count("cancelled (client disconnected)") > before and \
+                payload_files(Path(run_dir)) == 0 and not any(in_flight):
+            break
+        time.sleep(0.2)
+    assert server.log().count("cancelled (client disconnected)") > before
+    assert payload_files(Path(run_dir)) == 0
+    assert not any(in_flight), in_flight

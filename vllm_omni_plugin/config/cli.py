@@ -20,7 +20,7 @@ from vllm_omni_plugin.config.placement import (
     place_engine,
     plan_head,
 )
-from vllm_omni_plugin.config.settings import ClusterSettings, OmniSettings
+from vllm_omni_plugin.config.settings import ClusterSettings, OmniSettings, RealtimeSettings
 from vllm_omni_plugin.logger import init_logger
 
 logger = init_logger(__name__)
@@ -31,6 +31,7 @@ INHERITED_FIELDS = ("tokenizer", "dtype", "seed", "trust_remote_code", "revision
 
 GROUP_TITLE = "Omni"
 _CLUSTER = ClusterSettings()  # the defaults of the head's flags
+_REALTIME = RealtimeSettings()
 
 
 def add_omni_args(parser: argparse.ArgumentParser) -> None:
@@ -95,6 +96,16 @@ def add_omni_args(parser: argparse.ArgumentParser) -> None:
         "already has its bound of requests in flight (runtime.max_inflight in the stage "
         "config) before it fails with HTTP 429 and a Retry-After header.")
     group.add_argument(
+        "--omni-realtime-max-sessions", type=int, default=_REALTIME.max_sessions,
+        metavar="N",
+        help="Head: Realtime API (GET /v1/realtime, WebSocket) sessions open at once; one "
+        "more gets an error event and is closed with code 1013 (try again later).")
+    group.add_argument(
+        "--omni-realtime-idle-timeout", type=float, default=_REALTIME.idle_timeout,
+        metavar="SECONDS",
+        help="Head: how long a Realtime API session may send no event while no response "
+        "runs before the server closes it (an error event, then code 1000).")
+    group.add_argument(
         "--omni-replica-address", "-ora", type=str, default=None, metavar="HOST",
         help="Headless: the address its replicas bind to and the head connects to "
         "(default: this host's address on the route to the master).")
@@ -137,7 +148,9 @@ FLAG_DEFAULTS = {"stage_id": None, "omni_master_address": _CLUSTER.host,
                  "omni_replica_wait_timeout": _CLUSTER.replica_wait_timeout,
                  "omni_admission_timeout": _CLUSTER.admission_timeout,
                  "omni_replica_address": None, "omni_cluster_token": None, "replica_id": None,
-                 "omni_placement": "auto"}
+                 "omni_placement": "auto",
+                 "omni_realtime_max_sessions": _REALTIME.max_sessions,
+                 "omni_realtime_idle_timeout": _REALTIME.idle_timeout}
 
 
 def validate_omni_args(args: argparse.Namespace) -> None:
@@ -162,6 +175,8 @@ def validate_omni_args(args: argparse.Namespace) -> None:
                        "assigns replica ids")
     _positive("--omni-heartbeat-timeout", args.omni_heartbeat_timeout)
     _positive("--omni-replica-wait-timeout", args.omni_replica_wait_timeout)
+    _positive("--omni-realtime-max-sessions", args.omni_realtime_max_sessions)
+    _positive("--omni-realtime-idle-timeout", args.omni_realtime_idle_timeout)
     if not args.omni_admission_timeout >= 0:
         raise ValueError("--omni-admission-timeout must be >= 0, got "
                          f"{args.omni_admission_timeout!r}")
@@ -329,7 +344,9 @@ def apply_omni_args(args: argparse.Namespace, engine_args) -> None:
             host=args.omni_master_address, port=args.omni_master_port,
             heartbeat_timeout=args.omni_heartbeat_timeout, lb_policy=args.omni_lb_policy,
             replica_wait_timeout=args.omni_replica_wait_timeout,
-            admission_timeout=args.omni_admission_timeout))
+            admission_timeout=args.omni_admission_timeout),
+        realtime=RealtimeSettings(max_sessions=args.omni_realtime_max_sessions,
+                                  idle_timeout=args.omni_realtime_idle_timeout))
     engine_args.additional_config = settings.additional_config(
         engine_args.additional_config if isinstance(engine_args.additional_config, dict)
         else None)

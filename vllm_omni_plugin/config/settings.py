@@ -45,6 +45,22 @@ class ClusterSettings(BaseModel):
     admission_timeout: float = Field(default=30.0, ge=0)
 
 
+class RealtimeSettings(BaseModel):
+    """The Realtime API's limits (``/v1/realtime``, head only).
+
+    Attributes:
+        max_sessions: WebSocket sessions open at once; one more is refused (closed
+            with code 1013, "try again later", after an ``error`` event saying why).
+        idle_timeout: seconds a session may go without a client event while no
+            response runs, before the server closes it (code 1000, after an
+            ``error`` event).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    max_sessions: int = Field(default=8, ge=1)
+    idle_timeout: float = Field(default=300.0, gt=0)
+
+
 class OmniSettings(BaseModel):
     """Settings of one stage engine in omni mode.
 
@@ -61,6 +77,7 @@ class OmniSettings(BaseModel):
             them (``{"CUDA_VISIBLE_DEVICES": "1"}``, ``{"VLLM_CPU_OMP_THREADS_BIND":
             "0|1"}``; see :mod:`vllm_omni_plugin.worker.placement`), or None.
         cluster: the head's control-plane settings.
+        realtime: the Realtime API's limits.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -71,6 +88,7 @@ class OmniSettings(BaseModel):
     devices: dict[int, str] = Field(default_factory=dict)
     placement_env: dict[str, str] | None = None
     cluster: ClusterSettings = Field(default_factory=ClusterSettings)
+    realtime: RealtimeSettings = Field(default_factory=RealtimeSettings)
 
     def for_stage(self, stage_id: int, **changes: Any) -> OmniSettings:
         """These settings for a downstream engine of ``stage_id``."""

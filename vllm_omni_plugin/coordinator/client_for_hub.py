@@ -23,14 +23,14 @@ from vllm_omni_plugin.wire.codec import (
     FrameRejected,
     reject_stat_keys,
 )
-from vllm_omni_plugin.wire.sockets import WakePipe, connect
+from vllm_omni_plugin.wire.sockets import ClosedOnExit, WakePipe, connect
 
 from .messages import MAX_LIST_FRAME_BYTES, ReplicaList, empty_replica_list
 
 logger = init_logger(__name__)
 
 
-class OmniCoordClientForHub:
+class OmniCoordClientForHub(ClosedOnExit):
     """Subscribes to the coordinator's replica list and caches the latest one.
 
     Args:
@@ -150,12 +150,6 @@ class OmniCoordClientForHub:
         self._socket.close(linger=0)
         self._ctx.term()
         self._waker.close()
-
-    def __enter__(self) -> OmniCoordClientForHub:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # --------------------------------------------------------------- internals
 

@@ -20,7 +20,7 @@ import zmq
 from vllm_omni_plugin.logger import init_logger
 from vllm_omni_plugin.wire import auth, envelope
 from vllm_omni_plugin.wire.codec import encode
-from vllm_omni_plugin.wire.sockets import connect
+from vllm_omni_plugin.wire.sockets import ClosedOnExit, connect
 
 from .messages import EventType, ReplicaEvent, ReplicaStatus
 
@@ -31,7 +31,7 @@ logger = init_logger(__name__)
 _SEND_HWM = 64
 
 
-class OmniCoordClientForStage:
+class OmniCoordClientForStage(ClosedOnExit):
     """Client used by a stage replica to report its status to the coordinator.
 
     Args:
@@ -172,12 +172,6 @@ class OmniCoordClientForStage:
             self._send_locked(EventType.UPDATE)
             self._socket.close(linger=self._close_linger_ms)
         self._ctx.term()
-
-    def __enter__(self) -> OmniCoordClientForStage:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # --------------------------------------------------------------- internals
 

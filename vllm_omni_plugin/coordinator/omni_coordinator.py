@@ -36,7 +36,7 @@ from vllm_omni_plugin.wire.codec import (
     encode,
     reject_stat_keys,
 )
-from vllm_omni_plugin.wire.sockets import ROUTER_HARD_MAX_BYTES, PollerThread, bind
+from vllm_omni_plugin.wire.sockets import ROUTER_HARD_MAX_BYTES, ClosedOnExit, PollerThread, bind
 
 from .messages import (
     MAX_EVENT_FRAME_BYTES,
@@ -68,7 +68,7 @@ class _Record:
         self.last_seen = last_seen
 
 
-class OmniCoordinator:
+class OmniCoordinator(ClosedOnExit):
     """Coordinator for stage replicas (ROUTER in) and hub clients (PUB out).
 
     Sockets are bound in the constructor (bind errors raise here), then one
@@ -258,12 +258,6 @@ class OmniCoordinator:
         self._thread.stop()
         self._release_resources()
         logger.info("OmniCoordinator closed")
-
-    def __enter__(self) -> OmniCoordinator:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # ------------------------------------------------------------ poller loop
 

@@ -8,11 +8,12 @@ ports are read back, so there is no window between choosing and binding.
 from __future__ import annotations
 
 from vllm_omni_plugin.master.messages import tcp_address
+from vllm_omni_plugin.wire.sockets import ClosedOnExit
 
 from .omni_coordinator import OmniCoordinator
 
 
-class OmniCoordinatorRuntime:
+class OmniCoordinatorRuntime(ClosedOnExit):
     """Own one :class:`OmniCoordinator`; the constructor binds, :meth:`close` tears down.
 
     The coordinator instance is deliberately not exposed: consumers talk to it
@@ -81,8 +82,3 @@ class OmniCoordinatorRuntime:
         self._closed = True
         self._coordinator.close()
 
-    def __enter__(self) -> OmniCoordinatorRuntime:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

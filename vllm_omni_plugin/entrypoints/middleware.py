@@ -17,6 +17,7 @@ the field: the pipeline's control data is not the client's to write; and a body 
   plans images (:mod:`.images`).
 * ``POST /v1/audio/speech``: OpenAI's text to speech (:mod:`.speech`).
 * ``GET /v1/audio/voices``: the checkpoint's voices (the ``omni_list_voices`` hook).
+* ``GET /v1/realtime`` (WebSocket): OpenAI's Realtime API (:mod:`.realtime`).
 
 A request that fails a check gets HTTP 400 naming the field before vLLM sees it; a voice
 the checkpoint lacks is a 400 naming ``audio.voice`` or ``voice``.
@@ -50,6 +51,7 @@ from vllm_omni_plugin.entrypoints.images import (
     serve_image,
 )
 from vllm_omni_plugin.entrypoints.media_input import MediaLimits, RequestError, check_media
+from vllm_omni_plugin.entrypoints.realtime import REALTIME_PATH, RealtimeEndpoint
 from vllm_omni_plugin.entrypoints.speech import SPEECH_PATH, parse_speech_request, serve_speech
 from vllm_omni_plugin.processors import Voices, list_voices
 from vllm_omni_plugin.processors.hookspecs import MAX_VOICE_CHARS
@@ -83,6 +85,7 @@ class OmniApiMiddleware:
 
     def __init__(self, app):
         self.app = app
+        self.realtime = RealtimeEndpoint(app)
         self._limits: MediaLimits | None = None
         self._voices: Voices | None | object = _UNSET
 
@@ -116,6 +119,8 @@ class OmniApiMiddleware:
             raise RequestError(field, f"{exc} (GET {VOICES_PATH})") from exc
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "websocket" and scope["path"] == REALTIME_PATH:
+            return await self.realtime.serve(scope, receive, send)
         if scope["type"] == "http" and scope["method"] == "GET" and scope["path"] == VOICES_PATH:
             known = self.voices(scope)
             return await send_json(send, 200, json.dumps({

@@ -19,7 +19,7 @@ import zmq
 from vllm_omni_plugin.logger import init_logger
 from vllm_omni_plugin.wire import PROTOCOL_VERSION, auth, envelope
 from vllm_omni_plugin.wire.codec import BoundedDecoder, FrameRejected, RejectReason, encode
-from vllm_omni_plugin.wire.sockets import connect
+from vllm_omni_plugin.wire.sockets import ClosedOnExit, connect
 
 from .messages import (
     MAX_CLIENT_ID_CHARS,
@@ -41,7 +41,7 @@ from .messages import (
 logger = init_logger(__name__)
 
 
-class OmniMasterClient:
+class OmniMasterClient(ClosedOnExit):
     """A registrant's link to the master (DEALER): request/reply with retries.
 
     Thread-safe (one request at a time per client). Each attempt waits up to
@@ -160,12 +160,6 @@ class OmniMasterClient:
             self._closed = True
             self._socket.close(linger=0)
             self._ctx.term()
-
-    def __enter__(self) -> OmniMasterClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # --------------------------------------------------------------- internals
 

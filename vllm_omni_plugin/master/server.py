@@ -50,7 +50,7 @@ from vllm_omni_plugin.wire.codec import (
     encode,
     reject_stat_keys,
 )
-from vllm_omni_plugin.wire.sockets import ROUTER_HARD_MAX_BYTES, PollerThread, bind
+from vllm_omni_plugin.wire.sockets import ROUTER_HARD_MAX_BYTES, ClosedOnExit, PollerThread, bind
 
 from .messages import (
     MAX_REQUEST_FRAME_BYTES,
@@ -267,7 +267,7 @@ def _port_bindable(ip: str, port: int) -> bool:
 # ------------------------------------------------------------------------------- server
 
 
-class OmniMasterServer:
+class OmniMasterServer(ClosedOnExit):
     """Registration server: assigns replica ids per stage and ports per replica.
 
     The ROUTER is bound in the constructor (bind errors raise here), then one
@@ -444,12 +444,6 @@ class OmniMasterServer:
         self._fail_pending_calls()
         self._release_resources()
         logger.info("OmniMasterServer closed")
-
-    def __enter__(self) -> OmniMasterServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # ------------------------------------------------------- in-process calls
 

@@ -8,6 +8,7 @@ import random
 import socket
 import threading
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import zmq
 
@@ -20,6 +21,23 @@ logger = init_logger(__name__)
 #: the coordinator buffer. Frames between :data:`MAX_EVENT_FRAME_BYTES` and this
 #: are received and counted as ``rejected.oversize``.
 ROUTER_HARD_MAX_BYTES = 64 * 1024
+
+
+_Closing = TypeVar("_Closing", bound="ClosedOnExit")
+
+
+class ClosedOnExit:
+    """A control-plane endpoint that ``with`` closes when the block ends (its
+    :meth:`close` is idempotent)."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _Closing) -> _Closing:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 #: Linux's default ephemeral range (``net.ipv4.ip_local_port_range``), when unreadable

@@ -1,0 +1,187 @@
+"""Realtime API latency: end of the user's turn to the first response audio, against a
+streamed chat completion of the same turn, and barge-in, side by side in one run on one
+server.
+
+One ``vllm serve CKPT --stage-configs-path qwen3_omni_moe`` on the tiny Qwen3-Omni
+checkpoint (talker capped at ``--talker-frames``). Every turn is the speech fixture
+(``plugin_tests/fixtures/speech/hello.flac``, 2.76 s), answered with ``--max-tokens``
+thinker tokens and pcm16 audio, through the official ``openai`` SDK's realtime client.
+Per turn:
+
+* **commit**: seconds from ``input_audio_buffer.commit`` + ``response.create`` (the
+  speech appended beforehand) to the first ``response.output_audio.delta``;
+* **VAD**: seconds from ``input_audio_buffer.speech_stopped`` (server VAD, the speech
+  and 1 s of silence appended at once) to the first ``response.output_audio.delta``;
+* **chat**: seconds from sending a streamed chat completion with the same audio (an
+  ``input_audio`` part, ``modalities`` text and audio, pcm16) to its first
+  ``delta.audio``: what a client of ``/v1/chat/completions`` waits for the same turn;
+* **barge-in**: seconds from sending speech while a response plays (after its first
+  audio delta) to its ``response.done`` with status ``cancelled``.
+
+Each of ``--trials`` trials runs ``--turns`` turns per (concurrency, mode), each
+session or client doing its turns one after another, ``concurrency`` at once, in
+rotating order. Printed: p50/p99 per (concurrency, mode), and per concurrency the
+ratio realtime / chat of the p50s (target <= 1.1).
+
+Usage (from the repository root)::
+
+    .venv/bin/python benchmarks/realtime_bench.py
+    .venv/bin/python benchmarks/realtime_bench.py --concurrency 1 4 --turns 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _common import (  # noqa: E402
+    Server,
+    add_audio_chat_args,
+    audio_deltas,
+    audio_pipeline_serve,
+    fmt,
+    install_sigterm_as_interrupt,
+    percentile,
+    table,
+    wait_health,
+)
+
+from plugin_tests.realtime_client import (  # noqa: E402
+    Events,
+    chunks,
+    session,
+    speech_pcm,
+    text_item,
+)
+from vllm_omni_plugin.entrypoints.audio_encoding import encode_audio  # noqa: E402
+
+MODES = ("commit", "VAD", "chat", "barge-in")
+
+
+async def _turns(url: str, model: str, mode: str, turns: int, max_tokens: int
+                 ) -> list[float]:
+    """``turns`` turns of ``mode`` on one realtime session (or, for ``chat``, one
+    client); seconds per turn."""
+    import numpy as np
+    import openai
+
+    speech = speech_pcm(before_s=0.3, after_s=1.0)
+    if mode == "chat":
+        import aiohttp  # a vLLM requirement
+
+        wav = encode_audio(np.frombuffer(speech, "<i2").astype(np.float32) / 32768, 24000,
+                           "wav")
+        body = {"model": model, "max_tokens": max_tokens, "stream": True,
+                "modalities": ["text", "audio"], "audio": {"format": "pcm16"},
+                "messages": [{"role": "user", "content": [{"type": "input_audio",
+                              "input_audio": {"data": base64.b64encode(wav).decode(),
+                                              "format": "wav"}}]}]}
+        times = []
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as http:
+            for _ in range(turns):
+                start = time.perf_counter()
+                async with http.post(f"{url}/v1/chat/completions", json=body) as r:
+                    if r.status != 200:
+                        raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:300]}")
+                    first = None
+                    async for _pcm in audio_deltas(r):
+                        first = first or time.perf_counter() - start
+                times.append(first)
+        return times
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="-")
+    vad = {"type": "server_vad"} if mode in ("VAD", "barge-in") else None
+    times = []
+    async with client.realtime.connect(model=model) as connection:
+        events = Events(connection)
+        await events.until("session.created")
+        await connection.session.update(session=session(
+            max_output_tokens=max_tokens, turn_detection=vad))
+        await events.until("session.updated")
+        for _ in range(turns):
+            if mode == "barge-in":
+                await connection.conversation.item.create(item=text_item("Tell me more"))
+                await connection.response.create()
+                await events.until("response.output_audio.delta")
+                start = time.perf_counter()
+                for piece in chunks(speech, ms=1000):
+                    await connection.input_audio_buffer.append(audio=piece)
+                await events.until("response.done", timeout=300)
+                times.append(time.perf_counter() - start)
+                await events.until("response.done", timeout=300)  # the new turn's
+                continue
+            for piece in chunks(speech, ms=1000):
+                await connection.input_audio_buffer.append(audio=piece)
+            if mode == "commit":
+                start = time.perf_counter()
+                await connection.input_audio_buffer.commit()
+                await connection.response.create()
+            else:
+                await events.until("input_audio_buffer.speech_stopped")
+                start = events.times[-1]  # when the speech_stopped event came
+            await events.until("response.output_audio.delta", timeout=300)
+            times.append(time.perf_counter() - start)
+            await events.until("response.done", timeout=300)
+    return times
+
+
+async def _load(url, model, mode, concurrency, turns, max_tokens) -> list[float]:
+    per_client = max(1, turns // concurrency)
+    results = await asyncio.gather(*(_turns(url, model, mode, per_client, max_tokens)
+                                     for _ in range(concurrency)))
+    return [t for r in results for t in r]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_audio_chat_args(parser)
+    parser.add_argument("--turns", type=int, default=8, help="turns per measurement")
+    parser.set_defaults(concurrency=[1, 4], max_tokens=8, talker_frames=16)
+    args = parser.parse_args()
+    install_sigterm_as_interrupt()
+    tmp = Path(tempfile.mkdtemp(prefix="realtime-bench-"))
+    ckpt, argv, env, url = audio_pipeline_serve(args, tmp)
+    cells = [(c, mode) for c in args.concurrency for mode in MODES]
+    samples: dict = {cell: [] for cell in cells}
+
+    def run(c, mode, turns):
+        return asyncio.run(_load(url, str(ckpt), mode, c, turns, args.max_tokens))
+
+    with Server(argv, env, tmp / "serve.log") as server:
+        ready = wait_health(server, f"{url}/health", timeout=args.timeout)
+        print(f"server ready in {ready:.1f} s (log {tmp / 'serve.log'})", flush=True)
+        for c, mode in cells:  # warm-up
+            run(c, mode, c)
+        for trial in range(args.trials):
+            shift = trial % len(cells)
+            for c, mode in cells[shift:] + cells[:shift]:
+                got = run(c, mode, args.turns)
+                samples[(c, mode)].extend(got)
+                print(f"trial {trial + 1}, c={c}, {mode}: p50 {percentile(got, 0.5):.3f} s",
+                      flush=True)
+    rows = [[str(c), mode, str(len(samples[(c, mode)])),
+             fmt(percentile(samples[(c, mode)], 0.5), ".3f"),
+             fmt(percentile(samples[(c, mode)], 0.99), ".3f")] for c, mode in cells]
+    ratios = [[str(c), *(fmt(percentile(samples[(c, mode)], 0.5)
+                             / percentile(samples[(c, "chat")], 0.5), ".2f")
+                         for mode in ("commit", "VAD"))] for c in args.concurrency]
+    print(table(["concurrency", "mode", "turns", "p50 s", "p99 s"], rows, left=2,
+                title=f"realtime turns (commit/VAD: end of turn -> first audio delta; chat: "
+                      f"request -> first delta.audio; barge-in: speech -> response "
+                      f"cancelled), thinker {args.max_tokens} tokens, talker <= "
+                      f"{args.talker_frames} frames (log: {tmp / 'serve.log'})"))
+    print()
+    print(table(["concurrency", "commit / chat (p50)", "VAD stop / chat (p50)"], ratios,
+                title="target: <= 1.1"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

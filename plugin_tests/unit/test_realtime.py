@@ -1,0 +1,226 @@
+"""The Realtime API session (``entrypoints/realtime.py``) over a scripted WebSocket and
+a scripted chat app standing in for vLLM's handler (the real server: the realtime tests
+in ``e2e/test_e2e_serve.py``). Every server event is checked against the ``openai``
+SDK's ``RealtimeServerEvent`` types."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_omni_plugin.engine.omni_request import StageResult, current_omni_request
+from vllm_omni_plugin.entrypoints.middleware import OmniApiMiddleware
+from vllm_omni_plugin.entrypoints.realtime import REALTIME_PATH
+
+PIECES = [torch.full((480,), 0.25), torch.full((960,), -0.5)]
+WHOLE = torch.cat([*PIECES, torch.full((240,), 0.125)])
+
+
+def _sse(chunk) -> bytes:
+    return b"data: " + (chunk if isinstance(chunk, bytes) else json.dumps(chunk).encode()) \
+        + b"\n\n"
+
+
+def _chat_app(seen: list, hold: asyncio.Event | None = None, cancelled: list | None = None):
+    """A streamed chat with audio: text "Hel", two streamed pieces of speech, text "lo"
+    (held until ``hold`` is set, when given), then the whole waveform as the result.
+    ``seen`` collects each request's ``(body, voice, modalities)``; ``cancelled`` gets
+    True when the app is cancelled."""
+    async def app(scope, receive, send):
+        body = json.loads((await receive())["body"])
+        request = current_omni_request()
+        seen.append((body, request.voice, request.modalities))
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+
+        def chunk(content, finish=None):
+            return _sse({"id": "c1", "object": "chat.completion.chunk", "created": 1,
+                         "model": "m", "choices": [{"index": 0, "delta": {"content": content},
+                                                    "finish_reason": finish}]})
+
+        try:
+            await send({"type": "http.response.body", "body": chunk("Hel"), "more_body": True})
+            for piece in PIECES:
+                request.partials.put_nowait({"waveform": piece,
+                                             "sample_rate": torch.tensor([24000])})
+                await request.partials.join()
+            if hold is not None:
+                await hold.wait()
+            request.result = StageResult(output_type="audio", payload={"waveform": WHOLE},
+                                         sample_rate=24000)
+            await send({"type": "http.response.body", "body": chunk("lo", "stop"),
+                        "more_body": True})
+            await send({"type": "http.response.body", "body": _sse({
+                "id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 2,
+                                         "total_tokens": 9}}), "more_body": True})
+            await send({"type": "http.response.body", "body": _sse(b"[DONE]"),
+                        "more_body": False})
+        except asyncio.CancelledError:
+            if cancelled is not None:
+                cancelled.append(True)
+            raise
+    return app
+
+
+class _Client:
+    """The client side of one scripted WebSocket to the middleware."""
+
+    def __init__(self, app) -> None:
+        from openai.types.realtime import RealtimeServerEvent
+        from pydantic import TypeAdapter
+
+        self.incoming: asyncio.Queue = asyncio.Queue()
+        self.outgoing: asyncio.Queue = asyncio.Queue()
+        self.incoming.put_nowait({"type": "websocket.connect"})
+        self.closed = None
+        self._adapter = TypeAdapter(RealtimeServerEvent)
+        hf_config = SimpleNamespace(talker_config=SimpleNamespace(
+            speaker_id={"Ethan": 2302, "Chelsie": 2301}))
+        state = SimpleNamespace(vllm_config=SimpleNamespace(
+            model_config=SimpleNamespace(hf_config=hf_config), additional_config={}))
+        scope = {"type": "websocket", "path": REALTIME_PATH, "query_string": b"model=m",
+                 "headers": [], "scheme": "ws", "server": ("127.0.0.1", 8000),
+                 "client": ("127.0.0.1", 5555), "subprotocols": [],
+                 "app": SimpleNamespace(state=state)}
+        self.task = asyncio.ensure_future(OmniApiMiddleware(app)(
+            scope, self.incoming.get, self.outgoing.put))
+
+    def send(self, event: dict) -> None:
+        self.incoming.put_nowait({"type": "websocket.receive", "text": json.dumps(event)})
+
+    async def next(self) -> dict:
+        while True:
+            message = await asyncio.wait_for(self.outgoing.get(), 30)
+            if message["type"] == "websocket.close":
+                self.closed = message
+                raise ConnectionError(message)
+            if message["type"] == "websocket.send":
+                event = json.loads(message["text"])
+                self._adapter.validate_python(event)
+                return event
+
+    async def until(self, kind: str) -> list[dict]:
+        got = []
+        while not got or got[-1]["type"] != kind:
+            got.append(await self.next())
+        return got
+
+    async def close(self) -> None:
+        self.incoming.put_nowait({"type": "websocket.disconnect", "code": 1000})
+        await asyncio.wait_for(self.task, 30)
+
+
+def _user_text(client: _Client) -> None:
+    client.send({"type": "session.update", "session": {"type": "realtime",
+                                                        "max_output_tokens": 8}})
+    client.send({"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}})
+
+
+def test_a_response_streams_transcript_and_audio_in_openais_order():
+    """Transcript deltas, then each streamed piece of speech as an audio delta as it
+    comes, the rest of the waveform before the end; the chat body holds the
+    conversation and asks for pcm16 speech in the session's voice."""
+    seen: list = []
+
+    async def run():
+        client = _Client(_chat_app(seen))
+        assert (await client.next())["type"] == "session.created"
+        _user_text(client)
+        await client.until("conversation.item.done")
+        client.send({"type": "response.create"})
+        events = await client.until("response.done")
+        await client.close()
+        return events
+
+    events = asyncio.run(run())
+    kinds = [e["type"] for e in events]
+    assert kinds[:4] == ["response.created", "response.output_item.added",
+                         "conversation.item.added", "response.content_part.added"]
+    assert kinds[-6:] == ["response.output_audio.done", "response.output_audio_transcript.done",
+                          "response.content_part.done", "response.output_item.done",
+                          "conversation.item.done", "response.done"]
+    pcm = b"".join(base64.b64decode(e["delta"]) for e in events
+                   if e["type"] == "response.output_audio.delta")
+    samples = np.frombuffer(pcm, "<i2")
+    assert len(samples) == WHOLE.shape[0]
+    assert abs(int(samples[0]) - 8192) <= 1 and abs(int(samples[-1]) - 4096) <= 1
+    transcript = "".join(e["delta"] for e in events
+                         if e["type"] == "response.output_audio_transcript.delta")
+    done = events[-1]["response"]
+    assert transcript == "Hello" == done["output"][0]["content"][0]["transcript"]
+    assert done["status"] == "completed" and done["usage"]["input_tokens"] == 7
+    ((body, voice, modalities),) = seen
+    assert body["messages"] == [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    assert body["max_completion_tokens"] == 8 and body["stream"] is True
+    assert voice == "ethan" and modalities == ("text", "audio")
+
+
+def test_response_cancel_stops_the_chat_and_reports_cancelled():
+    """``response.cancel`` while the answer plays: the chat's handler is cancelled (the
+    pipeline request with it), the item is left incomplete and ``response.done`` says
+    ``cancelled``; the next response runs."""
+    seen: list = []
+    cancelled: list = []
+
+    async def run():
+        hold = asyncio.Event()
+        client = _Client(_chat_app(seen, hold, cancelled))
+        await client.next()
+        _user_text(client)
+        await client.until("conversation.item.done")
+        client.send({"type": "response.create"})
+        await client.until("response.output_audio.delta")
+        client.send({"type": "response.cancel"})
+        events = await client.until("response.done")
+        hold.set()
+        client.send({"type": "response.create"})
+        again = await client.until("response.done")
+        await client.close()
+        return events, again
+
+    events, again = asyncio.run(run())
+    done = events[-1]["response"]
+    assert done["status"] == "cancelled" and done["status_details"]["reason"] == \
+        "client_cancelled"
+    assert done["output"][0]["status"] == "incomplete" and cancelled == [True]
+    assert again[-1]["response"]["status"] == "completed"
+    # the second response's prompt holds the first, cut short, answer
+    assert seen[1][0]["messages"][-1] == {"role": "assistant", "content": "Hel"}
+
+
+@pytest.mark.parametrize("event, param", [
+    ({"type": "session.update", "session": {"type": "realtime", "output_modalities":
+                                            ["audio", "text"]}},
+     "session.output_modalities"),
+    ({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {
+        "turn_detection": {"type": "semantic_vad"}}}}},
+     "session.audio.input.turn_detection.type"),
+    ({"type": "session.update", "session": {"type": "realtime", "tools": [
+        {"type": "mcp", "name": "x"}]}}, "session.tools[0].type"),
+    ({"type": "conversation.item.create", "item": {"type": "function_call_output",
+                                                   "call_id": "c"}}, "item.output"),
+    ({"type": "conversation.item.delete", "item_id": "nope"}, "item_id"),
+])
+def test_a_refused_event_names_its_field_and_the_session_goes_on(event, param):
+    async def run():
+        client = _Client(_chat_app([]))
+        await client.next()
+        client.send({**event, "event_id": "evt_1"})
+        error = await client.next()
+        client.send({"type": "session.update", "session": {"type": "realtime"}})
+        updated = await client.next()
+        await client.close()
+        return error, updated
+
+    error, updated = asyncio.run(run())
+    assert error["type"] == "error" and error["error"]["param"] == param, error
+    assert error["error"]["event_id"] == "evt_1"
+    assert updated["type"] == "session.updated"

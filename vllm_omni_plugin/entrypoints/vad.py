@@ -1,0 +1,93 @@
+"""Server voice activity detection for the Realtime API (``turn_detection: server_vad``).
+
+The detector is Silero VAD (the ``silero-vad`` package, which ships its model: a
+TorchScript network of about 2 MB scoring 32 ms windows of 16 kHz audio with the
+probability of speech), through the package's own streaming wrapper ``VADIterator``.
+OpenAI's ``server_vad`` parameters map onto it:
+
+* ``threshold`` (0-1, default 0.5): a window with a speech probability at or above it is
+  speech; speech ends after windows below ``threshold - 0.15`` (Silero's hysteresis);
+* ``silence_duration_ms`` (default 500): how long such silence lasts before the speech
+  is over (Silero's ``min_silence_duration_ms``);
+* ``prefix_padding_ms`` (default 300): audio kept before the detected start, and after
+  the end (Silero's ``speech_pad_ms``, which pads both sides).
+
+The session's input audio is 16-bit PCM at :data:`INPUT_RATE`; it is resampled to
+16 kHz with ``soxr`` (a streaming resampler, so windows join without clicks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+#: The Realtime API's ``audio/pcm`` input rate (Hz): OpenAI's, 24 kHz mono 16-bit.
+INPUT_RATE = 24000
+#: Silero VAD's rate (Hz) and window (samples): 32 ms.
+VAD_RATE = 16000
+WINDOW = 512
+
+
+@dataclass(frozen=True)
+class VadParams:
+    """OpenAI's ``server_vad`` turn detection parameters (see the module docstring)."""
+
+    threshold: float = 0.5
+    prefix_padding_ms: int = 300
+    silence_duration_ms: int = 500
+
+
+@dataclass(frozen=True)
+class VadEvent:
+    """Speech began (``kind`` ``"start"``) or ended (``"stop"``) at ``ms``, milliseconds
+    from the start of the session's input audio."""
+
+    kind: str
+    ms: int
+
+
+class ServerVad:
+    """Speech start and stop in one session's input audio, fed as it arrives.
+
+    Args:
+        params: the session's ``turn_detection`` parameters.
+
+    Raises:
+        ImportError: ``silero-vad`` or ``soxr`` is not installed (both are requirements
+            of the plugin).
+    """
+
+    def __init__(self, params: VadParams) -> None:
+        import soxr
+        from silero_vad import VADIterator, load_silero_vad
+
+        self.params = params
+        # the model keeps its recurrent state per stream: one per session
+        self._iterator = VADIterator(
+            load_silero_vad(), threshold=params.threshold, sampling_rate=VAD_RATE,
+            min_silence_duration_ms=params.silence_duration_ms,
+            speech_pad_ms=params.prefix_padding_ms)
+        self._resampler = soxr.ResampleStream(INPUT_RATE, VAD_RATE, 1, dtype="float32")
+        self._pending = np.zeros(0, dtype=np.float32)  # 16 kHz samples short of a window
+        self.speaking = False
+
+    def feed(self, pcm16: bytes) -> list[VadEvent]:
+        """Detect in ``pcm16`` (little-endian 16-bit mono at :data:`INPUT_RATE`, the
+        samples that follow the ones fed before); the starts and stops found, in order."""
+        import torch
+
+        samples = np.frombuffer(pcm16, dtype="<i2").astype(np.float32) / 32768.0
+        audio = np.concatenate([self._pending, self._resampler.resample_chunk(samples)])
+        events = []
+        whole = len(audio) - len(audio) % WINDOW
+        for begin in range(0, whole, WINDOW):
+            found = self._iterator(torch.from_numpy(audio[begin:begin + WINDOW]))
+            if not found:
+                continue
+            kind = "start" if "start" in found else "stop"
+            self.speaking = kind == "start"
+            events.append(VadEvent(kind, int(found.get("start", found.get("end"))) * 1000
+                                   // VAD_RATE))
+        self._pending = audio[whole:]
+        return events
