@@ -18,10 +18,15 @@ Per turn:
 * **barge-in**: seconds from sending speech while a response plays (after its first
   audio delta) to its ``response.done`` with status ``cancelled``.
 
-Each of ``--trials`` trials runs ``--turns`` turns per (concurrency, mode), each
-session or client doing its turns one after another, ``concurrency`` at once, in
-rotating order. Printed: p50/p99 per (concurrency, mode), and per concurrency the
-ratio realtime / chat of the p50s (target <= 1.1).
+Each of ``--trials`` trials runs ``--turns`` turns per (concurrency, mode),
+``concurrency`` clients at once, each doing its turns one after another, each turn on a
+session of its own (so that its prompt is the chat request's: one audio turn; the
+other clients' session set-up overlaps it), cells in rotating order. Sampling is the
+model's default in both APIs (the Realtime API sets no temperature): a turn the tiny
+model answers too briefly to speak is counted ("no speech"), not timed. The clients
+parse events as the chat client parses its stream (JSON, no schema check: they share
+the host's cores with the server). Printed: p50/p99 per (concurrency, mode), and per
+concurrency the ratio realtime / chat of the p50s (target <= 1.1).
 
 Usage (from the repository root)::
 
@@ -55,6 +60,7 @@ from _common import (  # noqa: E402
 )
 
 from plugin_tests.realtime_client import (  # noqa: E402
+    RATE,
     Events,
     chunks,
     session,
@@ -62,23 +68,28 @@ from plugin_tests.realtime_client import (  # noqa: E402
     text_item,
 )
 from vllm_omni_plugin.entrypoints.audio_encoding import encode_audio  # noqa: E402
+from vllm_omni_plugin.entrypoints.realtime import MODEL_RATE  # noqa: E402
 
 MODES = ("commit", "VAD", "chat", "barge-in")
 
 
 async def _turns(url: str, model: str, mode: str, turns: int, max_tokens: int
                  ) -> list[float]:
-    """``turns`` turns of ``mode`` on one realtime session (or, for ``chat``, one
-    client); seconds per turn."""
+    """``turns`` turns of ``mode``, one after another, each on a realtime session of its
+    own (for ``chat``: each a chat request); seconds per turn, None for a turn answered
+    without speech."""
     import numpy as np
     import openai
 
     speech = speech_pcm(before_s=0.3, after_s=1.0)
     if mode == "chat":
         import aiohttp  # a vLLM requirement
+        import soxr
 
-        wav = encode_audio(np.frombuffer(speech, "<i2").astype(np.float32) / 32768, 24000,
-                           "wav")
+        # the audio as the session hands it to the model (16 kHz WAV)
+        samples = soxr.resample(np.frombuffer(speech, "<i2").astype(np.float32) / 32768,
+                                RATE, MODEL_RATE)
+        wav = encode_audio(samples, MODEL_RATE, "wav")
         body = {"model": model, "max_tokens": max_tokens, "stream": True,
                 "modalities": ["text", "audio"], "audio": {"format": "pcm16"},
                 "messages": [{"role": "user", "content": [{"type": "input_audio",
@@ -99,17 +110,19 @@ async def _turns(url: str, model: str, mode: str, turns: int, max_tokens: int
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="-")
     vad = {"type": "server_vad"} if mode in ("VAD", "barge-in") else None
     times = []
-    async with client.realtime.connect(model=model) as connection:
-        events = Events(connection)
-        await events.until("session.created")
-        await connection.session.update(session=session(
-            max_output_tokens=max_tokens, turn_detection=vad))
-        await events.until("session.updated")
-        for _ in range(turns):
+    for _ in range(turns):  # a session per turn: its prompt is the chat request's
+        async with client.realtime.connect(model=model) as connection:
+            events = Events(connection, validate=False)
+            await events.until("session.created")
+            await connection.session.update(session=session(
+                max_output_tokens=max_tokens, turn_detection=vad))
+            await events.until("session.updated")
             if mode == "barge-in":
                 await connection.conversation.item.create(item=text_item("Tell me more"))
                 await connection.response.create()
-                await events.until("response.output_audio.delta")
+                if not await _first_audio(events):
+                    times.append(None)
+                    continue
                 start = time.perf_counter()
                 for piece in chunks(speech, ms=1000):
                     await connection.input_audio_buffer.append(audio=piece)
@@ -126,17 +139,28 @@ async def _turns(url: str, model: str, mode: str, turns: int, max_tokens: int
             else:
                 await events.until("input_audio_buffer.speech_stopped")
                 start = events.times[-1]  # when the speech_stopped event came
-            await events.until("response.output_audio.delta", timeout=300)
-            times.append(time.perf_counter() - start)
-            await events.until("response.done", timeout=300)
+            if await _first_audio(events):
+                times.append(time.perf_counter() - start)
+                await events.until("response.done", timeout=300)
+            else:
+                times.append(None)
     return times
+
+
+async def _first_audio(events: Events) -> bool:
+    """Wait for the response's first audio delta (True) or its end without one (False:
+    a reply too short to speak, which the sampled tiny model sometimes gives)."""
+    while True:
+        kind = (await events.next(timeout=300))["type"]
+        if kind in ("response.output_audio.delta", "response.done"):
+            return kind == "response.output_audio.delta"
 
 
 async def _load(url, model, mode, concurrency, turns, max_tokens) -> list[float]:
     per_client = max(1, turns // concurrency)
     results = await asyncio.gather(*(_turns(url, model, mode, per_client, max_tokens)
                                      for _ in range(concurrency)))
-    return [t for r in results for t in r]
+    return [t for r in results for t in r]  # None: a turn answered without speech
 
 
 def main() -> int:
@@ -164,15 +188,18 @@ def main() -> int:
             for c, mode in cells[shift:] + cells[:shift]:
                 got = run(c, mode, args.turns)
                 samples[(c, mode)].extend(got)
-                print(f"trial {trial + 1}, c={c}, {mode}: p50 {percentile(got, 0.5):.3f} s",
-                      flush=True)
-    rows = [[str(c), mode, str(len(samples[(c, mode)])),
+                timed = [t for t in got if t is not None]
+                print(f"trial {trial + 1}, c={c}, {mode}: p50 "
+                      f"{fmt(percentile(timed, 0.5) if timed else None, '.3f')} s", flush=True)
+    silent = {cell: sum(t is None for t in got) for cell, got in samples.items()}
+    samples = {cell: [t for t in got if t is not None] for cell, got in samples.items()}
+    rows = [[str(c), mode, str(len(samples[(c, mode)])), str(silent[(c, mode)]),
              fmt(percentile(samples[(c, mode)], 0.5), ".3f"),
              fmt(percentile(samples[(c, mode)], 0.99), ".3f")] for c, mode in cells]
     ratios = [[str(c), *(fmt(percentile(samples[(c, mode)], 0.5)
                              / percentile(samples[(c, "chat")], 0.5), ".2f")
                          for mode in ("commit", "VAD"))] for c in args.concurrency]
-    print(table(["concurrency", "mode", "turns", "p50 s", "p99 s"], rows, left=2,
+    print(table(["concurrency", "mode", "turns", "no speech", "p50 s", "p99 s"], rows, left=2,
                 title=f"realtime turns (commit/VAD: end of turn -> first audio delta; chat: "
                       f"request -> first delta.audio; barge-in: speech -> response "
                       f"cancelled), thinker {args.max_tokens} tokens, talker <= "

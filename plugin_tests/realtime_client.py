@@ -52,23 +52,25 @@ def text_item(text: str, role: str = "user") -> dict:
 
 
 class Events:
-    """The server events of one connection, read with a bound; each is checked against
-    the SDK's ``RealtimeServerEvent`` union (strict validation, not the SDK's lenient
-    parse) and kept, with the time it came (``time.perf_counter``)."""
+    """The server events of one connection, read with a bound; with ``validate``, each
+    is checked against the SDK's ``RealtimeServerEvent`` union (strict validation, not
+    the SDK's lenient parse); each is kept, with the time it came
+    (``time.perf_counter``)."""
 
-    def __init__(self, connection) -> None:
+    def __init__(self, connection, validate: bool = True) -> None:
         from openai.types.realtime import RealtimeServerEvent
         from pydantic import TypeAdapter
 
         self.connection = connection
         self.seen: list[dict] = []
         self.times: list[float] = []
-        self._adapter = TypeAdapter(RealtimeServerEvent)
+        self._adapter = TypeAdapter(RealtimeServerEvent) if validate else None
 
     async def next(self, timeout: float = 120) -> dict:
         raw = await asyncio.wait_for(self.connection.recv_bytes(), timeout)
         event = json.loads(raw)
-        self._adapter.validate_python(event)
+        if self._adapter is not None:
+            self._adapter.validate_python(event)
         self.seen.append(event)
         self.times.append(time.perf_counter())
         return event

@@ -432,8 +432,12 @@ class RealtimeSession:
             self.items.insert(at, item)
         else:
             self.items.append(item)
+        # the item as OpenAI reports it: audio content without its bytes (the client
+        # has them; a 4 s turn is about 250 kB of base64 an event)
+        shown = {**item, "content": [{k: v for k, v in part.items() if k != "audio"}
+                                     for part in item["content"]]} if "content" in item else item
         for kind in ("conversation.item.added", "conversation.item.done"):
-            await self.send({"type": kind, "previous_item_id": previous, "item": item})
+            await self.send({"type": kind, "previous_item_id": previous, "item": shown})
 
     async def _item_delete(self, event: dict) -> None:
         item_id = event.get("item_id")
