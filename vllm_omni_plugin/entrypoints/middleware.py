@@ -120,7 +120,8 @@ class OmniApiMiddleware:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "websocket" and scope["path"] == REALTIME_PATH:
-            return await self.realtime.serve(scope, receive, send)
+            return await self.realtime.serve(scope, receive, send, self.voices(scope),
+                                             self.media_limits(scope))
         if scope["type"] == "http" and scope["method"] == "GET" and scope["path"] == VOICES_PATH:
             known = self.voices(scope)
             return await send_json(send, 200, json.dumps({

@@ -2,8 +2,9 @@
 
 One session per connection, speaking the event protocol of OpenAI's Realtime API as
 the official ``openai`` SDK does (``client.realtime.connect(model=...)``). Audio in and
-out is ``audio/pcm``: 16-bit little-endian mono at 24 kHz (:data:`~.vad.INPUT_RATE`;
-the pipeline's own output rate, 24 kHz for Qwen3-Omni, is checked at session start).
+out is ``audio/pcm``: 16-bit little-endian mono at 24 kHz (:data:`~.vad.INPUT_RATE`).
+The output is the pipeline's own pcm16, passed through: 24 kHz is Qwen3-Omni's
+code2wav rate (not checked against the pipeline).
 
 Client events: ``session.update`` (``instructions``, ``output_modalities``
 ``["audio"]`` or ``["text"]``, ``audio.input.format``, ``audio.input.turn_detection``
@@ -54,13 +55,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vllm_omni_plugin.entrypoints.asgi import hf_config, vllm_config
+from vllm_omni_plugin.entrypoints.asgi import vllm_config
 from vllm_omni_plugin.entrypoints.audio_encoding import STREAM_FORMAT, encode_audio
 from vllm_omni_plugin.entrypoints.chat_audio import CHAT_PATH, parse_audio_request, serve_chat
 from vllm_omni_plugin.entrypoints.media_input import MediaLimits, RequestError, check_media
 from vllm_omni_plugin.entrypoints.vad import INPUT_RATE, ServerVad, VadParams
 from vllm_omni_plugin.logger import init_logger
-from vllm_omni_plugin.processors import list_voices
+from vllm_omni_plugin.processors import Voices
 
 logger = init_logger(__name__)
 
@@ -150,8 +151,10 @@ class RealtimeEndpoint:
         self.app = app
         self.open = 0
 
-    async def serve(self, scope, receive, send) -> None:
-        """Run one WebSocket connection's session to its end."""
+    async def serve(self, scope, receive, send, voices: Voices | None,
+                    media_limits: MediaLimits) -> None:
+        """Run one WebSocket connection's session to its end. ``voices`` and
+        ``media_limits``: the served model's, as the middleware read them."""
         from starlette.websockets import WebSocket
 
         from vllm_omni_plugin.config.settings import OmniSettings, RealtimeSettings
@@ -171,7 +174,8 @@ class RealtimeEndpoint:
             return
         self.open += 1
         try:
-            session = RealtimeSession(self.app, ws, scope, limits.idle_timeout)
+            session = RealtimeSession(self.app, ws, scope, limits.idle_timeout, voices,
+                                      media_limits)
             await session.run()
         finally:
             self.open -= 1
@@ -187,17 +191,17 @@ def _error_event(exc: RealtimeError, event_id: str | None = None) -> dict:
 class RealtimeSession:
     """One client's conversation over one WebSocket (see the module docstring)."""
 
-    def __init__(self, app, ws, scope, idle_timeout: float) -> None:
+    def __init__(self, app, ws, scope, idle_timeout: float, voices: Voices | None,
+                 media_limits: MediaLimits) -> None:
         self.app = app
         self.ws = ws
         self.scope = scope
         self.idle_timeout = idle_timeout
+        self.voices = voices
+        self.media_limits = media_limits
         self.id = f"sess_{uuid.uuid4().hex[:20]}"
-        query = dict(ws.query_params)
-        self.model = query.get("model")
-        known = None if hf_config(scope) is None else list_voices(hf_config(scope))
-        self.voices = known
-        self.config = SessionConfig(voice=known.default if known else None)
+        self.model = ws.query_params.get("model")
+        self.config = SessionConfig(voice=voices.default if voices else None)
         self.items: list[dict] = []
         self.audio = bytearray()  # the input audio buffer: pcm16 at INPUT_RATE
         self.samples_in = 0  # samples of input audio appended in the session
@@ -207,7 +211,6 @@ class RealtimeSession:
         self.response: asyncio.Task | None = None
         self.response_run: _ResponseRun | None = None
         self._send_lock = asyncio.Lock()
-        self._limits: MediaLimits | None = None
 
     # -- the connection ----------------------------------------------------------------
     async def run(self) -> None:
@@ -402,8 +405,7 @@ class RealtimeSession:
         previous = self.items[-1]["id"] if self.items else None
         item = {"id": item_id, "type": "message", "object": "realtime.item",
                 "status": "completed", "role": "user",
-                "content": [{"type": "input_audio", "audio": base64.b64encode(pcm).decode(),
-                             "transcript": None}]}
+                "content": [_input_audio_part(base64.b64encode(pcm).decode(), pcm)]}
         await self.send({"type": "input_audio_buffer.committed", "item_id": item_id,
                          "previous_item_id": previous})
         await self._add_item(item, previous)
@@ -433,8 +435,9 @@ class RealtimeSession:
         else:
             self.items.append(item)
         # the item as OpenAI reports it: audio content without its bytes (the client
-        # has them; a 4 s turn is about 250 kB of base64 an event)
-        shown = {**item, "content": [{k: v for k, v in part.items() if k != "audio"}
+        # has them; a 4 s turn is about 250 kB of base64 an event), nor their chat part
+        shown = {**item, "content": [{k: v for k, v in part.items()
+                                      if k not in ("audio", "chat")}
                                      for part in item["content"]]} if "content" in item else item
         for kind in ("conversation.item.added", "conversation.item.done"):
             await self.send({"type": kind, "previous_item_id": previous, "item": shown})
@@ -525,13 +528,6 @@ class RealtimeSession:
         await self.send({"type": "conversation.item.deleted", "item_id": item["id"]})
         return True
 
-    def media_limits(self) -> MediaLimits:
-        if self._limits is None:
-            config = vllm_config(self.scope)
-            self._limits = MediaLimits() if config is None else \
-                MediaLimits.from_vllm_config(config)
-        return self._limits
-
     _HANDLERS = {
         "session.update": _session_update,
         "input_audio_buffer.append": _append,
@@ -594,7 +590,7 @@ class _ResponseRun:
         try:
             body = self._chat_body()
             asked = parse_audio_request(body)
-            await asyncio.to_thread(check_media, body, session.media_limits())
+            await asyncio.to_thread(check_media, body, session.media_limits)
         except RequestError as exc:
             await self._fail(f"the conversation cannot be sent to the model: {exc}")
             return None
@@ -847,6 +843,19 @@ async def _never_disconnects():
     await asyncio.Event().wait()
 
 
+def _input_audio_part(audio: str, pcm: bytes) -> dict:
+    """A user item's ``input_audio`` content part (``audio``: base64 of ``pcm``,
+    audio/pcm at :data:`INPUT_RATE`) with, under ``chat``, the chat completion part it
+    becomes in every later prompt: a WAV at :data:`MODEL_RATE`, encoded once here."""
+    import soxr
+
+    samples = np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768.0
+    wav = encode_audio(soxr.resample(samples, INPUT_RATE, MODEL_RATE), MODEL_RATE, "wav")
+    return {"type": "input_audio", "audio": audio, "transcript": None,
+            "chat": {"type": "input_audio", "input_audio": {
+                "data": base64.b64encode(wav).decode(), "format": "wav"}}}
+
+
 def _chat_messages(item: dict) -> list[dict]:
     """The chat messages of one conversation item (none for an item with nothing to say)."""
     kind = item["type"]
@@ -861,13 +870,7 @@ def _chat_messages(item: dict) -> list[dict]:
         if part["type"] in ("input_text", "text", "output_text"):
             parts.append({"type": "text", "text": part.get("text") or ""})
         elif part["type"] == "input_audio":
-            import soxr
-
-            pcm = np.frombuffer(base64.b64decode(part["audio"]), dtype="<i2")
-            samples = soxr.resample(pcm.astype(np.float32) / 32768.0, INPUT_RATE, MODEL_RATE)
-            wav = encode_audio(samples, MODEL_RATE, "wav")
-            parts.append({"type": "input_audio", "input_audio": {
-                "data": base64.b64encode(wav).decode(), "format": "wav"}})
+            parts.append(part["chat"])
         elif part["type"] in ("audio", "output_audio"):
             if part.get("transcript"):
                 parts.append({"type": "text", "text": part["transcript"]})
@@ -1019,7 +1022,7 @@ def _conversation_item(item: dict) -> dict:
             if not pcm or len(pcm) % 2:
                 raise RealtimeError(f"{where}.audio", "must be base64 of audio/pcm, 16-bit "
                                     f"mono at {INPUT_RATE} Hz")
-            parts.append({"type": "input_audio", "audio": audio, "transcript": None})
+            parts.append(_input_audio_part(audio, pcm))
         elif part["type"] in ("output_audio", "audio"):
             parts.append({"type": "output_audio", "transcript": str(part.get("transcript")
                                                                     or "")})

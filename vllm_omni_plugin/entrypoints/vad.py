@@ -70,7 +70,6 @@ class ServerVad:
             speech_pad_ms=params.prefix_padding_ms)
         self._resampler = soxr.ResampleStream(INPUT_RATE, VAD_RATE, 1, dtype="float32")
         self._pending = np.zeros(0, dtype=np.float32)  # 16 kHz samples short of a window
-        self.speaking = False
 
     def feed(self, pcm16: bytes) -> list[VadEvent]:
         """Detect in ``pcm16`` (little-endian 16-bit mono at :data:`INPUT_RATE`, the
@@ -86,7 +85,6 @@ class ServerVad:
             if not found:
                 continue
             kind = "start" if "start" in found else "stop"
-            self.speaking = kind == "start"
             events.append(VadEvent(kind, int(found.get("start", found.get("end"))) * 1000
                                    // VAD_RATE))
         self._pending = audio[whole:]
