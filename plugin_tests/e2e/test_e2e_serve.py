@@ -885,7 +885,9 @@ def test_realtime_client_gone_mid_response_frees_every_stage(server):
         await events.until("session.updated")
         await connection.conversation.item.create(item=text_item("Tell me a story"))
         await connection.response.create()
-        await events.until("response.output_audio.delta")
+        # the first transcript delta: the thinker has begun and the talker and code2wav
+        # are still to run (at the first audio delta a short answer may be all spoken)
+        await events.until("response.output_audio_transcript.delta")
 
     before = server.log().count("cancelled (client disconnected)")
     _realtime(server, scenario)
