@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import re
 import signal
 import socket
 import subprocess
+import threading
 import time
 
 import requests
@@ -77,6 +79,50 @@ class ServeProcess:
         assert found, f"stage {stage}'s worker pid is not in the log"
         name, pid = found[-1]
         return name, int(pid)
+
+    def engine_pid(self, stage: int) -> int:
+        """Stage ``stage``'s EngineCore: the parent of the worker process that logged
+        starting the plugin's worker (vLLM's CPU platform runs the worker in a process of
+        its own), or that process itself when the worker runs inside the EngineCore."""
+        import psutil
+
+        name, pid = self.stage_worker(stage)
+        return pid if name.startswith("EngineCore") else psutil.Process(pid).ppid()
+
+    def payload_files(self) -> int:
+        """Files in this server's payload store (its run directories under /dev/shm)."""
+        return sum(len(files) for run_dir in glob.glob(
+            f"/dev/shm/vllm-omni-plugin-{self.proc.pid}-*") for _, _, files in os.walk(run_dir))
+
+    def stall(self, stage: int, send, in_stage=None, timeout: float = 300):
+        """Stop stage ``stage``'s EngineCore (SIGSTOP: a hung kernel or a deadlock, as
+        the head sees it), send a request that reaches the stage (``send()``, in a
+        thread), and wait for its answer; the head has to notice the stall and kill the
+        engine meanwhile. ``in_stage()``: the request is at the stage (default: the
+        stage's ``vllm_omni:replica_requests_running`` is 1).
+
+        Returns:
+            ``(answer, seconds)``: what ``send`` returned (or the exception it raised),
+            and the seconds from when the request was at the stage to the answer.
+        """
+        pid = self.engine_pid(stage)
+        in_stage = in_stage or (lambda: sum(self.replica_metric(
+            "vllm_omni:replica_requests_running", stage).values()) >= 1)
+        result = {}
+
+        def call():
+            try:
+                result["answer"] = send()
+            except Exception as exc:  # the answer is the exception (a dropped connection)
+                result["answer"] = exc
+
+        os.kill(pid, signal.SIGSTOP)
+        sender = threading.Thread(target=call)
+        sender.start()
+        self.wait_until(lambda: in_stage() or not sender.is_alive(), 120, interval=0.05)
+        start = time.monotonic()
+        sender.join(timeout)
+        return result.get("answer"), time.monotonic() - start
 
     def wait_ready(self, timeout_s: float = 420) -> float:
         """Seconds until ``/health`` answers 200. Raises RuntimeError with the log tail."""
@@ -187,3 +233,34 @@ class ServeProcess:
                 labels = frozenset(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
                 samples[(match.group(1), labels)] = float(match.group(3))
         return samples
+
+
+def check_stall_recovery(server: ServeProcess, stage: int, name: str, stall_s: float,
+                         send) -> requests.Response:
+    """The stalled-stage scenario on ``server`` (replica 0 of ``stage``, named ``name``,
+    a local replica with stall timeout ``stall_s``): its EngineCore is stopped while
+    ``send()``'s request is at the stage. Checked: the request is answered within the
+    stall timeout plus 10 s, 200 (resubmitted) or 503 naming the stage and the stall; the
+    stage is restarted, counted once in ``vllm_omni:replica_stalls_total``, and answers
+    the next ``send()`` with 200; no payload file or admission slot is left. Returns the
+    stalled request's answer."""
+    assert server.replica_metric("vllm_omni:replica_stalls_total", stage) == {0: 0.0}
+    answer, seconds = server.stall(stage, send)
+    assert isinstance(answer, requests.Response), answer
+    assert seconds <= stall_s + 10, seconds
+    assert answer.status_code in (200, 503), answer.text
+    if answer.status_code == 503:
+        message = answer.json()["error"]["message"]
+        assert f"stage {stage} ({name}): " in message, message
+        assert "replica 0 was lost: stalled: its EngineCore answered no liveness probe " \
+            f"for {stall_s:g} s" in message, message
+    replica = rf"stage {stage} replica 0 \(local [^)]*\)"
+    server.wait_for_log(rf"{replica}: stalled(?s:.*){replica}: restarted in [0-9.]+ s", 300)
+    assert server.replica_metric("vllm_omni:replica_stalls_total", stage) == {0: 1.0}
+    server.wait_until(lambda: 0 in server.replicas_up(stage), 60)
+    after = send()
+    assert after.status_code == 200, after.text
+    server.wait_until(lambda: server.payload_files() == 0 and not any(
+        v for (metric, _), v in server.metrics().items()
+        if metric == "vllm_omni:stage_requests_in_flight"), 30)
+    return answer

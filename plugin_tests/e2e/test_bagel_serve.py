@@ -21,12 +21,14 @@ import pytest
 
 from plugin_tests.conftest import BAGEL_REFERENCE
 from plugin_tests.helpers import installed_wheel
-from plugin_tests.serve_utils import serving
+from plugin_tests.serve_utils import check_stall_recovery, serving
 
 pytestmark = pytest.mark.e2e
 
 #: decoded pixels vs the official code (bf16): mean |difference| in uint8 levels
 PIXEL_MEAN_TOL = 3.0
+#: the server's --omni-stall-timeout (every stage's, over the pipeline's own), seconds
+STALL_S = 10
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +37,10 @@ def server(tiny_bagel, tmp_path_factory):
     site = installed_wheel(root)
     elsewhere = root / "elsewhere"
     elsewhere.mkdir()
+    # a request resubmitted while the DiT restarts waits 3 s for it
     with serving(tiny_bagel, ["--stage-configs-path", "bagel", "--max-model-len", "512",
-                              "--dtype", "float32"], str(root / "serve.log"),
+                              "--dtype", "float32", "--omni-stall-timeout", str(STALL_S),
+                              "--omni-replica-wait-timeout", "3"], str(root / "serve.log"),
                  env={**os.environ, "PYTHONPATH": str(site)}, cwd=str(elsewhere)) as proc:
         yield proc
 
@@ -224,3 +228,18 @@ def test_bad_image_chats_are_400s_naming_the_field(server, extra, field):
         "model": server.model, "messages": [{"role": "user", "content": "A cat."}], **extra})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field
+
+
+def test_a_stalled_dit_is_restarted_and_its_request_answered(server):
+    """SIGSTOP of the DiT's EngineCore with an image request in it: see
+    :func:`check_stall_recovery`; ``--omni-stall-timeout`` wins over the pipeline's own
+    600 s for the DiT. The module's last test (it restarts the DiT)."""
+    import requests
+
+    def image():
+        return requests.post(f"{server.url}/v1/images/generations", timeout=300, json={
+            "model": server.model, "prompt": "A red boat.", "size": "48x32", "seed": 3,
+            "num_inference_steps": 4})
+
+    answer = check_stall_recovery(server, 1, "dit", STALL_S, image)
+    assert answer.status_code == 503

@@ -95,16 +95,6 @@ def _metric(server, name: str, **labels) -> float | None:
     return server.metrics().get((name, frozenset((k, str(v)) for k, v in labels.items())))
 
 
-def _engine_pid(server, stage: int) -> int:
-    """The stage's EngineCore: the parent of the worker process that logged starting the
-    plugin's worker (vLLM's CPU platform runs the worker in a process of its own), or
-    that process itself when the worker runs inside the EngineCore."""
-    import psutil
-
-    name, pid = server.stage_worker(stage)
-    return pid if name.startswith("EngineCore") else psutil.Process(pid).ppid()
-
-
 def _assert_no_stack_trace_hint(message: str) -> None:
     assert "stack trace" not in message.lower(), message
 
@@ -172,7 +162,7 @@ def test_n_null_means_one(server):
 def test_client_disconnect_is_logged_and_cleans_up(server):
     """The talker's EngineCore is stopped (SIGSTOP) so the request is surely
     still there when the client goes away (read timeout)."""
-    talker = _engine_pid(server, 1)
+    talker = server.engine_pid(1)
     os.kill(talker, signal.SIGSTOP)
     try:
         with pytest.raises(requests.Timeout):
@@ -189,7 +179,7 @@ def test_streamed_client_disconnect_stops_the_stage_and_cleans_up(server):
     """A streamed chat with audio whose client goes away after the text, while the
     request waits at the talker (its EngineCore stopped with SIGSTOP so that it surely
     does): the talker's task is aborted and nothing stays in the payload store."""
-    talker = _engine_pid(server, 1)
+    talker = server.engine_pid(1)
     os.kill(talker, signal.SIGSTOP)
     try:
         with requests.post(f"{server.url}/v1/chat/completions", stream=True, timeout=60,
@@ -221,7 +211,7 @@ def test_burst_beyond_the_admission_bound_gets_429_while_admitted_finish(server)
     burst = 3 * TALKER_BOUND
     refused_before = _metric(server, "vllm_omni:admission_refused_total") or 0
     responses: list[requests.Response | None] = [None] * burst
-    talker = _engine_pid(server, 1)
+    talker = server.engine_pid(1)
 
     def send(i: int) -> None:
         responses[i] = server.chat(server.audio_body())
@@ -309,7 +299,7 @@ def test_fuzzed_request_bodies_never_take_the_server_down(server):
 
 # -- supervised stage engines (kill -9) --------------------------------------------
 def test_killed_idle_talker_is_restarted_and_serves_again(server):
-    pid = _engine_pid(server, 1)
+    pid = server.engine_pid(1)
     os.kill(pid, signal.SIGKILL)
     server.wait_for_log(r"stage 1 replica 0 \(local [^)]*\): engine core exited "
                         r"\(exit code -9\)", timeout_s=30)
@@ -320,14 +310,14 @@ def test_killed_idle_talker_is_restarted_and_serves_again(server):
     labels = {"stage": 1, "replica": 0, "location": "local"}
     assert _metric(server, "vllm_omni:replica_status", **labels, status="up") == 1
     assert _metric(server, "vllm_omni:replica_restarts_total", **labels) == 1
-    assert _engine_pid(server, 1) != pid
+    assert server.engine_pid(1) != pid
 
 
 def test_talker_killed_mid_request_is_resubmitted_then_recovers(server):
     """The talker's EngineCore is stopped (SIGSTOP) before the request, so the request
     surely waits there with no codec frame produced when it is killed (SIGKILL): it is
     resubmitted to the restarted talker and answered."""
-    pid = _engine_pid(server, 1)
+    pid = server.engine_pid(1)
     os.kill(pid, signal.SIGSTOP)
     result: dict[str, requests.Response] = {}
     sender = threading.Thread(target=lambda: result.update(r=server.chat(server.audio_body())))
@@ -351,7 +341,7 @@ def test_talker_killed_mid_request_is_resubmitted_then_recovers(server):
 
 
 def test_dead_stage_without_restarts_fails_audio_at_once_text_keeps_serving(server):
-    os.kill(_engine_pid(server, 2), signal.SIGKILL)
+    os.kill(server.engine_pid(2), signal.SIGKILL)
     server.wait_for_log(r"stage 2 replica 0 .*given up after 0 restart attempt", timeout_s=30)
     r = server.chat(server.audio_body())
     assert r.status_code == 503, r.text

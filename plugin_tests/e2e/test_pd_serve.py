@@ -10,16 +10,20 @@ and that every request went through the prefill stage.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 
 from plugin_tests.conftest import QWEN3_OMNI_PD_YAML
 from plugin_tests.helpers import inductor_env
-from plugin_tests.serve_utils import serving
+from plugin_tests.serve_utils import check_stall_recovery, serving
 
 pytestmark = pytest.mark.e2e
 
 PREFILL_STAGE = "3"
+#: runtime.stall_timeout of the module server's prefill stage and entry (decode) engine
+STALL_S = 8
 
 
 @pytest.fixture(scope="module")
@@ -29,10 +33,15 @@ def server(tiny_qwen3_omni, tmp_path_factory):
     with open(QWEN3_OMNI_PD_YAML) as f:
         pipeline = yaml.safe_load(f)
     pipeline["stages"][1]["default_sampling_params"]["max_tokens"] = 16
+    for stage in pipeline["stages"]:
+        if stage["stage_id"] in (0, int(PREFILL_STAGE)):
+            stage.setdefault("runtime", {})["stall_timeout"] = STALL_S
     yaml_path = root / "pipeline.yaml"
     yaml_path.write_text(yaml.safe_dump(pipeline))
+    # a request resubmitted while the prefill stage restarts waits 3 s for it
     with serving(tiny_qwen3_omni, ["--stage-configs-path", str(yaml_path),
-                                   "--max-model-len", "2048", "--dtype", "float32"],
+                                   "--max-model-len", "2048", "--dtype", "float32",
+                                   "--omni-replica-wait-timeout", "3"],
                  str(root / "serve.log"), env=inductor_env()) as proc:
         yield proc
 
@@ -67,3 +76,29 @@ def test_pd_chat_streamed_and_not_with_audio(server):
     assert _prefilled(server) - before == 3  # every request ran on the prefill stage
     log = server.log()
     assert "OmniMooncakeConnector" in log and "stage 3 (thinker_prefill) engine ready" in log
+
+
+def test_a_stalled_prefill_stage_is_restarted_and_its_request_answered(server):
+    """SIGSTOP of the prefill stage's EngineCore with a chat's prompt in it (before any
+    KV transfer): see :func:`check_stall_recovery`; the answer is a 503 naming the
+    prefill stage and the stall (resubmitted while the stage restarts)."""
+    answer = check_stall_recovery(server, int(PREFILL_STAGE), "thinker_prefill", STALL_S,
+                                  lambda: server.chat(server.chat_body()))
+    assert answer.status_code == 503
+
+
+def test_a_stalled_entry_engine_is_killed_and_the_server_exits(server):
+    """The head's own engine (vLLM's, the decode stage here) stalls: the head kills its
+    EngineCore, vLLM fails the request in it and shuts the API server down, so that
+    whatever runs the server restarts it, instead of a server that hangs while its
+    /health answers 200. The module's last test: the server is gone after it."""
+    import requests
+
+    answer, seconds = server.stall(0, lambda: server.chat(server.chat_body(), timeout=120),
+                                   in_stage=lambda: True)
+    assert seconds <= STALL_S + 10, seconds
+    if isinstance(answer, requests.Response):  # else the connection closed unanswered
+        assert answer.status_code >= 500, answer.text
+    server.proc.wait(timeout=120)
+    assert re.search(r"stage 0 \(thinker\), the head's engine: stalled: its EngineCore "
+                     rf"answered no liveness probe for {STALL_S:g} s", server.log())

@@ -907,3 +907,77 @@ def test_a_failing_companion_fails_the_request_naming_stage_and_companion(tmp_pa
     assert request.result.error == ("stage 0 (thinker): companion 'neg': worker failed: "
                                     "boom")
     assert not orchestrator.pools[1].tasks
+
+
+class HangingEntry:
+    """An entry stage that never finishes on its own: after one output it waits until
+    ``abort`` (vLLM's ``AsyncLLM.abort``), then ends with finish reason ``abort`` as vLLM
+    does."""
+
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+        self._abort = asyncio.Event()
+
+    async def __call__(self, prompt, params, request_id):
+        completion = SimpleNamespace(token_ids=[ENTRY_TOKENS[0]])
+        yield SimpleNamespace(finished=False, prompt_token_ids=PROMPT, outputs=[completion])
+        await self._abort.wait()
+        completion = SimpleNamespace(token_ids=[ENTRY_TOKENS[0]], finish_reason="abort")
+        yield SimpleNamespace(finished=True, prompt_token_ids=PROMPT, outputs=[completion])
+
+    async def abort(self, request_id) -> None:
+        self.aborted.append(request_id)
+        self._abort.set()
+
+
+def _timed(store, entry, entry_abort, outcomes=None):
+    """An orchestrator with a 0.3 s request timeout."""
+    pools = {i: Pool(i, (outcomes or {}).get(i, "ok")) for i in (1, 2)}
+    return Orchestrator(entry, SimpleNamespace(), _pipeline(fan_out=False), store, pools,
+                        AdmissionGate({1: 4, 2: 4}, 1.0),
+                        dict.fromkeys(pools, _recording_processor([])),
+                        entry_abort=entry_abort, request_timeout=0.3)
+
+
+def test_a_request_past_the_request_timeout_is_stopped_everywhere_and_fails_504(tmp_path):
+    """Stuck at the talker when --omni-request-timeout passes: the talker's task and the
+    entry stage's request are aborted, the request fails with 504 naming the talker, and
+    no payload or admission slot is left."""
+    store = PayloadStore(str(tmp_path / "run"))
+    entry_aborted = []
+
+    async def entry_abort(request_id):
+        entry_aborted.append(request_id)
+
+    orchestrator = _timed(store, Entry(store), entry_abort, outcomes={1: "block"})
+    request = _audio()
+    outputs = asyncio.run(asyncio.wait_for(_run(orchestrator, request), 10))
+    assert [o.finished for o in outputs] == [False]  # no final output after the failure
+    assert request.result.status == 504
+    assert request.result.error == ("stage 1 (talker): the request did not finish within "
+                                    "0.3 s (--omni-request-timeout)")
+    assert orchestrator.pools[1].aborted == ["req-1-s1"] and not orchestrator.pools[2].tasks
+    assert entry_aborted == ["req-1"]
+    assert orchestrator.store.keys() == [] and orchestrator.admission.in_flight == {1: 0, 2: 0}
+    assert orchestrator._expired == set() and orchestrator._inflight == {}
+
+
+def test_a_text_request_past_the_request_timeout_raises_504_naming_the_entry_stage(tmp_path):
+    entry = HangingEntry()
+    orchestrator = _timed(PayloadStore(str(tmp_path / "run")), entry, entry.abort)
+    request = OmniRequest()
+    with pytest.raises(StageError) as info:
+        asyncio.run(asyncio.wait_for(_run(orchestrator, request), 10))
+    assert info.value.status == 504 and entry.aborted == ["req-1"]
+    assert str(info.value) == ("stage 0 (thinker): the request did not finish within 0.3 s "
+                               "(--omni-request-timeout)")
+    assert request.result.status == 504 and orchestrator.store.keys() == []
+
+
+def test_a_request_timeout_needs_the_entry_stages_abort(tmp_path):
+    pipeline = _pipeline(fan_out=False)
+    store = PayloadStore(str(tmp_path / "run"))
+    with pytest.raises(ValueError, match="a request timeout needs the entry stage's abort"):
+        Orchestrator(Entry(store), None, pipeline, store, {1: Pool(1), 2: Pool(2)},
+                     AdmissionGate({1: 1, 2: 1}, 1.0), {1: print, 2: print},
+                     request_timeout=1.0)

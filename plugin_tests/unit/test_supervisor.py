@@ -2,10 +2,12 @@
 
 The engines here stand in for vLLM's ``AsyncLLM``: each owns a real child
 process in the place vLLM keeps its EngineCore processes, and the tests kill
-it for real with SIGKILL. Failed restarts are scripted (``start_engine``
-raising), a fault that a real engine start cannot be made to produce on cue.
-The real engines, killed under a real `vllm serve`, are in
-``test_hardening_serve.py``.
+it for real with SIGKILL, or stop it with SIGSTOP (a stalled engine). Their liveness
+probe (``is_sleeping``, a utility call to vLLM's EngineCore) is answered while the
+child runs and not while it is stopped, as the EngineCore's busy loop would. Failed
+restarts are scripted (``start_engine`` raising), a fault that a real engine start
+cannot be made to produce on cue. The real engines, killed and stopped under a real
+`vllm serve`, are in ``test_hardening_serve.py`` and the ``*_serve.py`` stall tests.
 """
 
 from __future__ import annotations
@@ -17,25 +19,36 @@ import signal
 import time
 from types import SimpleNamespace
 
+import psutil
 import pytest
 
 from plugin_tests.helpers import until
 from vllm_omni_plugin.coordinator import RoundRobinBalancer
+from vllm_omni_plugin.replicas.liveness import engine_processes
 from vllm_omni_plugin.replicas.pool import NoReplicaAvailable, StagePool
 from vllm_omni_plugin.replicas.replica import LocalReplica
-from vllm_omni_plugin.replicas.supervisor import LocalReplicaSupervisor, engine_processes
+from vllm_omni_plugin.replicas.supervisor import LocalReplicaSupervisor
 from vllm_omni_plugin.replicas.task import ReplicaLost, StageTask
 
 
 class ProcessEngine:
     """An engine whose "EngineCore" is a real sleeping child process."""
 
-    def __init__(self) -> None:
+    def __init__(self, step_s: float = 0.0) -> None:
         self.proc = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,))
         self.proc.start()
         manager = SimpleNamespace(processes=[self.proc])
         self.engine_core = SimpleNamespace(resources=SimpleNamespace(engine_manager=manager))
         self.shut_down = False
+        self.step_s = step_s  # each probe waits this long (a step under way)
+        self.probes_answered = 0
+
+    async def is_sleeping(self) -> bool:
+        await asyncio.sleep(self.step_s)
+        while psutil.Process(self.proc.pid).status() == psutil.STATUS_STOPPED:
+            await asyncio.sleep(0.01)  # stopped: no answer until it runs again
+        self.probes_answered += 1
+        return False
 
     @property
     def errored(self) -> bool:
@@ -77,8 +90,9 @@ class Starter:
         return engine
 
 
-def _supervised(tmp_path, starter, max_restarts, backoff_s=0.01):
-    first = ProcessEngine()
+def _supervised(tmp_path, starter, max_restarts, backoff_s=0.01, stall_timeout=0.0,
+                first=None):
+    first = first or ProcessEngine()
     replica = LocalReplica(1, 0, first, str(tmp_path))
     pool = StagePool(1, RoundRobinBalancer(), wait_timeout=0.2)
     pool.add(replica)
@@ -88,7 +102,8 @@ def _supervised(tmp_path, starter, max_restarts, backoff_s=0.01):
         pool.notify()
         up.set()
 
-    supervisor = LocalReplicaSupervisor(replica, starter, on_up, max_restarts, backoff_s)
+    supervisor = LocalReplicaSupervisor(replica, starter, on_up, max_restarts, backoff_s,
+                                        stall_timeout=stall_timeout)
     supervisor.watch(asyncio.get_running_loop())
     return first, replica, pool, supervisor, up
 
@@ -193,3 +208,65 @@ def test_task_on_an_engine_that_dies_fails_over_instead_of_hanging(tmp_path):
 
     error = asyncio.run(scenario())
     assert not error.produced_output and "exit code -9" in str(error)
+
+
+def test_stalled_engine_is_killed_and_restarted_and_its_task_fails_over(tmp_path):
+    """SIGSTOP of the EngineCore with a task in flight: within the stall timeout the
+    engine's processes are killed, the task fails over naming the stall (no output yet:
+    the pool resubmits it), and the restarted engine is probed in turn."""
+    async def scenario():
+        starter = Starter()
+        first, replica, pool, supervisor, up = _supervised(
+            tmp_path, starter, max_restarts=3, stall_timeout=0.5)
+        running = asyncio.create_task(replica.run(StageTask("req", [1], {})))
+        await until(lambda: "req" in replica.running and first.probes_answered)
+        os.kill(first.proc.pid, signal.SIGSTOP)
+        with pytest.raises(ReplicaLost) as info:
+            await asyncio.wait_for(running, 10)
+        await asyncio.wait_for(up.wait(), 10)
+        second = starter.engines[0]
+        await until(lambda: second.probes_answered >= 2)
+        replica.close()
+        replica.release()
+        return first, replica, supervisor, info.value
+
+    first, replica, supervisor, error = asyncio.run(scenario())
+    assert first.proc.exitcode == -signal.SIGKILL
+    assert not error.produced_output
+    assert "stalled: its EngineCore answered no liveness probe for 0.5 s" in str(error)
+    assert "with 1 request(s) in flight" in str(error)
+    assert replica.stalls == 1 and supervisor.restarts == 1
+
+
+def test_a_long_step_is_not_a_stall(tmp_path):
+    """Probes answered after most of the stall timeout (one long engine step each) never
+    count as a stall."""
+    async def scenario():
+        slow = ProcessEngine(step_s=0.3)
+        _, replica, _, supervisor, _ = _supervised(tmp_path, Starter(), max_restarts=3,
+                                                   stall_timeout=0.5, first=slow)
+        await until(lambda: slow.probes_answered >= 4, timeout=30)
+        alive = slow.proc.is_alive()
+        replica.close()
+        replica.release()
+        return replica, alive
+
+    replica, alive = asyncio.run(scenario())
+    assert alive and replica.stalls == 0 and replica.generation == 0
+
+
+def test_a_resubmission_with_no_replica_left_names_the_stall(tmp_path):
+    async def scenario():
+        first, replica, pool, supervisor, up = _supervised(
+            tmp_path, Starter(), max_restarts=0, stall_timeout=0.5)
+        await until(lambda: first.probes_answered)
+        os.kill(first.proc.pid, signal.SIGSTOP)
+        with pytest.raises(NoReplicaAvailable) as info:
+            await asyncio.wait_for(pool.run(StageTask("req", [1], {})), 10)
+        replica.close()
+        replica.release()
+        return str(info.value)
+
+    message = asyncio.run(scenario())
+    assert "no replica available for stage 1" in message
+    assert "after replica 0 was lost: stalled" in message

@@ -96,6 +96,22 @@ def add_omni_args(parser: argparse.ArgumentParser) -> None:
         "already has its bound of requests in flight (runtime.max_inflight in the stage "
         "config) before it fails with HTTP 429 and a Retry-After header.")
     group.add_argument(
+        "--omni-stall-timeout", type=float, default=_CLUSTER.stall_timeout,
+        metavar="SECONDS",
+        help="Seconds a stage engine this process runs may leave a liveness probe (a "
+        "utility call its EngineCore answers between two steps) unanswered before it "
+        "counts as stalled: its processes are killed and it is restarted, its requests "
+        "that produced nothing resubmitted and the others failed naming the stage and "
+        "replica. Given, it applies to every stage (0 disables the probe); else each "
+        "stage's runtime.stall_timeout, else 120 s, several times the longest engine "
+        "step of the shipped pipelines on one GPU.")
+    group.add_argument(
+        "--omni-request-timeout", type=float, default=_CLUSTER.request_timeout,
+        metavar="SECONDS",
+        help="Head: seconds a request may run in total before it is stopped at every "
+        "stage and fails with HTTP 504 naming the stage it was at (a streamed response "
+        "ends with an error event). Default: no limit.")
+    group.add_argument(
         "--omni-realtime-max-sessions", type=int, default=_REALTIME.max_sessions,
         metavar="N",
         help="Head: Realtime API (GET /v1/realtime, WebSocket) sessions open at once; one "
@@ -147,6 +163,8 @@ FLAG_DEFAULTS = {"stage_id": None, "omni_master_address": _CLUSTER.host,
                  "omni_heartbeat_timeout": _CLUSTER.heartbeat_timeout,
                  "omni_replica_wait_timeout": _CLUSTER.replica_wait_timeout,
                  "omni_admission_timeout": _CLUSTER.admission_timeout,
+                 "omni_stall_timeout": _CLUSTER.stall_timeout,
+                 "omni_request_timeout": _CLUSTER.request_timeout,
                  "omni_replica_address": None, "omni_cluster_token": None, "replica_id": None,
                  "omni_placement": "auto",
                  "omni_realtime_max_sessions": _REALTIME.max_sessions,
@@ -180,6 +198,10 @@ def validate_omni_args(args: argparse.Namespace) -> None:
     if not args.omni_admission_timeout >= 0:
         raise ValueError("--omni-admission-timeout must be >= 0, got "
                          f"{args.omni_admission_timeout!r}")
+    if args.omni_stall_timeout is not None and not args.omni_stall_timeout >= 0:
+        raise ValueError(f"--omni-stall-timeout must be >= 0, got {args.omni_stall_timeout!r}")
+    if args.omni_request_timeout is not None:
+        _positive("--omni-request-timeout", args.omni_request_timeout)
     if args.omni_dp_size_local < 1:
         raise ValueError(f"--omni-dp-size-local must be >= 1, got {args.omni_dp_size_local}")
     if not 0 <= args.omni_master_port <= 65535:
@@ -256,7 +278,8 @@ def headless_plan(args: argparse.Namespace) -> HeadlessPlan:
     return HeadlessPlan(
         stage=stage,
         settings=OmniSettings(stage_configs_path=os.path.abspath(path),
-                              stage_id=stage.stage_id, entry=False),
+                              stage_id=stage.stage_id, entry=False,
+                              cluster=ClusterSettings(stall_timeout=args.omni_stall_timeout)),
         base_args=base,
         master_host=args.omni_master_address,
         master_port=args.omni_master_port,
@@ -344,7 +367,9 @@ def apply_omni_args(args: argparse.Namespace, engine_args) -> None:
             host=args.omni_master_address, port=args.omni_master_port,
             heartbeat_timeout=args.omni_heartbeat_timeout, lb_policy=args.omni_lb_policy,
             replica_wait_timeout=args.omni_replica_wait_timeout,
-            admission_timeout=args.omni_admission_timeout),
+            admission_timeout=args.omni_admission_timeout,
+            stall_timeout=args.omni_stall_timeout,
+            request_timeout=args.omni_request_timeout),
         realtime=RealtimeSettings(max_sessions=args.omni_realtime_max_sessions,
                                   idle_timeout=args.omni_realtime_idle_timeout))
     engine_args.additional_config = settings.additional_config(

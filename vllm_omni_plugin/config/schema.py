@@ -107,6 +107,9 @@ class RuntimeConfig(BaseModel):
     ``max_restarts``: restart attempts for a local replica whose engine
     died, counted until it has been up for a minute, before it is given up
     (``down``); ``0`` disables restarts.
+    ``stall_timeout``: seconds this stage's engines may leave a liveness probe
+    unanswered before they count as stalled (``0`` disables the probe; default 120;
+    ``--omni-stall-timeout`` overrides it): set it above the stage's longest engine step.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -115,6 +118,7 @@ class RuntimeConfig(BaseModel):
     num_replicas: int = Field(default=1, ge=0)
     max_inflight: int | None = Field(default=None, ge=1)
     max_restarts: int = Field(default=5, ge=0)
+    stall_timeout: float | None = Field(default=None, ge=0)
 
     @field_validator("devices", mode="before")
     @classmethod

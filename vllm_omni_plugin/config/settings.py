@@ -34,6 +34,13 @@ class ClusterSettings(BaseModel):
             while one may come back, before HTTP 503.
         admission_timeout: seconds a request for more than text waits for
             room at the downstream stages, before HTTP 429.
+        stall_timeout: seconds a local stage engine (the head's, or a headless
+            process's own) may leave a liveness probe unanswered before it is killed and
+            restarted (:mod:`vllm_omni_plugin.replicas.liveness`), for every stage;
+            ``0`` disables the probe; None: each stage's ``runtime.stall_timeout``, else
+            :data:`~vllm_omni_plugin.replicas.liveness.DEFAULT_STALL_TIMEOUT_S`.
+        request_timeout: seconds a request may take from the head's first sight of it
+            to its last output before it fails with HTTP 504; None: no limit.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -43,6 +50,8 @@ class ClusterSettings(BaseModel):
     lb_policy: str = "random"
     replica_wait_timeout: float = Field(default=30.0, gt=0)
     admission_timeout: float = Field(default=30.0, ge=0)
+    stall_timeout: float | None = Field(default=None, ge=0)
+    request_timeout: float | None = Field(default=None, gt=0)
 
 
 class RealtimeSettings(BaseModel):

@@ -40,6 +40,7 @@ class Head:
     orchestrator: Orchestrator
     metrics: object  # the /metrics collector
     supervisors: list = field(default_factory=list)  # LocalReplicaSupervisor each
+    entry_watch: object = None  # the entry engine's StallWatch, if probed
     _started: bool = False
 
     def start(self) -> None:
@@ -51,6 +52,8 @@ class Head:
         loop = asyncio.get_running_loop()
         for supervisor in self.supervisors:
             supervisor.watch(loop)
+        if self.entry_watch is not None:
+            self.entry_watch.start()
         self.cluster.start(self.pools)
 
     def shutdown(self) -> None:
@@ -60,6 +63,8 @@ class Head:
         from vllm_omni_plugin.replicas.metrics import unregister_collector
 
         unregister_collector(self.metrics)
+        if self.entry_watch is not None:
+            self.entry_watch.stop()
         for supervisor in self.supervisors:
             supervisor.close()
         self.cluster.close()
@@ -96,6 +101,7 @@ def build_head(entry_client, vllm_config, settings: OmniSettings) -> Head:
     from vllm_omni_plugin.payload_store import PayloadStore, remove_stale_run_dirs
     from vllm_omni_plugin.processors.registry import get_processor
     from vllm_omni_plugin.replicas.cluster import HeadCluster
+    from vllm_omni_plugin.replicas.liveness import StallWatch, stall_timeout_of
     from vllm_omni_plugin.replicas.metrics import register_collector
     from vllm_omni_plugin.replicas.pool import StagePool
     from vllm_omni_plugin.replicas.replica import LocalReplica
@@ -167,7 +173,8 @@ def build_head(entry_client, vllm_config, settings: OmniSettings) -> Head:
         pools[replica.stage_id].add(replica)
         supervisors.append(LocalReplicaSupervisor(
             replica, lambda s=stage: start_stage_engine(s, bases[s.stage_id], settings).engine,
-            pools[replica.stage_id].notify, stage.runtime.max_restarts))
+            pools[replica.stage_id].notify, stage.runtime.max_restarts,
+            stall_timeout=stall_timeout_of(stage, settings)))
     admission = AdmissionGate(
         {s.stage_id: admission_bound(s, replicas, vllm_config) for s in downstream},
         conf.admission_timeout)
@@ -175,10 +182,19 @@ def build_head(entry_client, vllm_config, settings: OmniSettings) -> Head:
                 admission.bounds, admission.timeout_s)
     orchestrator = Orchestrator(
         entry_client.entry_generate, entry_client.model_config.hf_config, pipeline, store,
-        pools, admission, processors, tokenize=lambda text: entry_client.tokenizer.encode(text))
+        pools, admission, processors, tokenize=lambda text: entry_client.tokenizer.encode(text),
+        entry_abort=entry_client.entry_abort, request_timeout=conf.request_timeout)
+    entry_timeout = stall_timeout_of(entry, settings)
+    entry_watch = StallWatch(
+        entry_client, entry_timeout, f"stage {entry.stage_id} ({entry.name}), the head's "
+        "engine", lambda reason: entry_stalled(entry_client, pools.get(entry.stage_id),
+                                               reason),
+        busy=entry_client.output_processor.get_num_unfinished_requests) \
+        if entry_timeout > 0 else None
     head = Head(settings=settings, pipeline=pipeline, store=store, cluster=cluster,
                 pools=pools, admission=admission, orchestrator=orchestrator,
-                metrics=register_collector(pools, admission), supervisors=supervisors)
+                metrics=register_collector(pools, admission), supervisors=supervisors,
+                entry_watch=entry_watch)
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -186,6 +202,21 @@ def build_head(entry_client, vllm_config, settings: OmniSettings) -> Head:
     else:
         head.start()
     return head
+
+
+def entry_stalled(entry_client, pool, reason: str) -> None:
+    """The head's own engine stalled: kill its EngineCore. vLLM then sees its engine
+    dead, fails its requests and shuts the API server down (unless
+    ``VLLM_KEEP_ALIVE_ON_ENGINE_DEATH``), so that whatever restarts the server (a
+    container runtime, systemd) restarts it; its ``/health`` no longer answers 200."""
+    from vllm_omni_plugin.replicas.liveness import engine_processes, kill_process_trees
+
+    if pool is not None:  # the head's replica of the entry stage: counted in /metrics
+        for replica in pool.replicas.values():
+            if isinstance(getattr(replica, "engine", None), HeadEngine):
+                replica.stalls += 1
+                replica.lost(reason)
+    kill_process_trees(engine_processes(entry_client))
 
 
 def check_payload_room(directory: str, model_config, entry) -> None:

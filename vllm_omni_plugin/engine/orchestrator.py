@@ -11,7 +11,9 @@ stage in topological order — stage input processor, input payload, one
 request on the stage's engine — puts the final stage's result into the
 ``OmniRequest`` and then releases the final output. Abort propagates to every
 stage; a failure fails the request with an error naming the stage, and
-nothing else.
+nothing else. With a request timeout (``--omni-request-timeout``) a request still
+running when it passes is aborted at every stage and fails with HTTP 504 naming the
+stage it was at.
 
 A request whose client reads nothing of the entry stage's output (no text asked for: an
 image request) runs its entry-stage part as a task of the entry stage's pool, like any
@@ -75,14 +77,23 @@ class Orchestrator:
         processors: stage id -> the stage input processor of every downstream stage.
         tokenize: text -> the entry stage's prompt token ids (for companion prompts
             run as tasks); None when the entry stage runs no tasks.
+        entry_abort: aborts a request on the entry stage (vLLM's ``AsyncLLM.abort``
+            of the served model); needed with ``request_timeout``.
+        request_timeout: seconds a request may run before it is aborted and fails
+            (HTTP 504); None: no limit.
 
     Raises:
         ValueError: a downstream stage has no pool or no processor (names it).
     """
 
     def __init__(self, entry_generate, hf_config, pipeline, store: PayloadStore, pools: dict,
-                 admission: AdmissionGate, processors: dict, tokenize=None) -> None:
+                 admission: AdmissionGate, processors: dict, tokenize=None,
+                 entry_abort=None, request_timeout: float | None = None) -> None:
         self.entry_generate = entry_generate
+        self.entry_abort = entry_abort
+        self.request_timeout = request_timeout
+        if request_timeout is not None and entry_abort is None:
+            raise ValueError("a request timeout needs the entry stage's abort")
         self.tokenize = tokenize
         self.hf_config = hf_config
         self.pipeline = pipeline
@@ -111,6 +122,8 @@ class Orchestrator:
         self._inflight: dict[str, set[tuple[int, str]]] = {}
         self._stage_of: dict[str, int] = {}  # pipeline request -> the stage it is at
         self._aborted: set[str] = set()
+        self._expired: set[str] = set()  # requests past the request timeout
+        self._expiring: set[asyncio.Task] = set()
         self._pd = None if self.prefill is None else RemotePrefill(
             self.prefill, self.entry, self._run_task, self._aborted)
         self._streams = StageStreams(self._stage_input, self._run_stage, pools, self._aborted)
@@ -125,6 +138,19 @@ class Orchestrator:
             StageError: a text-only request failed in the entry stage's worker.
         """
         request = current_omni_request() or OmniRequest()
+        timer = None if self.request_timeout is None else asyncio.get_running_loop(
+            ).call_later(self.request_timeout, self._expire, request, request_id)
+        try:
+            async for out in self._generate(request, prompt, sampling_params, request_id,
+                                            *args, **kwargs):
+                yield out
+        finally:
+            if timer is not None:
+                timer.cancel()
+            self._expired.discard(request_id)
+
+    async def _generate(self, request: OmniRequest, prompt, sampling_params, request_id,
+                        *args, **kwargs):
         extra = xargs.without_reserved(sampling_params.extra_args)
         extra.pop(KV_TRANSFER_PARAMS, None)  # the orchestrator pairs prefill and decode
         params = sampling_params.clone()
@@ -180,7 +206,7 @@ class Orchestrator:
                         final = out
                     else:
                         yield out
-                if final is None:
+                if final is None or request_id in self._aborted:
                     return
                 if prefilled:
                     self._pd.check_kv_loaded(prefilled, final)
@@ -207,7 +233,8 @@ class Orchestrator:
             self._log_stopped(request_id, "cancelled (client disconnected)")
             raise
         except StageError as exc:
-            record_failure(request, request_id, exc)
+            if request_id not in self._expired:  # else the timeout is the request's error
+                record_failure(request, request_id, exc)
         finally:
             if downstream is not None:
                 downstream.cancel()  # a no-op once it is done
@@ -223,7 +250,7 @@ class Orchestrator:
                 asyncio.to_thread(self.store.delete, entry_out_key)))
             if downstream is not None:
                 await asyncio.wait({downstream})
-        if final is not None:
+        if final is not None and request_id not in self._expired:
             yield final
 
     def _entry_task_ids(self, request: OmniRequest, prompt, params, request_id):
@@ -311,10 +338,14 @@ class Orchestrator:
                     record_failure(request, request_id, exc)
                     raise
                 if prefilled is ABORTED:
+                    if request_id in self._expired:
+                        raise self._timed_out(request_id)
                     return
                 extra = {**extra, **decode_extra(prefilled)}
             params.extra_args = {**extra, xargs.PAYLOAD: {"err": err_key}}
             async for out in self.entry_generate(prompt, params, request_id, *args, **kwargs):
+                if request_id in self._expired:  # recorded by _expire
+                    raise self._timed_out(request_id)
                 if out.finished:
                     error = self.store.error(err_key)
                     try:
@@ -479,6 +510,26 @@ class Orchestrator:
             self._log_stopped(rid, "aborted")
             for stage_id, sub_id in list(self._inflight.get(rid, ())):
                 await self.pools[stage_id].abort(sub_id)
+
+    def _timed_out(self, request_id: str) -> StageError:
+        """The error of a request past ``request_timeout`` (HTTP 504), naming the stage
+        it was at."""
+        stage = self.pipeline.stage(self._stage_of.get(request_id, self.entry.stage_id))
+        return StageError(stage.stage_id, stage.name,
+                          f"the request did not finish within {self.request_timeout:g} s "
+                          "(--omni-request-timeout)", status=504)
+
+    def _expire(self, request: OmniRequest, request_id: str) -> None:
+        """``request_timeout`` passed: fail the request and abort it at every stage."""
+        record_failure(request, request_id, self._timed_out(request_id))
+        self._expired.add(request_id)
+        task = asyncio.ensure_future(self._abort_everywhere(request_id))
+        self._expiring.add(task)
+        task.add_done_callback(self._expiring.discard)
+
+    async def _abort_everywhere(self, request_id: str) -> None:
+        await self.abort(request_id)  # the downstream stages and the prefill stage
+        await self.entry_abort(request_id)
 
     def _log_stopped(self, request_id: str, how: str) -> None:
         stage_id = self._stage_of.get(request_id, self.entry.stage_id)

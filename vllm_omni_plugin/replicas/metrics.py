@@ -13,6 +13,9 @@ are read from the stage pools at scrape time:
   of ``up``/``starting``/``error``/``down``).
 * ``vllm_omni:replica_restarts_total{...}`` (counter): engine restarts of a
   local replica after its EngineCore died.
+* ``vllm_omni:replica_stalls_total{...}`` (counter): times the replica's EngineCore
+  answered no liveness probe within the stall timeout and was killed
+  (:mod:`~vllm_omni_plugin.replicas.liveness`).
 * ``vllm_omni:stage_resubmissions_total{stage}``: tasks moved to another
   replica after theirs was lost before producing output.
 * ``vllm_omni:stage_failovers_failed_total{stage}``: tasks failed because
@@ -58,6 +61,10 @@ class PoolCollector:
         restarts = CounterMetricFamily("vllm_omni:replica_restarts",
                                        "Engine restarts of the replica after its EngineCore "
                                        "died.", labels=labels)
+        stalls = CounterMetricFamily("vllm_omni:replica_stalls",
+                                     "Times the replica's EngineCore was killed as stalled "
+                                     "(no liveness probe answered within the stall "
+                                     "timeout).", labels=labels)
         in_flight = GaugeMetricFamily("vllm_omni:stage_requests_in_flight",
                                       "Pipeline requests holding an admission slot of the "
                                       "stage.", labels=["stage"])
@@ -85,12 +92,13 @@ class PoolCollector:
                 supervisor = getattr(replica, "supervisor", None)
                 if supervisor is not None:
                     restarts.add_metric(values, supervisor.restarts)
+                stalls.add_metric(values, replica.stalls)
                 running.add_metric(values, len(replica.running))
                 queue.add_metric(values, replica.queue_length)
                 for name in STATUSES:
                     status.add_metric([*values, name], float(replica.status == name))
-        yield from (total, running, queue, status, resub, failed, restarts, in_flight, bound,
-                    waiting, refused)
+        yield from (total, running, queue, status, resub, failed, restarts, stalls,
+                    in_flight, bound, waiting, refused)
 
 
 def register_collector(pools: dict, gate=None) -> PoolCollector:

@@ -169,8 +169,14 @@ class StagePool:
             TaskError, TaskAborted: from the replica (see :meth:`Replica.run`).
         """
         tried: set[tuple[int, int]] = set()
+        lost = None  # why the last replica tried was lost
         while True:
-            replica = await self._wait_for_replica(task, frozenset(tried))
+            try:
+                replica = await self._wait_for_replica(task, frozenset(tried))
+            except NoReplicaAvailable as exc:
+                if lost is None:
+                    raise
+                raise NoReplicaAvailable(f"{exc}, after {lost}", exc.retry_after) from None
             try:
                 return await replica.run(task, on_rows)
             except ReplicaLost as exc:
@@ -181,6 +187,7 @@ class StagePool:
                         f"replica {replica.replica_id} of stage {self.stage_id} failed "
                         f"mid-request: {exc}") from exc
                 tried.add(replica.incarnation)
+                lost = f"replica {replica.replica_id} was lost: {exc}"
                 self.resubmissions += 1
                 self.forget(task.request_id)
                 logger.warning("stage %d: resubmitting %s (no output yet) after %s",

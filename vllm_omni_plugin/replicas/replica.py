@@ -64,6 +64,8 @@ class Replica:
         self.generation = 0
         #: ``time.monotonic()`` when a replica being restarted is expected up, else None
         self.restart_eta: float | None = None
+        #: times a local replica's engine was killed as stalled (:mod:`.liveness`)
+        self.stalls = 0
 
     @property
     def name(self) -> str:

@@ -5,8 +5,9 @@ head's master (ids and task ports come from there), starts one vLLM engine per
 replica (``AsyncLLM``, its own EngineCore process), binds each replica's task
 endpoint (ROUTER) on the registered address only, and reports liveness and
 queue length to the head's coordinator. It runs until SIGINT/SIGTERM, or
-until a replica's engine dies (the replica then reports ``ERROR`` and the
-process exits non-zero so a supervisor can restart it).
+until a replica's engine dies or stalls (answers no liveness probe within the stall
+timeout, :mod:`.liveness`: its processes are then killed); the replica then reports
+``ERROR`` and the process exits non-zero so a supervisor can restart it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from vllm_omni_plugin.payload_store import PayloadStore
 from vllm_omni_plugin.wire.codec import FrameRejected, RejectLog
 from vllm_omni_plugin.wire.sockets import bind
 
+from .liveness import StallWatch, engine_processes, kill_process_trees, stall_timeout_of
 from .protocol import (
     KV_BOOTSTRAP_ENDPOINT,
     MAX_TASK_FRAME_BYTES,
@@ -56,11 +58,15 @@ class ReplicaServer:
         address: Task endpoint to bind, ``tcp://host:port``.
         coordinator: The head coordinator's ROUTER address.
         heartbeat_interval: Seconds between heartbeats.
+        stall_timeout: Seconds the engine may leave a liveness probe unanswered before
+            it counts as stalled; 0: not probed.
     """
 
     def __init__(self, stage_id: int, replica_id: int, engine, payload_dir: str,
-                 address: str, coordinator: str, heartbeat_interval: float) -> None:
+                 address: str, coordinator: str, heartbeat_interval: float,
+                 stall_timeout: float = 0.0) -> None:
         self.stage_id, self.replica_id, self.engine = stage_id, replica_id, engine
+        self.stall_timeout = stall_timeout
         self.address = address
         self.store = PayloadStore(payload_dir)
         self.channel = Channel(ToReplica)
@@ -83,15 +89,35 @@ class ReplicaServer:
         logger.info("stage %d replica %d serving on %s", stage_id, replica_id, address)
 
     async def serve(self) -> None:
-        """Receive tasks until the engine dies (raises ``ReplicaLost``) or cancelled."""
+        """Receive tasks until the engine dies or stalls (raises ``ReplicaLost``) or
+        cancelled."""
         self._dead: asyncio.Future = asyncio.get_running_loop().create_future()
         receiver = asyncio.ensure_future(self._receive())
+        watch = None
+        if self.stall_timeout > 0:
+            watch = StallWatch(self.engine, self.stall_timeout,
+                               f"stage {self.stage_id} replica {self.replica_id}",
+                               self._stalled, busy=lambda: len(self.tasks))
+            watch.start()
         try:
             await asyncio.wait([receiver, self._dead], return_when=asyncio.FIRST_COMPLETED)
             if self._dead.done():
                 raise self._dead.exception()
         finally:
             receiver.cancel()
+            if watch is not None:
+                watch.stop()
+
+    def _stalled(self, reason: str) -> None:
+        kill_process_trees(engine_processes(self.engine))
+        self._engine_lost(ReplicaLost(reason, produced_output=False))
+
+    def _engine_lost(self, exc: ReplicaLost) -> None:
+        """Say ERROR at once (the head detaches this replica and fails over) and end
+        :meth:`serve`."""
+        self.coord.update_info(status=ReplicaStatus.ERROR)
+        if not self._dead.done():
+            self._dead.set_exception(exc)
 
     async def _receive(self) -> None:
         while True:
@@ -158,10 +184,7 @@ class ReplicaServer:
         except TaskError as exc:
             await self._reply(identity, TaskFailed(rid, str(exc), exc.status))
         except ReplicaLost as exc:
-            # Say ERROR at once; the head detaches this replica and fails over.
-            self.coord.update_info(status=ReplicaStatus.ERROR)
-            if not self._dead.done():
-                self._dead.set_exception(exc)
+            self._engine_lost(exc)
         except Exception as exc:  # keep serving other tasks
             logger.exception("stage %d replica %d: task %s failed",
                              self.stage_id, self.replica_id, rid)
@@ -283,7 +306,8 @@ async def _serve(plan, assignments, info: dict) -> None:
                 continue
             servers.append(ReplicaServer(
                 a.stage_id, a.replica_id, engine, payload_dir, a.endpoint(TASK_ENDPOINT),
-                info[INFO_COORDINATOR], heartbeat_interval=max(0.1, timeout / 6.0)))
+                info[INFO_COORDINATOR], heartbeat_interval=max(0.1, timeout / 6.0),
+                stall_timeout=stall_timeout_of(plan.stage, plan.settings)))
     if errors:
         raise SystemExit(str(errors[0]))
     loop = asyncio.get_running_loop()

@@ -13,6 +13,10 @@ not when the next request finds out. Then it
    on failure waits 1, 2, 4, ... seconds (at most :data:`MAX_BACKOFF_S`),
    status ``error`` meanwhile, and tries again.
 
+A replica whose EngineCore stalls (answers no liveness probe within the stall
+timeout, :mod:`.liveness`) goes the same way: its engine's processes are killed, it is
+counted in ``stalls``, and its tasks fail over with the stall as the reason.
+
 After ``max_restarts`` attempts the replica is given up (status ``down``).
 Attempts count from the last time the replica had been up for
 :data:`STABLE_AFTER_S`, so an engine that fails to start, or crashes right
@@ -29,6 +33,7 @@ from multiprocessing import connection
 
 from vllm_omni_plugin.logger import init_logger
 
+from .liveness import StallWatch, engine_processes, kill_process_trees
 from .replica import LocalReplica
 
 logger = init_logger(__name__)
@@ -39,15 +44,6 @@ MAX_BACKOFF_S = 30.0
 STABLE_AFTER_S = 60.0
 #: Poll interval, seconds, when vLLM exposes no engine processes to wait on.
 _POLL_S = 0.5
-
-
-def engine_processes(engine) -> list | None:
-    """The ``multiprocessing`` processes of ``engine`` (an ``AsyncLLM``), or None
-    when this vLLM does not expose them (``engine_core.resources.engine_manager``
-    in vLLM 0.30-0.32)."""
-    resources = getattr(getattr(engine, "engine_core", None), "resources", None)
-    processes = getattr(getattr(resources, "engine_manager", None), "processes", None)
-    return list(processes) if processes else None
 
 
 def _exit_codes(processes) -> list[int | None]:
@@ -95,11 +91,15 @@ class LocalReplicaSupervisor:
             :data:`STABLE_AFTER_S`) before it is ``down``; 0 disables restarts.
         backoff_s: Wait after a failed engine start, seconds; doubled for
             each further failed start in a row, at most :data:`MAX_BACKOFF_S`.
+        stall_timeout: Seconds the engine may leave a liveness probe unanswered before
+            it is killed as stalled (:class:`~.liveness.StallWatch`); 0: not probed.
     """
 
     def __init__(self, replica: LocalReplica, start_engine: Callable[[], object],
-                 on_up: Callable[[], None], max_restarts: int, backoff_s: float = 1.0) -> None:
+                 on_up: Callable[[], None], max_restarts: int, backoff_s: float = 1.0,
+                 stall_timeout: float = 0.0) -> None:
         self.replica = replica
+        self.stall_timeout = stall_timeout
         replica.supervisor = self
         self.start_engine = start_engine
         self.on_up = on_up
@@ -114,6 +114,7 @@ class LocalReplicaSupervisor:
         self._dead_engine = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
+        self._liveness: StallWatch | None = None
 
     def watch(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start watching the replica's current engine (call on ``loop``'s thread or before)."""
@@ -128,19 +129,35 @@ class LocalReplicaSupervisor:
         threading.Thread(target=waiter, daemon=True,
                          name=f"omni-supervise-s{self.replica.stage_id}r"
                               f"{self.replica.replica_id}").start()
+        if self.stall_timeout > 0:
+            self._liveness = StallWatch(engine, self.stall_timeout, self.replica.name,
+                                        lambda reason: self._stalled(engine, reason),
+                                        busy=lambda: len(self.replica.running))
+            self._liveness.start()
+
+    def _stalled(self, engine, reason: str) -> None:
+        """``engine`` stalled: kill its processes, then handle it as dead."""
+        if self._stop.is_set() or engine is not self.replica.engine:
+            return
+        self.replica.stalls += 1
+        kill_process_trees(engine_processes(engine))
+        self._on_exit(engine, [None], reason)
 
     def engine_died(self, engine) -> None:
         """A task found ``engine`` dead (possibly before the watcher thread did)."""
         self._on_exit(engine, _exit_codes(engine_processes(engine) or []))
 
-    def _on_exit(self, engine, codes: list[int | None]) -> None:
+    def _on_exit(self, engine, codes: list[int | None], reason: str | None = None) -> None:
         if self._stop.is_set() or engine is not self.replica.engine or \
                 engine is self._dead_engine:
             return
         self._dead_engine = engine
+        if self._liveness is not None:
+            self._liveness.stop()
         code = next((c for c in codes if c), codes[0] if codes else None)
-        reason = f"engine core exited (exit code {code})" if code is not None else \
-            "engine core died"
+        if reason is None:
+            reason = f"engine core exited (exit code {code})" if code is not None else \
+                "engine core died"
         self.replica.lost(reason)
         logger.error("%s: %s", self.replica.name, reason)
         if time.monotonic() - self._up_since >= STABLE_AFTER_S:
@@ -206,6 +223,8 @@ class LocalReplicaSupervisor:
         self._stop.set()
         if self._task is not None:
             self._task.cancel()
+        if self._liveness is not None:
+            self._liveness.stop()
 
 
 def _shutdown(engine, name: str) -> None:
