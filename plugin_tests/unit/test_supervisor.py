@@ -24,7 +24,11 @@ import pytest
 
 from plugin_tests.helpers import until
 from vllm_omni_plugin.coordinator import RoundRobinBalancer
-from vllm_omni_plugin.replicas.liveness import engine_processes
+from vllm_omni_plugin.replicas.liveness import (
+    DEFAULT_STALL_TIMEOUT_S,
+    engine_processes,
+    stall_timeout_of,
+)
 from vllm_omni_plugin.replicas.pool import NoReplicaAvailable, StagePool
 from vllm_omni_plugin.replicas.replica import LocalReplica
 from vllm_omni_plugin.replicas.supervisor import LocalReplicaSupervisor
@@ -270,3 +274,17 @@ def test_a_resubmission_with_no_replica_left_names_the_stall(tmp_path):
     message = asyncio.run(scenario())
     assert "no replica available for stage 1" in message
     assert "after replica 0 was lost: stalled" in message
+
+
+def test_the_stall_timeout_is_the_flags_else_the_stages_else_the_default():
+    from vllm_omni_plugin.config.schema import RuntimeConfig
+    from vllm_omni_plugin.config.settings import ClusterSettings
+
+    def timeout(flag, own):
+        stage = SimpleNamespace(runtime=RuntimeConfig(stall_timeout=own))
+        return stall_timeout_of(stage, SimpleNamespace(cluster=ClusterSettings(
+            stall_timeout=flag)))
+
+    assert timeout(None, None) == DEFAULT_STALL_TIMEOUT_S == 120
+    assert timeout(None, 600) == 600
+    assert timeout(8, 600) == 8 and timeout(0, 600) == 0

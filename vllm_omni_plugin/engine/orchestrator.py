@@ -166,6 +166,9 @@ class Orchestrator:
             logger.warning("request %s refused: %s", request_id, exc)
             request.result = StageResult.failure(str(exc), exc.status, exc.retry_after)
             return
+        if request_id in self._expired:  # the request timeout passed while it waited
+            admission.release_all()
+            return
         base = safe_key(f"{request_id}.{uuid.uuid4().hex[:6]}")
         entry_out_key = f"{base}.s{self.entry.stage_id}.out"
         token_ids = self._entry_task_ids(request, prompt, params, request_id)
