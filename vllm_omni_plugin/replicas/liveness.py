@@ -99,6 +99,7 @@ class StallWatch:
             self._run(), name=f"omni-liveness-{self.name}")
 
     def stop(self) -> None:
+        """Stop probing (the engine is being replaced or shut down)."""
         if self._task is not None:
             self._task.cancel()
 
@@ -120,10 +121,9 @@ class StallWatch:
 
 def kill_process_trees(processes: list | None) -> int:
     """SIGKILL ``processes`` (an engine's EngineCore processes) and every process they
-    started (its workers), all collected before the first signal so none is orphaned
-    meanwhile.
-    Returns how many were signalled; ``processes`` None (not exposed) signals none.
-    A stopped (SIGSTOP) process dies of SIGKILL too."""
+    started (its workers), all collected before the first signal so that none is
+    orphaned meanwhile; a stopped (SIGSTOP) process dies of SIGKILL too. Returns how
+    many were signalled (none for ``processes`` None: not exposed by this vLLM)."""
     if not processes:
         return 0
     targets = []

@@ -155,11 +155,11 @@ class LocalReplicaSupervisor:
         if self._liveness is not None:
             self._liveness.stop()
         code = next((c for c in codes if c), codes[0] if codes else None)
-        if reason is None:
+        if reason is None:  # (a stall's reason is logged where it is seen)
             reason = f"engine core exited (exit code {code})" if code is not None else \
                 "engine core died"
+            logger.error("%s: %s", self.replica.name, reason)
         self.replica.lost(reason)
-        logger.error("%s: %s", self.replica.name, reason)
         if time.monotonic() - self._up_since >= STABLE_AFTER_S:
             self.attempts = 0
         if self.attempts < self.max_restarts:
