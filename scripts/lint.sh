@@ -7,10 +7,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 RUFF_VERSION="${RUFF_VERSION:-0.17.6}"
 VENV="${VLLM_OMNI_PLUGIN_LINT_VENV:-${VLLM_OMNI_PLUGIN_CACHE:-$HOME/.cache/vllm-omni-plugin}/venv-ruff-$RUFF_VERSION}"
-if [ ! -x "$VENV/bin/ruff" ]; then
-  echo "[lint] installing ruff $RUFF_VERSION into $VENV"
-  rm -rf "$VENV"
-  python3 -m venv "$VENV"
-  "$VENV/bin/pip" install -q "ruff==$RUFF_VERSION"
-fi
+source scripts/tool_venv.sh
+ensure_tool_venv "$VENV" ruff "ruff==$RUFF_VERSION"
 exec "$VENV/bin/ruff" check vllm_omni_plugin plugin_tests benchmarks "$@"

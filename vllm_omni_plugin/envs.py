@@ -18,6 +18,8 @@ ALLOW_UNSUPPORTED_VLLM = "VLLM_OMNI_PLUGIN_ALLOW_UNSUPPORTED_VLLM"
 
 
 def payload_dir() -> str | None:
+    """The payload store's parent directory from ``VLLM_OMNI_PLUGIN_PAYLOAD_DIR``, ``None``
+    when unset or empty (the caller then picks the default)."""
     return os.environ.get(PAYLOAD_DIR) or None
 
 
@@ -27,4 +29,6 @@ def cluster_token() -> str | None:
 
 
 def allow_unsupported_vllm() -> bool:
+    """Whether ``VLLM_OMNI_PLUGIN_ALLOW_UNSUPPORTED_VLLM`` is ``1``, ``true`` or ``yes``
+    (case-insensitive, surrounding whitespace ignored); False when unset."""
     return os.environ.get(ALLOW_UNSUPPORTED_VLLM, "0").strip().lower() in ("1", "true", "yes")

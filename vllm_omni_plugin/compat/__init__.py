@@ -22,6 +22,12 @@ MARKER = "__vllm_omni_plugin_patched__"
 
 
 def apply_all() -> list[str]:
+    """Apply every patch in :data:`PATCH_MODULES`, in order.
+
+    Returns:
+        The short names (last dotted part) of the modules whose ``apply()`` patched
+        something in this call; patches already applied or not applicable are left out.
+    """
     applied = []
     for name in PATCH_MODULES:
         if importlib.import_module(name).apply():

@@ -31,6 +31,11 @@ TARGETS = ("vllm.config.vllm:VllmConfig.compute_hash",)
 
 
 def apply() -> bool:
+    """Wrap ``VllmConfig.compute_hash`` so that it ignores the plugin's ``additional_config`` key.
+
+    Returns:
+        True when this call patched the method, False when it was already patched.
+    """
     from vllm.config.vllm import VllmConfig
 
     if getattr(VllmConfig.compute_hash, MARKER, False):

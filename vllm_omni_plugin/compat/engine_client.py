@@ -23,6 +23,12 @@ TARGETS = ("vllm.v1.engine.async_llm:AsyncLLM.from_vllm_config",)
 
 
 def apply() -> bool:
+    """Wrap ``AsyncLLM.from_vllm_config`` so that it builds an ``OmniEngineClient`` for the
+    entry stage in omni mode.
+
+    Returns:
+        True when this call patched the method, False when it was already patched.
+    """
     from vllm.v1.engine.async_llm import AsyncLLM
 
     if getattr(AsyncLLM.from_vllm_config, MARKER, False):

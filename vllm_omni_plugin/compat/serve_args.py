@@ -25,6 +25,12 @@ TARGETS = (
 
 
 def apply() -> bool:
+    """Wrap ``EngineArgs.add_cli_args`` (adds the omni flags) and ``EngineArgs.from_cli_args``
+    (hands them to the engine config).
+
+    Returns:
+        True when this call patched both methods, False when they were already patched.
+    """
     from vllm.engine.arg_utils import EngineArgs
 
     if getattr(EngineArgs.add_cli_args, MARKER, False):

@@ -25,6 +25,13 @@ TARGETS = ("vllm.entrypoints.cli.serve:run_headless",)
 
 
 def apply() -> bool:
+    """Wrap ``vllm.entrypoints.cli.serve.run_headless`` so that omni headless command lines
+    start omni replicas.
+
+    Returns:
+        True when this call patched the function; False when vLLM's serve module is not
+        imported in this process, lacks ``run_headless`` or is already patched.
+    """
     # Only where the CLI runs: vLLM's CLI imports its serve module before it
     # loads plugins; engine and worker processes never need it (nor its imports).
     serve = sys.modules.get("vllm.entrypoints.cli.serve")

@@ -18,6 +18,15 @@ from vllm_omni_plugin.compat import MARKER, PATCH_MODULES
 
 @dataclass(frozen=True)
 class PatchStatus:
+    """Whether one compat patch is active in this process.
+
+    Args:
+        name: The patch module's short name (e.g. ``"serve_args"``).
+        module: The patch module's full dotted name.
+        targets: The module's ``TARGETS`` (``"module:Attr.path"``), empty when it declares none.
+        active: Whether every target carries the marker; None when there are no targets.
+        loaded: Whether every target's module is imported in this process.
+    """
     name: str
     module: str
     targets: tuple[str, ...]

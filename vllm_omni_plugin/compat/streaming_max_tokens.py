@@ -40,6 +40,13 @@ def needed(method) -> bool:
 
 
 def apply() -> bool:
+    """Wrap ``Scheduler._update_request_as_session`` so that it also copies the chunk's
+    ``max_tokens`` to the session, where vLLM's method does not (see :func:`needed`).
+
+    Returns:
+        True when this call patched the method; False when the method is missing, already
+        patched or not in need of the patch.
+    """
     from vllm.v1.core.sched.scheduler import Scheduler
 
     original = getattr(Scheduler, "_update_request_as_session", None)

@@ -72,6 +72,16 @@ def vllm_version() -> str:
 
 
 def is_supported(version: str | None = None) -> bool:
+    """Whether a vLLM version lies in :data:`SUPPORTED_RANGE` (a pre-release counts as its
+    release, a local ``+...`` suffix is ignored).
+
+    Args:
+        version: The version string to check; None (or empty) checks the installed vLLM.
+
+    Raises:
+        importlib.metadata.PackageNotFoundError: ``version`` is not given and no vLLM is
+            installed.
+    """
     v = _parse(version or vllm_version())
     return SUPPORTED_MIN <= v < SUPPORTED_MAX_EXCLUSIVE
 

@@ -234,6 +234,21 @@ def is_omni_headless(args: argparse.Namespace) -> bool:
 
 @dataclass
 class HeadlessPlan:
+    """What ``--headless --stage-id N`` starts, built and validated by :func:`headless_plan`.
+
+    Args:
+        stage: The :class:`~vllm_omni_plugin.config.schema.StageConfig` of stage ``N``.
+        settings: The plugin settings the replicas' engines start from (stage ``N``, not
+            the entry stage, ``stage_configs_path`` absolute, ``--omni-stall-timeout``).
+        base_args: The base ``EngineArgs`` fields of every replica's engine
+            (:func:`base_args_from`; for a prefill stage the decode stage's model and this
+            command line's KV layout fields).
+        master_host: Host of the head's omni master (``--omni-master-address``).
+        master_port: Port of the head's omni master (``--omni-master-port``).
+        replica_host: The local address the replicas bind on and advertise
+            (``--omni-replica-address``, else the route to the master).
+        num_replicas: How many replicas of the stage to start here (``--omni-dp-size-local``).
+    """
     stage: object  # StageConfig
     settings: OmniSettings
     base_args: dict

@@ -81,6 +81,7 @@ class Host:
 
     @property
     def is_cpu(self) -> bool:
+        """Whether this is vLLM's CPU build (``kind == "cpu"``)."""
         return self.kind == "cpu"
 
     @classmethod

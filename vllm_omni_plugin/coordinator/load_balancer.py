@@ -35,7 +35,8 @@ class Routable(Protocol):
     (:class:`vllm_omni_plugin.replicas.replica.Replica`) both are."""
 
     @property
-    def queue_length(self) -> int: ...
+    def queue_length(self) -> int:
+        """The replica's number of unfinished requests (>= 0), as last known."""
 
 
 class LoadBalancingPolicy(str, Enum):

@@ -43,6 +43,8 @@ class Admission:
         self._start: float | None = time.monotonic()
 
     def release(self, stage_id: int) -> None:
+        """Give back the slot of ``stage_id`` and wake waiting requests; a no-op when this
+        admission holds no slot there (any more)."""
         if stage_id in self._held:
             self._held.discard(stage_id)
             self._gate._release(stage_id)
@@ -80,6 +82,7 @@ class AdmissionGate:
 
     @property
     def waiting(self) -> int:
+        """The number of requests waiting for room (not yet granted, refused or cancelled)."""
         return sum(1 for w in self._waiters if not w.done())
 
     def _has_room(self) -> bool:
@@ -109,7 +112,7 @@ class AdmissionGate:
         self._waiters.append(waiter)
         try:
             return await asyncio.wait_for(waiter, self.timeout_s)
-        except (TimeoutError, asyncio.CancelledError) as exc:
+        except (asyncio.TimeoutError, asyncio.CancelledError) as exc:  # (3.10: not built-in)
             if waiter.done() and not waiter.cancelled():
                 waiter.result().release_all(record=False)  # granted as the wait ended
             if isinstance(exc, asyncio.CancelledError):

@@ -256,12 +256,16 @@ class HeadEngine:
 
     @property
     def vllm_config(self):
+        """The entry engine's ``VllmConfig``."""
         return self._client.vllm_config
 
     def generate(self, *args, **kwargs):
+        """The entry engine's plain ``AsyncLLM.generate`` (``entry_generate``), past the
+        orchestrator."""
         return self._client.entry_generate(*args, **kwargs)
 
     async def abort(self, request_id) -> None:
+        """Abort ``request_id`` on the entry engine alone (``entry_abort``)."""
         await self._client.entry_abort(request_id)
 
     def shutdown(self) -> None:

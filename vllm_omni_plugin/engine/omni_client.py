@@ -31,9 +31,12 @@ class OmniEngineClient(AsyncLLM):
 
     @property
     def orchestrator(self):
+        """The head's :class:`~vllm_omni_plugin.engine.orchestrator.Orchestrator`."""
         return self.head.orchestrator
 
     async def generate(self, prompt, sampling_params, request_id, *args, **kwargs):
+        """``AsyncLLM.generate`` through the head's orchestrator, so that a pipeline request
+        also runs its downstream stages; starts the head on the first call."""
         self.head.start()
         async for output in self.head.orchestrator.generate(
             prompt, sampling_params, request_id, *args, **kwargs
@@ -49,10 +52,13 @@ class OmniEngineClient(AsyncLLM):
         await super().abort(request_id)
 
     async def abort(self, request_id, *args, **kwargs) -> None:
+        """Abort on the head's engine (vLLM's ``AsyncLLM.abort``), then the request's tasks
+        on stage replicas (:meth:`~vllm_omni_plugin.engine.orchestrator.Orchestrator.abort`)."""
         await super().abort(request_id, *args, **kwargs)
         await self.head.orchestrator.abort(request_id)
 
     def shutdown(self, *args, **kwargs) -> None:
+        """Shut the head down (when it was built), then the entry engine."""
         head = getattr(self, "head", None)
         if head is not None:
             head.shutdown()

@@ -53,6 +53,14 @@ class StageResult:
     @classmethod
     def failure(cls, message: str, status: int,
                 retry_after: float | None = None) -> StageResult:
+        """A failed request's result (``output_type`` ``"error"``).
+
+        Args:
+            message: The error message for the client.
+            status: The HTTP status for the client.
+            retry_after: Seconds the client should wait before retrying (``Retry-After``),
+                None for none.
+        """
         return cls(output_type="error", error=message, status=status, retry_after=retry_after)
 
 
@@ -88,6 +96,7 @@ class OmniRequest:
 
     @property
     def text_only(self) -> bool:
+        """Whether the request asks for text alone (``modalities`` is ``("text",)``)."""
         return tuple(self.modalities) == (TEXT,)
 
 

@@ -505,6 +505,14 @@ class Orchestrator:
             raise StageError(stage.stage_id, stage.name, str(exc)) from exc
 
     async def abort(self, request_id) -> None:
+        """Abort requests' tasks on stage replicas (downstream, prefill and entry-stage tasks)
+        and mark the requests aborted; a part running on the head's own engine is not
+        aborted here (that is vLLM's ``AsyncLLM.abort``).
+
+        Args:
+            request_id: One request id, or an iterable of ids; ids with no request in
+                flight here are skipped.
+        """
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
             if rid not in self._inflight:

@@ -22,6 +22,14 @@ logger = init_logger(__name__)
 
 @dataclass
 class StageEngine:
+    """One started engine of a stage.
+
+    Args:
+        stage_id: The stage's id.
+        name: The stage's name.
+        engine: The engine, a started vLLM ``AsyncLLM``.
+    """
+
     stage_id: int
     name: str
     engine: object  # vllm.v1.engine.async_llm.AsyncLLM
@@ -36,11 +44,14 @@ def stage_engine_config(stage, base_args: dict, settings: OmniSettings,
     on vLLM's CPU build, and the plugin's settings in ``additional_config``.
 
     Args:
+        stage: The stage's ``StageConfig``.
         base_args: ``EngineArgs`` fields under the YAML's (model path first).
         settings: The plugin's settings (made this stage's, into ``additional_config``).
         bootstrap_port: a prefill stage's KV bootstrap port (None: a free one).
 
     Raises:
+        StageConfigError: the stage's placement does not fit this host (from
+            :func:`~vllm_omni_plugin.config.placement.place_engine`).
         RuntimeError: vLLM refused the configuration; the message names the stage.
     """
     from vllm.engine.arg_utils import AsyncEngineArgs

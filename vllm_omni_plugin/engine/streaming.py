@@ -1,4 +1,4 @@
-"""Stage-to-stage streaming: stages that run before their input stage has finished.
+r"""Stage-to-stage streaming: stages that run before their input stage has finished.
 
 For a request the client streams (:attr:`OmniRequest.partials` is a queue), two stage
 fields let a stage start early; each has one set of words, used throughout the plugin:
@@ -8,7 +8,7 @@ fields let a stage start early; each has one set of words, used throughout the p
 still generates, as one resumable vLLM request.
 
 - The *input stream* (:class:`InputStream`) is the entry stage's output as it grows:
-  its token ids from the entry stage's ``RequestOutput``\\ s, its rows from the payload
+  its token ids from the entry stage's ``RequestOutput``\ s, its rows from the payload
   store.
 - The stage's input processor is called on each newer output; its ``StageInput.ready``
   says how many tokens the stage may generate on the input so far (None: all).
@@ -195,6 +195,8 @@ class OutputRows:
         self._more = asyncio.Event()
 
     def add(self, chunks: list[dict]) -> None:
+        """Append published payload chunks (each ``{name: tensor}``, rows on dim 0, in order)
+        and wake :meth:`wait_for_more`."""
         self._rows.extend(chunks)
         self.count += num_rows(chunks)
         self._more.set()

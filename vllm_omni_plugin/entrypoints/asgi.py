@@ -92,6 +92,9 @@ class Capture:
         await send({"type": "http.response.body", "body": body})
 
     async def send(self, message):
+        """Keep one ASGI ``message`` instead of sending it: the status and headers of
+        ``http.response.start``, the body of each ``http.response.body`` appended; any
+        other message is dropped."""
         if message["type"] == "http.response.start":
             self.status = message["status"]
             self.headers = list(message.get("headers", []))

@@ -209,6 +209,11 @@ class AudioStream:
         self._closed = False
 
     async def __call__(self, message) -> None:
+        """Take one ASGI ``message`` of vLLM's handler. A non-SSE response passes through.
+        For SSE the response start is held until the first body, which instead answers
+        with the pipeline's error if one was recorded by then; each body is split into
+        its SSE events, rewritten (:meth:`_rewrite`: the audio, or the error, joins the
+        chunk carrying ``finish_reason``) and sent. Nothing is sent once closed."""
         if self._closed:
             return
         if message["type"] == "http.response.start":

@@ -119,6 +119,10 @@ class OmniApiMiddleware:
             raise RequestError(field, f"{exc} (GET {VOICES_PATH})") from exc
 
     async def __call__(self, scope, receive, send):
+        """Route one ASGI connection (see the module docstring): the Realtime WebSocket,
+        ``GET`` of the voices, and each JSON ``POST`` (its body read whole, checked,
+        then served by its handler or passed on to vLLM); anything else goes to vLLM
+        untouched. A refused request is answered here with HTTP 400 or 413."""
         if scope["type"] == "websocket" and scope["path"] == REALTIME_PATH:
             return await self.realtime.serve(scope, receive, send, self.voices(scope),
                                              self.media_limits(scope))

@@ -108,6 +108,7 @@ class TurnDetection:
     interrupt_response: bool = True
 
     def as_dict(self) -> dict:
+        """The ``turn_detection`` object of the session (``type`` ``server_vad``)."""
         return {"type": "server_vad", "threshold": self.vad.threshold,
                 "prefix_padding_ms": self.vad.prefix_padding_ms,
                 "silence_duration_ms": self.vad.silence_duration_ms,
@@ -214,6 +215,10 @@ class RealtimeSession:
 
     # -- the connection ----------------------------------------------------------------
     async def run(self) -> None:
+        """Serve the connection to its end: send ``session.created``, then handle each
+        client event (:meth:`handle`) until the client disconnects or stays idle for
+        ``idle_timeout`` seconds while no response runs (an ``error`` event, then close
+        code 1000). A running response is cancelled on the way out."""
         from starlette.websockets import WebSocketDisconnect
 
         await self.send({"type": "session.created",

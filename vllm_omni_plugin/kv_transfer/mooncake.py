@@ -139,9 +139,10 @@ def coalesce_descriptors(src_ptrs: list[int], dst_ptrs: list[int], lengths: list
     destination ranges, in any order they come (descending runs of block ids too).
 
     Args:
-        src_ptrs, dst_ptrs: start addresses (bytes) of each descriptor's source and
-            destination range, as vLLM passes them to Mooncake's
-            ``batch_transfer_sync_write``.
+        src_ptrs: start addresses (bytes) of each descriptor's source range, as vLLM
+            passes them to Mooncake's ``batch_transfer_sync_write``.
+        dst_ptrs: start addresses (bytes) of each descriptor's destination range, in the
+            same order.
         lengths: each descriptor's length in bytes.
 
     Returns:

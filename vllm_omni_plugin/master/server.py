@@ -36,6 +36,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout  # not built-in before 3.11
 
 import msgspec
 import zmq
@@ -456,7 +457,7 @@ class OmniMasterServer(ClosedOnExit):
         self._waker.wake()
         try:
             reply: MasterReply = fut.result(timeout=timeout)
-        except TimeoutError:
+        except FutureTimeout:
             raise TimeoutError(f"OmniMasterServer did not answer within {timeout}s") from None
         if not reply.ok:
             raise MasterError(reply.error, reply.detail)

@@ -23,6 +23,10 @@ def load_stacked(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
     q/k/v and gate/up projections into vLLM's ``qkv_proj`` / ``gate_up_proj``.
 
     Args:
+        module: the module whose parameters (``named_parameters()`` names) are loaded.
+        weights: ``(name, tensor)`` pairs in ``module``'s naming, except that HF's
+            ``q_proj``/``k_proj``/``v_proj`` and ``gate_proj``/``up_proj`` stand for the
+            shards of the fused parameters.
         required: parameter names that must be loaded whole (every shard).
         owner: what the parameters belong to, for error messages.
 

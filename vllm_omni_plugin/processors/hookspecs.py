@@ -4,7 +4,7 @@ A *stage input processor* turns what upstream stage(s) produced for one
 request into the request submitted to the next stage (e.g. thinker hidden
 states -> talker prompt). Processors are contributed by plugins through the
 ``omni_register_stage_input_processors`` hook and referenced by name from a
-stage YAML's ``input_processor`` field. See ``docs/processors.md``.
+stage YAML's ``input_processor`` field. See ``docs/contributing/processors.md``.
 """
 
 from __future__ import annotations

@@ -157,6 +157,8 @@ class HeadCluster:
             pool.add(replica)
 
     def close(self) -> None:
+        """Stop watching for coordinator updates and close the hub client, the master and the
+        coordinator; the pools and their replicas are left to their owner."""
         if self._task is not None:
             self._task.cancel()
         if self.hub is not None:

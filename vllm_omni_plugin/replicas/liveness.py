@@ -107,7 +107,7 @@ class StallWatch:
         while True:
             try:
                 await asyncio.wait_for(self.engine.is_sleeping(), self.timeout)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # (not the built-in one before Python 3.11)
                 break
             except Exception:  # dead or shut down: its exit is the supervisor's to see
                 return

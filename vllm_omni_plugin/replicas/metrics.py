@@ -42,6 +42,9 @@ class PoolCollector:
         self.gate = gate
 
     def collect(self):
+        """The metric families listed in the module docstring, with the current values of the
+        pools' replicas and the admission gate (``prometheus_client`` calls it at each
+        scrape)."""
         labels = ["stage", "replica", "location"]
         total = CounterMetricFamily("vllm_omni:replica_requests", "Tasks sent to the replica.",
                                     labels=labels)

@@ -74,6 +74,8 @@ class StagePool:
 
     # -- membership -----------------------------------------------------------
     def add(self, replica: Replica) -> None:
+        """Add ``replica`` to the pool (replacing one with its id) and wake tasks waiting for
+        one."""
         self.replicas[replica.replica_id] = replica
         logger.info("%s attached", replica.name)
         self._changed.set()
@@ -83,6 +85,8 @@ class StagePool:
         self._changed.set()
 
     def remove(self, replica_id: int, reason: str) -> None:
+        """Take replica ``replica_id`` out of the pool: its running tasks end as lost
+        (``reason``), then it is closed and released; a no-op for an unknown id."""
         replica = self.replicas.pop(replica_id, None)
         if replica is not None:
             logger.warning("%s detached: %s", replica.name, reason)
@@ -133,6 +137,8 @@ class StagePool:
         self._affinity.pop(request_id, None)
 
     def pinned(self, request_id: str) -> Replica | None:
+        """The replica ``request_id`` has affinity to, None when it has none or that replica is
+        no longer in the pool."""
         replica_id = self._affinity.get(request_id)
         return self.replicas.get(replica_id) if replica_id is not None else None
 
@@ -156,7 +162,7 @@ class StagePool:
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), remaining)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # (not the built-in one before Python 3.11)
                 pass
 
     # -- running --------------------------------------------------------------
@@ -194,6 +200,7 @@ class StagePool:
                                self.stage_id, task.request_id, exc)
 
     async def abort(self, request_id: str) -> None:
+        """Abort ``request_id`` on the replica it has affinity to, if any (see :meth:`pinned`)."""
         replica = self.pinned(request_id)
         if replica is not None:
             await replica.abort(request_id)

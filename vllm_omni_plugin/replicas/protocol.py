@@ -86,6 +86,8 @@ class TaskGrow(msgspec.Struct, tag="task_grow", tag_field="type"):
 
 
 class TaskAbort(msgspec.Struct, tag="task_abort", tag_field="type"):
+    """Stop the task ``request_id`` on the replica (ignored when it does not run there); no
+    reply follows."""
     request_id: _Id
     protocol_version: int = PROTOCOL_VERSION
 
@@ -130,11 +132,15 @@ class TaskFailed(msgspec.Struct, tag="task_failed", tag_field="type"):
 
 
 class ToReplica(msgspec.Struct, tag="to_replica", tag_field="type"):
+    """The envelope of every head -> replica frame: one :class:`TaskSubmit`,
+    :class:`TaskGrow` or :class:`TaskAbort`."""
     msg: TaskSubmit | TaskGrow | TaskAbort
     protocol_version: int = PROTOCOL_VERSION
 
 
 class ToHead(msgspec.Struct, tag="to_head", tag_field="type"):
+    """The envelope of every replica -> head frame: one :class:`TaskProgress`,
+    :class:`TaskRows`, :class:`TaskDone` or :class:`TaskFailed`."""
     msg: TaskProgress | TaskRows | TaskDone | TaskFailed
     protocol_version: int = PROTOCOL_VERSION
 

@@ -1,6 +1,6 @@
-"""Replicas as the head sees them: in-process (local) or behind the task channel (remote).
+r"""Replicas as the head sees them: in-process (local) or behind the task channel (remote).
 
-Both run :class:`~.task.StageTask`\\ s and keep the counters ``/metrics``
+Both run :class:`~.task.StageTask`\ s and keep the counters ``/metrics``
 reports. A replica is *attached* while the head can send it work: a local
 one while its engine lives, a remote one while the coordinator lists it ``UP``.
 Status: ``up``; ``starting`` (a local engine being restarted, see
@@ -69,10 +69,12 @@ class Replica:
 
     @property
     def name(self) -> str:
+        """How logs and errors name the replica: ``stage S replica R (local|remote ADDRESS)``."""
         return f"stage {self.stage_id} replica {self.replica_id} ({self.location} {self.address})"
 
     @property
     def attached(self) -> bool:
+        """Whether the head can send it work now (status ``up``)."""
         return self.status == "up"
 
     @property
@@ -98,6 +100,8 @@ class Replica:
         raise NotImplementedError
 
     async def abort(self, request_id: str) -> None:
+        """Stop the task of ``request_id`` if it runs here; its :meth:`run` then raises
+        :class:`~.task.TaskAborted`."""
         raise NotImplementedError
 
     def lost(self, reason: str) -> None:
@@ -128,6 +132,7 @@ class LocalReplica(Replica):
 
     @property
     def queue_length(self) -> int:
+        """The number of tasks running on this replica now."""
         return len(self.running)
 
     def replace_engine(self, engine) -> None:
@@ -138,6 +143,9 @@ class LocalReplica(Replica):
         self.status = "up"
 
     async def run(self, task: StageTask, on_rows: RowsSink | None = None) -> StageRun:
+        """Run ``task`` on the in-process engine; also raises :class:`~.task.ReplicaLost` when
+        the engine dies under it (signalled by :meth:`lost`, or seen here first, which tells
+        the supervisor)."""
         self.requests_total += 1
         self.running.add(task.request_id)
         engine = self.engine
@@ -184,12 +192,16 @@ class LocalReplica(Replica):
         return result
 
     def lost(self, reason: str) -> None:
+        """Also ends every running task's :meth:`run` with :class:`~.task.ReplicaLost`
+        (``reason``)."""
         super().lost(reason)
         for future in list(self._lost.values()):
             if not future.done():
                 future.set_result(reason)
 
     async def abort(self, request_id: str) -> None:
+        """Abort ``request_id`` on the engine when it runs here; its :meth:`run` then raises
+        :class:`~.task.TaskAborted`."""
         if request_id in self.running:
             self._aborted.add(request_id)
             await self.engine.abort(request_id)
@@ -261,6 +273,10 @@ class RemoteReplica(Replica):
         return max(self.reported_queue_length, len(self.running))
 
     async def run(self, task: StageTask, on_rows: RowsSink | None = None) -> StageRun:
+        """Send ``task`` as a :class:`~.protocol.TaskSubmit` (a growing input then follows as
+        :class:`~.protocol.TaskGrow` frames) and wait for its :class:`~.protocol.TaskDone`;
+        a cancelled caller aborts the task on the replica. Raises :class:`~.task.ReplicaLost`
+        at once when the replica is not attached."""
         if not self.attached:
             raise ReplicaLost(f"{self.name} is not attached", produced_output=False)
         self.requests_total += 1
@@ -314,6 +330,8 @@ class RemoteReplica(Replica):
                 pending.future.set_exception(exc)
 
     async def abort(self, request_id: str) -> None:
+        """Fail the pending task of ``request_id`` with :class:`~.task.TaskAborted` and tell the
+        replica to stop it; a no-op when no such task is pending here."""
         pending = self._pending.get(request_id)
         if pending is None:
             return
@@ -356,6 +374,7 @@ class RemoteReplica(Replica):
                 pending.future.set_exception(TaskError(msg.error, msg.status))
 
     def lost(self, reason: str) -> None:
+        """Also fails every pending task with :class:`~.task.ReplicaLost` naming ``reason``."""
         super().lost(reason)
         for request_id, pending in list(self._pending.items()):
             if not pending.future.done():
@@ -363,9 +382,12 @@ class RemoteReplica(Replica):
                     f"{self.name} {reason} while running {request_id}", pending.produced))
 
     def reattach(self) -> None:
+        """Attach it again (status ``up``): the coordinator lists it ``UP`` once more."""
         self.status = "up"
 
     def close(self) -> None:
+        """Also fails its pending tasks (when attached), stops reading its task channel and
+        closes the socket."""
         if self.status == "up":
             self.lost("was detached")
         super().close()

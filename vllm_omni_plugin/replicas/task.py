@@ -141,7 +141,9 @@ class RowsSink(Protocol):
     #: publishes at most about one row per output token: the talker one frame per code 0).
     wanted: int
 
-    def add(self, chunks: list[dict[str, torch.Tensor]]) -> None: ...
+    def add(self, chunks: list[dict[str, torch.Tensor]]) -> None:
+        """Take the chunks published since the previous call, in order (each
+        ``{name: tensor}``, rows on dim 0)."""
 
 
 async def run_on_engine(engine, store: PayloadStore, task: StageTask,

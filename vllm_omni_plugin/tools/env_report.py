@@ -282,6 +282,9 @@ def _yes(value) -> str:
 
 
 def format_text(r: dict) -> str:
+    """The report ``r`` (as :func:`collect` returns it) as plain text for a terminal:
+    the plugin's state, a table of the packages and their declared ranges, the compat
+    patches, the extension points and the vLLM build."""
     plugin = r["plugin"]
     if plugin["vllm"] is None:
         state = "disabled: vLLM is not installed"
@@ -343,6 +346,14 @@ def format_text(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``): print the report to
+    stdout as text, or as JSON with ``--json``; whatever is printed while collecting it
+    (vLLM logs to stdout by default) goes to stderr.
+
+    Returns:
+        The exit status: 0 when the report is ``ok`` (the plugin enabled, no package
+        out of range, none required missing), 1 otherwise.
+    """
     parser = argparse.ArgumentParser(prog="python -m vllm_omni_plugin.tools.env_report",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print the report as JSON")

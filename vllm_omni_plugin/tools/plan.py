@@ -1,4 +1,4 @@
-"""Memory plan of a pipeline on given devices: what each stage's engine needs, the share
+r"""Memory plan of a pipeline on given devices: what each stage's engine needs, the share
 of its device to set, and whether it fits.
 
     python -m vllm_omni_plugin.tools.plan MODEL --pipeline qwen3_omni_moe --devices 2x80 \
@@ -92,6 +92,7 @@ class Devices:
 
     @property
     def bytes(self) -> int:
+        """The size of one device (or of the host memory), bytes."""
         return int(self.gib * GIB)
 
     def host(self) -> Host:
@@ -131,15 +132,23 @@ class StagePlan:
 
     @property
     def fixed(self) -> int:
+        """What the engine needs besides its KV cache: weights, activation peak and
+        overhead."""
         return self.weights + self.peak + self.overhead
 
     @property
     def kv_tokens(self) -> int:
+        """The tokens the planned KV cache (``kv_bytes``) holds; 0 for a stage without
+        attention."""
         return self.kv_bytes // self.kv_per_token if self.kv_per_token else 0
 
 
 @dataclasses.dataclass
 class Plan:
+    """The memory plan of a pipeline on ``devices``: ``pipeline`` the path of its YAML,
+    ``model`` the checkpoint, ``headroom`` the share of each device kept free, and one
+    :class:`StagePlan` per stage the head runs."""
+
     pipeline: str
     model: str
     devices: Devices
@@ -150,6 +159,7 @@ class Plan:
 
     @property
     def fits(self) -> bool:
+        """Whether every device's minimum share stays within ``1 - headroom``."""
         return all(m <= 1 - self.headroom + 1e-9 for m in self.minimum.values())
 
 
@@ -344,6 +354,8 @@ def plan_yaml(plan: Plan, command: str) -> str:
 
 
 def summary_line(plan: Plan) -> str:
+    """One line saying whether ``plan`` fits, on what, with each device's minimum share
+    and the headroom."""
     where = f"host memory {plan.devices.gib:g} GiB" if plan.devices.cpu else \
         f"{plan.devices.count} x {plan.devices.gib:g} GiB"
     used = ", ".join(f"device {d}: {m:.2f}" for d, m in sorted(plan.minimum.items()))
@@ -426,6 +438,12 @@ def plan_from_args(argv: list[str]) -> tuple[Plan, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``): print the plan's table
+    and, with ``--write PATH``, write its pipeline YAML there.
+
+    Returns:
+        The exit status: 0 when the plan fits, 1 otherwise.
+    """
     argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
     plan, text = plan_from_args(argv)

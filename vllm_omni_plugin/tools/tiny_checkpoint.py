@@ -1,4 +1,4 @@
-"""Write tiny, seeded, randomly initialised Hugging Face checkpoints for offline CPU tests.
+r"""Write tiny, seeded, randomly initialised Hugging Face checkpoints for offline CPU tests.
 
 Usage::
 
@@ -34,8 +34,8 @@ Files in OUT_DIR:
   encodes) trained deterministically in-process on a short built-in English text, plus
   every Qwen2.5/Qwen3-Omni special token in the upstream order, appended after the BPE
   vocabulary. ``system``, ``user`` and ``assistant`` are single tokens. The chat template
-  is ChatML (``<|im_start|>{role}\\n{content}<|im_end|>\\n``; ``add_generation_prompt``
-  appends ``<|im_start|>assistant\\n``); list contents with ``image``/``audio``/``video``
+  is ChatML (``<|im_start|>{role}\n{content}<|im_end|>\n``; ``add_generation_prompt``
+  appends ``<|im_start|>assistant\n``); list contents with ``image``/``audio``/``video``
   parts expand to ``<|vision_start|><|image_pad|><|vision_end|>``,
   ``<|audio_start|><|audio_pad|><|audio_end|>`` and
   ``<|vision_start|><|video_pad|><|vision_end|>`` like the upstream template.
@@ -600,6 +600,16 @@ BUILDERS: dict[str, tuple[Callable[..., dict[str, Any]], str]] = {
 
 
 def build(model: str, out_dir: str | os.PathLike, seed: int = 0) -> dict[str, Any]:
+    """Write the tiny checkpoint of ``model`` (a key of :data:`BUILDERS`) into ``out_dir``,
+    its weights drawn with ``seed``.
+
+    Returns:
+        The builder's summary (JSON-ready): path, seed, parameter and byte counts, the
+        files written, and the seconds taken, among others.
+
+    Raises:
+        ValueError: ``model`` is not one of :data:`BUILDERS`.
+    """
     if model not in BUILDERS:
         raise ValueError(f"unknown model {model!r}; choose from {sorted(BUILDERS)}")
     return BUILDERS[model][0](out_dir, seed=seed)
@@ -623,6 +633,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``): build the checkpoint it
+    names, logging at INFO, then print a one-line summary and the summary as JSON.
+
+    Returns:
+        The exit status, 0.
+    """
     args = _parser().parse_args(argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(

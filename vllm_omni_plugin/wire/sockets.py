@@ -31,6 +31,7 @@ class ClosedOnExit:
     :meth:`close` is idempotent)."""
 
     def close(self) -> None:
+        """Close the endpoint; subclasses implement it, idempotent."""
         raise NotImplementedError
 
     def __enter__(self: _Closing) -> _Closing:
@@ -99,6 +100,8 @@ class WakePipe:
         os.set_blocking(self._write_fd, False)
 
     def wake(self) -> None:
+        """Make :attr:`fd` readable so that the poller wakes; never blocks, and does nothing
+        after :meth:`close`."""
         with self._lock:
             if self._write_fd >= 0:
                 with contextlib.suppress(BlockingIOError):

@@ -63,6 +63,13 @@ class OmniWorkerMixin:
                     self.omni_io.stage_id, type(self).__name__, self.platform_worker.__name__)
 
     def load_model(self, *args, **kwargs):
+        """vLLM's model loading, then the check that the model's stage outputs survive the
+        engine's CUDA graph mode, and the choice of the one publishing worker (TP rank 0
+        of the last PP rank; :attr:`omni_publishes`).
+
+        Raises:
+            ValueError: see :func:`check_graph_mode`.
+        """
         from vllm.distributed import get_pp_group, get_tp_group
 
         super().load_model(*args, **kwargs)
@@ -86,6 +93,10 @@ class OmniWorkerMixin:
             return super().determine_available_memory()
 
     def execute_model(self, scheduler_output):
+        """vLLM's step, with the plugin's bookkeeping around it: tracks the step's requests
+        (:meth:`StageIO.begin_step`), binds a :class:`StageStep` to a model that declares
+        ``uses_stage_step`` during the forward, publishes the stage outputs after it (on
+        the publishing worker), and makes failed requests emit their stop token."""
         model = _unwrapped(self.model_runner.get_model())
         stepwise = getattr(model, "uses_stage_step", False)
         publishing = self.omni_io.begin_step(scheduler_output, always=stepwise)
@@ -102,6 +113,7 @@ class OmniWorkerMixin:
         return self._fix_failed(output)
 
     def sample_tokens(self, grammar_output):
+        """vLLM's sampling, with failed requests' tokens replaced by their stop token."""
         return self._fix_failed(super().sample_tokens(grammar_output))
 
     def _fix_failed(self, output):

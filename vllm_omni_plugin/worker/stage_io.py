@@ -120,6 +120,8 @@ class StageStep:
         return tracked.params if tracked is not None else None
 
     def failed(self, req_id: str) -> bool:
+        """Whether the request has failed (False for a request the plugin does not
+        track)."""
         tracked = self._io.tracked(req_id)
         return tracked is not None and tracked.failed
 
@@ -236,6 +238,8 @@ class StageIO:
         return self._computed
 
     def tracked(self, req_id: str) -> _Tracked | None:
+        """The plugin's state of a request, or None for one it does not track (a plain
+        request without payload keys, or one already finished)."""
         return self._requests.get(req_id)
 
     def _add(self, new) -> None:
@@ -300,6 +304,8 @@ class StageIO:
             model: the stage model (``stage_output_rows()`` / ``stage_output_once()``).
             batch_req_ids: the scheduled requests in the model runner's row order; each
                 owns ``scheduler_output.num_scheduled_tokens[req_id]`` consecutive rows.
+            scheduler_output: vLLM's ``SchedulerOutput`` of the step (its
+                ``num_scheduled_tokens`` per request).
         """
         rows_of = getattr(model, "stage_output_rows", None)
         requests_of = getattr(model, "stage_output_requests", None)

@@ -47,6 +47,10 @@ class BagelARStage(BagelForConditionalGeneration):
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None,
                 **kwargs):
+        """vLLM's BAGEL forward (hidden states ``[num_tokens, hidden_size]``); also keeps
+        the keys and values its layers fed to attention as the rows ``k``, ``v``
+        ``[num_tokens, layers, kv_heads, head_dim]`` (the model's dtype) that
+        :meth:`stage_output_rows` returns (empty when no attention layer ran)."""
         self._captured = []
         out = super().forward(input_ids, positions, intermediate_tensors,
                               inputs_embeds=inputs_embeds, **kwargs)

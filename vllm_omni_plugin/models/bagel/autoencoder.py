@@ -135,6 +135,9 @@ class FluxDecoder(nn.Module):
         self.conv_out = nn.Conv2d(channels, cfg["out_ch"], 3, padding=1)
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
+        """Decodes latents ``[B, z_channels, h, w]`` (unscaled first: ``z / scale_factor +
+        shift_factor``) to RGB ``[B, out_ch, h * downsample, w * downsample]`` in about
+        ``[-1, 1]``."""
         h = self.mid(self.conv_in(z / self.scale_factor + self.shift_factor))
         for level in reversed(self.up):
             for block in level.block:

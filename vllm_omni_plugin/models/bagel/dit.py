@@ -352,6 +352,8 @@ class BagelDiT(nn.Module):
             contexts: per branch ``(k, v, rope)``: ``[layers, L, kv_heads, head_dim]``
                 keys and values, and the RoPE position of the query.
             hw: latent tokens of the image.
+            device: where the batch (contexts in the model's dtype, mask, row indices and
+                positions) is built.
         """
         dtype = self.marker_embeds.dtype
         n = hw + 2
@@ -380,6 +382,7 @@ class BagelDiT(nn.Module):
 
         Args:
             x: ``[h*w, latent_dim]`` the latent at shifted timestep ``t``.
+            t: the shifted timestep, a fraction in ``[0, 1]`` (1: pure noise).
             pos_embed: ``[h*w, hidden]`` the latent tokens' rows of the position table.
             packed: the branches' contexts (:meth:`pack`).
 
@@ -407,6 +410,9 @@ class BagelDiT(nn.Module):
 
         Args:
             noise: ``[h*w, latent_dim]`` float32 initial latent.
+            height: image height in pixels.
+            width: image width in pixels.
+            guidance: the CFG scales, interval, renormalisation and timesteps.
             branches: ``{branch: (k, v, rope)}`` for the names in :data:`BRANCHES`.
 
         Returns:
@@ -416,7 +422,8 @@ class BagelDiT(nn.Module):
         Raises:
             RequestError: a size not made of whole latent tokens (see
                 :func:`check_image_size`).
-            ValueError: a branch that a scale above 1 needs is missing (named).
+            ValueError: ``noise`` does not have the image's shape, or a branch that a
+                scale above 1 needs is missing (named).
         """
         check_image_size(self.config, width, height)
         hw = (height // self.downsample) * (width // self.downsample)

@@ -65,6 +65,8 @@ class BagelImageOptions:
 
 
 def is_bagel(hf_config) -> bool:
+    """Whether the served checkpoint's HF config is vLLM's ``BagelConfig`` (by class
+    name)."""
     return type(hf_config).__name__ == "BagelConfig"
 
 
@@ -167,9 +169,15 @@ def bagel_ar2dit(upstream: list[UpstreamOutput], stage, extras: dict[str, Any]) 
 
 @hookimpl
 def omni_register_stage_input_processors():
+    """BAGEL's stage input processor: ``bagel_ar2dit`` (:func:`bagel_ar2dit`)."""
     return {"bagel_ar2dit": bagel_ar2dit}
 
 
 @hookimpl
 def omni_plan_image(hf_config, request: ImageRequest):
+    """:func:`plan_bagel_image` for a BAGEL checkpoint, None for any other model.
+
+    Raises:
+        RequestError: see :func:`plan_bagel_image`.
+    """
     return plan_bagel_image(hf_config, request) if is_bagel(hf_config) else None

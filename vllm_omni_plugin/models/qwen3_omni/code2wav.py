@@ -286,6 +286,9 @@ class Code2WavAttention(nn.Module):
         return mask
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: int) -> torch.Tensor:
+        """``x`` ``[batch * frames, hidden]`` rows of ``batch`` equal-length sequences at
+        ``positions`` ``[batch * frames]`` -> ``[batch * frames, hidden]``, each frame
+        attending causally within its sequence's sliding window."""
         q, k, v = self._qkv(x, positions)
         frames = x.shape[0] // batch
         q, k, v = (t.reshape(batch, frames, *t.shape[1:]) for t in (q, k, v))
@@ -315,6 +318,9 @@ class Code2WavAttention(nn.Module):
 
 
 class Code2WavMLP(nn.Module):
+    """HF ``Qwen3OmniMoeCode2WavMlp``: ``down_proj(act(gate_proj(x)) * up_proj(x))``, no
+    biases, with gate and up fused into vLLM's ``gate_up_proj``."""
+
     def __init__(self, config, prefix: str = ""):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
@@ -325,6 +331,7 @@ class Code2WavMLP(nn.Module):
         self.act_fn = get_act_and_mul_fn(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden]`` -> ``[n, hidden]``."""
         gate_up, _ = self.gate_up_proj(x)
         x, _ = self.down_proj(self.act_fn(gate_up))
         return x

@@ -139,9 +139,13 @@ def talker2code2wav(upstream: list[UpstreamOutput], stage, extras: dict[str, Any
 
 @hookimpl
 def omni_register_stage_input_processors():
+    """Qwen3-Omni's stage input processors: ``thinker2talker`` (:func:`thinker2talker`)
+    and ``talker2code2wav`` (:func:`talker2code2wav`)."""
     return {"thinker2talker": thinker2talker, "talker2code2wav": talker2code2wav}
 
 
 @hookimpl
 def omni_list_voices(hf_config):
+    """The talker's voices (:func:`.talker_inputs.voices` of ``talker_config``), or None
+    for a checkpoint without one."""
     return voices(getattr(hf_config, "talker_config", None))

@@ -168,6 +168,8 @@ class Qwen3OmniCodePredictor(nn.Module):
             for j in range(config.num_code_groups - 1))
 
     def get_input_embeddings(self) -> nn.ModuleList:
+        """The embeddings of codes 1..15 (``num_code_groups - 1`` tables, HF
+        ``code_predictor.model.codec_embedding``): table ``j`` embeds code ``j + 1``."""
         return self.model.codec_embedding
 
     @torch.no_grad()
@@ -316,15 +318,26 @@ class Qwen3OmniTalkerStage(OwnShards, nn.Module, SupportsMRoPE):
         return self.model.embed_tokens
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[num_tokens]`` ids -> ``[num_tokens, hidden_size]`` codec embeddings (the
+        decoder's ``embed_tokens``); inside a step :meth:`forward` replaces them with the
+        request's prompt rows and frame embeddings."""
         return self.model.embed_input_ids(input_ids)
 
     def get_mrope_input_positions(self, input_tokens, mm_features):
+        """Plain ``[3, len(input_tokens)]`` int64 positions and rope delta 0 (the prompt
+        holds no media); :meth:`forward` substitutes HF's positions for image and video
+        requests."""
         # The prompt is placeholder ids without media: plain positions (rope delta 0). A
         # prompt built from an image or video request gets HF's positions in forward().
         return plain_mrope_positions(len(input_tokens)), 0
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None,
                 **kwargs):
+        """The talker decoder's hidden states ``[num_tokens, hidden_size]``. Inside a step
+        it first builds the input rows itself (prompt rows, or a fed code 0's frame
+        embeddings after running the code predictor, whose frames become
+        :meth:`stage_output_requests`) and HF's M-RoPE positions for image and video
+        requests, then keeps each request's last hidden state for its next frame."""
         self._outputs = {}
         if self.stage_step is not None:
             inputs_embeds = self._step_embeds(self.stage_step, input_ids)
@@ -342,6 +355,9 @@ class Qwen3OmniTalkerStage(OwnShards, nn.Module, SupportsMRoPE):
         return hidden
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """Code-0 logits ``[num_tokens, vocab_size]`` from the codec head, with the codec
+        special and speaker ids set to ``-inf`` as HF suppresses them (``codec_eos`` stays
+        allowed); None where vLLM's logits processor returns none."""
         logits = self.logits_processor(self.codec_head, hidden_states)
         if logits is None:
             return None

@@ -1,4 +1,4 @@
-"""Stateless pieces of HF ``Qwen3OmniMoeForConditionalGeneration.generate`` for the talker stage.
+r"""Stateless pieces of HF ``Qwen3OmniMoeForConditionalGeneration.generate`` for the talker stage.
 
 HF transformers (5.19, ``models/qwen3_omni_moe/modeling_qwen3_omni_moe.py``) runs thinker ->
 talker -> code2wav inside one ``generate`` call. Our stages are separate processes with a paged KV
@@ -33,7 +33,7 @@ Talker prompt (``build_talker_prompt``)
 
 * user part: every prompt position whose turn is a user turn (role token right after the most
   recent ``<|im_start|>`` is ``user_token_id``; this includes ``<|im_start|>``, ``user``, the
-  content, ``<|im_end|>`` and the ``\\n`` after it), in order, projected as above.
+  content, ``<|im_end|>`` and the ``\n`` after it), in order, projected as above.
 * assistant part (9 rows), ``a`` = index of the last ``<|im_start|> assistant`` pair in the prompt,
   ``E = text_projection(thinker_embed[a:])``::
 
@@ -43,7 +43,7 @@ Talker prompt (``build_talker_prompt``)
 
   (``pad/bos`` = ``text_projection(thinker_embed_tokens(tts_pad/tts_bos))``; codec row =
   ``talker.get_input_embeddings()(id)``, ``-`` = zeros; each row is text + codec.) ``E[0:3]`` is
-  ``<|im_start|>assistant\\n`` and ``E[3]`` the first generated text token.
+  ``<|im_start|>assistant\n`` and ``E[3]`` the first generated text token.
 * ``trailing_text_hidden = [E[4:] ; tts_eos]`` (generated tokens 1 .. G-2, i.e. the fed ones, then
   the tts_eos embedding); HF then moves the tts_eos marker to just after the first thinker eos,
   which is a no-op for a single sequence that stopped at eos or at max_new_tokens.
@@ -191,6 +191,7 @@ class TalkerPrompt:
 
     @property
     def num_prompt_tokens(self) -> int:
+        """``L``, the talker prompt's length (rows of ``prompt_embeds``)."""
         return int(self.prompt_embeds.shape[0])
 
 
@@ -384,14 +385,14 @@ def build_talker_prompt(
 
 def talker_mrope_positions(thinker_positions: torch.Tensor, user_index: torch.Tensor,
                            length: int) -> tuple[torch.Tensor, int]:
-    """The talker prompt's M-RoPE positions, as HF's ``talker.get_rope_index`` computes them.
+    r"""The talker prompt's M-RoPE positions, as HF's ``talker.get_rope_index`` computes them.
 
     HF runs ``get_rope_index`` over ``talker_input_ids`` (the user turns' ids, then 9
     ``tts_pad``). That index is built left to right from "largest position so far + 1", so
     dropping whole text turns (system, earlier assistant turns) shifts every later position by
     a constant: each run of consecutive user positions keeps the thinker's positions, minus
     the offset that makes its first token (``<|im_start|>``, text) follow the previous run's
-    last token (``\\n``, text). This reuses the thinker's own positions (vLLM's M-RoPE index
+    last token (``\n``, text). This reuses the thinker's own positions (vLLM's M-RoPE index
     of the thinker prompt) instead of repeating the media grids to the talker; it assumes the
     talker config's ``position_id_per_seconds`` and ``spatial_merge_size`` equal the thinker's,
     as in the released checkpoints.

@@ -76,6 +76,10 @@ class Qwen3OmniThinkerStage(Qwen3OmniMoeThinkerForConditionalGeneration):
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None,
                 **kwargs):
+        """vLLM's thinker forward; on the last pipeline rank it returns the hidden states
+        ``[num_tokens, hidden_size]`` (without the auxiliary ones) after copying the
+        step's ``embed``, ``hidden`` and ``positions`` rows into the buffers that
+        :meth:`stage_output_rows` returns. Other ranks' intermediate tensors pass through."""
         out = super().forward(input_ids, positions, intermediate_tensors,
                               inputs_embeds=inputs_embeds, **kwargs)
         if not isinstance(out, tuple):  # not the last pipeline rank
