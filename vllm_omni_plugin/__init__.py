@@ -6,7 +6,7 @@ process. It is idempotent, cheap, and never raises into vLLM.
 
 from __future__ import annotations
 
-__version__ = "0.1.0.dev0"
+__version__ = "0.1.0"
 
 _registered = False
 _warned = False

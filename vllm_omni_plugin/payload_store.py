@@ -96,7 +96,13 @@ class GrowingPayload:
         self._rows: dict[str, int] = {}
 
     def extend(self, chunks: list[dict[str, torch.Tensor]]) -> None:
-        """Append each chunk's tensors, in order."""
+        """Append each chunk's tensors, in order: ``{name: [rows, ...]}``, any dtype and at
+        least one dim; a name's chunks share their dtype and trailing shape.
+
+        Raises:
+            ValueError: a tensor whose dtype or trailing shape differs from the earlier
+                chunks' of its name.
+        """
         for chunk in chunks:
             for name, tensor in chunk.items():
                 self._append(name, tensor)
@@ -118,7 +124,7 @@ class GrowingPayload:
         self._rows[name] = end
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor's rows so far (views)."""
+        """Every tensor's rows so far (views): ``[rows so far, ...]``, in its chunks' dtype."""
         return {name: buffer[:self._rows[name]] for name, buffer in self._buffers.items()}
 
 
@@ -244,6 +250,11 @@ class PayloadStore:
     def append(self, key: str, tensors: dict[str, torch.Tensor]) -> bool:
         """Publish one more chunk of ``key`` (tensors concatenated on dim 0 by get).
 
+        Args:
+            key: the payload key.
+            tensors: ``{name: [rows, ...]}`` of any dtype safetensors stores (bool, uint8,
+                int64, float32, bfloat16, ...), on any device (copied to the CPU).
+
         Returns:
             False (nothing written) when ``key`` was never created or is deleted.
         """
@@ -267,6 +278,10 @@ class PayloadStore:
     def append_many(self, chunks: dict[str, dict[str, torch.Tensor]]) -> set[str]:
         """Publish one more chunk of each key of ``chunks`` (as :meth:`append` does for
         one), all in one file linked into each key's directory.
+
+        Args:
+            chunks: ``{key: {name: [rows, ...]}}``, any dtype and device (as for
+                :meth:`append`).
 
         Returns:
             The keys written (not those never created or deleted).
@@ -321,7 +336,8 @@ class PayloadStore:
             self._next.popitem(last=False)
 
     def put(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
-        """Create ``key`` holding a single chunk (replacing any previous content)."""
+        """Create ``key`` holding a single chunk (replacing any previous content):
+        ``tensors`` as for :meth:`append` (any shape and dtype, rows on dim 0)."""
         self.delete(key)
         self.create(key)
         self.append(key, tensors)
@@ -329,7 +345,8 @@ class PayloadStore:
     def chunks(self, key: str, first: int = 0) -> list[dict[str, torch.Tensor]]:
         """The chunks of ``key`` appended so far, from the ``first``-th (0-based, in
         append order) on; ``[]`` for a key that does not exist. A consumer may read while
-        the producer still appends: each chunk appears whole, in order."""
+        the producer still appends: each chunk appears whole, in order. Each chunk is
+        ``{name: tensor}`` on the CPU, in the shape and dtype it was appended with."""
         d = self._dir(key)
         try:
             names = sorted(n for n in os.listdir(d) if n.endswith(".st"))
@@ -368,7 +385,8 @@ class PayloadStore:
             pass
 
     def get(self, key: str) -> dict[str, torch.Tensor]:
-        """All chunks of ``key``, each tensor concatenated along dim 0.
+        """All chunks of ``key``, each tensor concatenated along dim 0: ``{name: [rows of all
+        chunks, ...]}`` on the CPU, in the dtype it was appended with.
 
         Raises:
             PayloadError: the producer recorded a failure (see :meth:`put_error`).

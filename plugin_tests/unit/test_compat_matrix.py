@@ -2,7 +2,7 @@
 
 setup.cfg's vLLM requirement, ``compat/version.py``, the CI matrix in ``.ci/run`` (release,
 build and test kinds per row),
-the README's compatibility table, the unreleased CHANGELOG entry's "Tested with"
+the README's compatibility table, the newest CHANGELOG section's "Tested with"
 line and the defaults of ``scripts/setup_env.sh``.
 """
 
@@ -61,10 +61,14 @@ def _readme_table() -> list[dict[str, str]]:
 
 
 def _changelog_tested_with() -> list[str]:
+    """The vLLM releases the newest CHANGELOG section with a "Tested with" line names
+    (the unreleased changes', else the latest release's)."""
     text = (ROOT / "CHANGELOG.md").read_text()
-    unreleased = text.split("## [Unreleased]", 1)[1].split("\n## [", 1)[0]
-    (line,) = re.findall(r"^Tested with: vLLM ([^(]*)\(", unreleased, re.M)
-    return re.findall(r"\d+\.\d+\.\d+", line)
+    for section in text.split("\n## [")[1:]:
+        lines = re.findall(r"^Tested with: vLLM ([^(]*)\(", section, re.M)
+        if lines:
+            return re.findall(r"\d+\.\d+\.\d+", lines[0])
+    raise AssertionError("no CHANGELOG section says what it was tested with")
 
 
 def _minor(release: str) -> tuple[int, int]:

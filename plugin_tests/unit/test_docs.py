@@ -7,7 +7,8 @@ their defaults with the schema's models, the endpoints with the API middleware's
 routes, the HTTP statuses with those the package answers with, and the metrics with
 what the ``/metrics`` collector yields. A row for something that does not exist, a
 thing without a row, or a wrong default is reported. The last test plants such
-mismatches in a page's text and checks that each is reported.
+mismatches in a page's text and checks that each is reported. And every public function
+on tensors says their shapes and dtypes in its docstring.
 """
 
 from __future__ import annotations
@@ -187,6 +188,36 @@ PAGES = {
     "serving/openai_api.md": (endpoint_problems, status_problems),
     "features/replicas.md": (metric_problems,),
 }
+
+
+#: a docstring's word for a dtype
+DTYPE = re.compile(r"float32|float16|bfloat16|int64|int32|uint8|bool|dtype|float\b|int\b|long")
+
+
+def tensor_docstring_problems(root: Path = PACKAGE) -> list[str]:
+    """Public functions of the package that take or return a ``torch.Tensor`` and whose
+    docstring gives no shape (``[...]``, or "shape") or no dtype. ``load_weights``
+    (vLLM's checkpoint iterator) is exempt."""
+    import ast
+
+    problems = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) or \
+                    node.name.startswith("_") or node.name == "load_weights":
+                continue
+            signature = ast.unparse(node.args) + (ast.unparse(node.returns)
+                                                  if node.returns else "")
+            doc = ast.get_docstring(node) or ""
+            if "Tensor" in signature and not (("[" in doc or "shape" in doc)
+                                              and DTYPE.search(doc)):
+                problems.append(f"{path.relative_to(root.parent)}:{node.lineno} "
+                                f"{node.name}: no shape or dtype in its docstring")
+    return problems
+
+
+def test_functions_on_tensors_give_shapes_and_dtypes():
+    assert tensor_docstring_problems() == []
 
 
 def test_the_reference_tables_match_the_code():

@@ -26,7 +26,10 @@ def load_stacked(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
         module: the module whose parameters (``named_parameters()`` names) are loaded.
         weights: ``(name, tensor)`` pairs in ``module``'s naming, except that HF's
             ``q_proj``/``k_proj``/``v_proj`` and ``gate_proj``/``up_proj`` stand for the
-            shards of the fused parameters.
+            shards of the fused parameters. Each tensor as the checkpoint stores it: HF's
+            unsharded shape (e.g. ``[out_features, in_features]``; vLLM's weight loaders
+            take each rank's share and check it), in the checkpoint's dtype (copied into
+            the parameter's dtype).
         required: parameter names that must be loaded whole (every shard).
         owner: what the parameters belong to, for error messages.
 

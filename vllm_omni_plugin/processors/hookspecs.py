@@ -118,7 +118,9 @@ class StageInput:
     @classmethod
     def nothing_to_do(cls, output: dict[str, torch.Tensor], reason: str) -> StageInput:
         """The stage's input for a request that leaves it nothing to do: ``output`` is
-        taken as the stage's output, without running it; ``reason`` is logged."""
+        taken as the stage's output, without running it; ``reason`` is logged. ``output``
+        has the shapes and dtypes the stage publishes, with 0 rows where it produced
+        nothing (e.g. the talker's ``codes`` ``[0, 16]`` int64)."""
         return cls(prompt_token_ids=[], output=output, reason=reason)
 
 

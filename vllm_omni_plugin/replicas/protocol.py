@@ -146,14 +146,20 @@ class ToHead(msgspec.Struct, tag="to_head", tag_field="type"):
 
 
 def pack_tensors(tensors: dict[str, torch.Tensor]) -> bytes:
-    """Tensors -> safetensors blob (``b""`` for an empty dict)."""
+    """Tensors -> safetensors blob (``b""`` for an empty dict). Any shape, any dtype
+    safetensors stores (bool, uint8, int64, float32, bfloat16, ...), on any device (copied
+    to the CPU)."""
     if not tensors:
         return b""
     return st_save({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
 
 
 def unpack_tensors(blob: bytes) -> dict[str, torch.Tensor]:
-    """Inverse of :func:`pack_tensors`; raises ``ValueError`` on a corrupt blob."""
+    """Inverse of :func:`pack_tensors`: CPU tensors in the shapes and dtypes packed.
+
+    Raises:
+        ValueError: a corrupt blob.
+    """
     if not blob:
         return {}
     try:

@@ -143,7 +143,8 @@ class RowsSink(Protocol):
 
     def add(self, chunks: list[dict[str, torch.Tensor]]) -> None:
         """Take the chunks published since the previous call, in order (each
-        ``{name: tensor}``, rows on dim 0)."""
+        ``{name: tensor}``, ``[rows, ...]`` CPU tensors in the dtypes the stage published,
+        e.g. the talker's ``codes`` ``[k, 16]`` int64)."""
 
 
 async def run_on_engine(engine, store: PayloadStore, task: StageTask,

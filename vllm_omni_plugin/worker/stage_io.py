@@ -110,7 +110,9 @@ class StageStep:
         return self._rows
 
     def inputs(self, req_id: str) -> dict[str, torch.Tensor]:
-        """The request's input payload (``{}`` when it has none)."""
+        """The request's input payload (``{}`` when it has none): ``{name: [rows, ...]}``
+        CPU tensors in the shapes and dtypes the orchestrator published (any); for an
+        input that grows, the rows read so far."""
         tracked = self._io.tracked(req_id)
         return tracked.inputs if tracked is not None else {}
 

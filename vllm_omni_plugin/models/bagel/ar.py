@@ -74,5 +74,6 @@ class BagelARStage(BagelForConditionalGeneration):
 
     def stage_output_rows(self) -> dict[str, torch.Tensor]:
         """Per-position outputs of the last forward: ``k``, ``v`` ``[num_tokens, layers,
-        kv_heads, head_dim]``, rows in the model runner's batch order."""
+        kv_heads, head_dim]`` in the model's dtype, rows in the model runner's batch order
+        (``{}`` when no attention layer ran)."""
         return self._rows

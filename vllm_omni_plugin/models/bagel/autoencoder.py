@@ -61,6 +61,7 @@ class _Residual(nn.Module):
         self.nin_shortcut = nn.Conv2d(cin, cout, 1) if cin != cout else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, cin, H, W]`` -> ``[B, cout, H, W]``, in the decoder's dtype (its weights')."""
         h = self.conv1(F.silu(self.norm1(x)))
         h = self.conv2(F.silu(self.norm2(h)))
         return (x if self.nin_shortcut is None else self.nin_shortcut(x)) + h
@@ -76,6 +77,8 @@ class _Attention(nn.Module):
                                                  for _ in range(4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, channels, H, W]`` -> ``[B, channels, H, W]`` (``x`` plus the attention over
+        its ``H * W`` positions), in the decoder's dtype (its weights')."""
         b, c, h, w = x.shape
         y = self.norm(x)
 
@@ -92,6 +95,8 @@ class _Upsample(nn.Module):
         self.conv = nn.Conv2d(channels, channels, 3, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, channels, H, W]`` -> ``[B, channels, 2 * H, 2 * W]``, in the decoder's dtype
+        (its weights')."""
         return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
 
 
@@ -103,6 +108,8 @@ class _Mid(nn.Module):
         self.block_2 = _Residual(channels, channels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, channels, H, W]`` -> ``[B, channels, H, W]``, in the decoder's dtype (its
+        weights')."""
         return self.block_2(self.attn_1(self.block_1(x)))
 
 
@@ -137,7 +144,8 @@ class FluxDecoder(nn.Module):
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         """Decodes latents ``[B, z_channels, h, w]`` (unscaled first: ``z / scale_factor +
         shift_factor``) to RGB ``[B, out_ch, h * downsample, w * downsample]`` in about
-        ``[-1, 1]``."""
+        ``[-1, 1]``. ``z`` and the result are in the decoder's dtype (its weights'; the
+        model's dtype in :class:`~vllm_omni_plugin.models.bagel.dit.BagelDiT`)."""
         h = self.mid(self.conv_in(z / self.scale_factor + self.shift_factor))
         for level in reversed(self.up):
             for block in level.block:

@@ -126,7 +126,7 @@ class Guidance:
 
     def to_tensor(self) -> torch.Tensor:
         """``[8]`` float64: the fields in declaration order (the renorm type as its
-        index in :data:`RENORM_TYPES`)."""
+        index in :data:`RENORM_TYPES`); that dtype holds every field exactly."""
         d = asdict(self)
         return torch.tensor([d["cfg_text_scale"], d["cfg_img_scale"], *d["cfg_interval"],
                              d["cfg_renorm_min"], RENORM_TYPES.index(d["cfg_renorm_type"]),
@@ -134,7 +134,16 @@ class Guidance:
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> Guidance:
-        """Inverse of :meth:`to_tensor`. Raises ValueError for a bad tensor or value."""
+        """Inverse of :meth:`to_tensor`. Raises ValueError for a bad tensor or value.
+
+        ``t``: 8 values in any shape (flattened), any real dtype (read as float64), on any
+        device.
+
+        Raises:
+            ValueError: not 8 values, a renorm type that is no index of
+                :data:`RENORM_TYPES`, or a fractional ``num_timesteps``.
+            RequestError: a field out of range (a ``ValueError`` too).
+        """
         v = t.detach().cpu().to(torch.float64).reshape(-1).tolist()
         if len(v) != 8 or int(v[5]) != v[5] or not 0 <= v[5] < len(RENORM_TYPES) \
                 or int(v[7]) != v[7]:
@@ -162,6 +171,9 @@ def guided_velocity(v: torch.Tensor, v_text: torch.Tensor | None, v_img: torch.T
     text- and image-unconditional velocities, as the official ``_forward_flow``: none
     unless ``text_scale > 1``; then text guidance, image guidance when ``img_scale > 1``,
     and the result scaled by ``clamp(|v| / (|guided| + 1e-8), renorm_min, 1)``.
+
+    All three velocities have the same shape and float dtype (float32 from
+    :meth:`BagelDiT.velocities`); the result has it too.
 
     Raises:
         ValueError: a branch a scale above 1 needs is None.
@@ -227,7 +239,8 @@ class _Attention(nn.Module):
         self.kv_size = config.num_key_value_heads * self.head_dim
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``[n, hidden]`` -> q ``[n, q_size]``, k, v ``[n, kv_size]`` (q/k normed per head)."""
+        """``[n, hidden]`` -> q ``[n, q_size]``, k, v ``[n, kv_size]`` (q/k normed per head),
+        in the model's dtype."""
         q, k, v = self.qkv_proj(x)[0].split([self.q_size, self.kv_size, self.kv_size], -1)
         q = self.q_norm(q.reshape(-1, self.head_dim)).reshape(q.shape)
         k = self.k_norm(k.reshape(-1, self.head_dim)).reshape(k.shape)
@@ -569,7 +582,15 @@ def generation_payload(noise: torch.Tensor, height: int, width: int, guidance: G
                        branches: Mapping[str, tuple[torch.Tensor, torch.Tensor, int]]
                        ) -> dict[str, torch.Tensor]:
     """The DiT stage's input payload (see the module docstring); ``branches`` maps names
-    of :data:`BRANCHES` to ``(k, v, rope)``."""
+    of :data:`BRANCHES` to ``(k, v, rope)``.
+
+    ``noise`` ``[h*w, p*p*z]`` and each ``k``, ``v`` ``[layers, tokens, kv_heads,
+    head_dim]`` may be any float dtype: they are stored as float32 copies; ``size`` and
+    each ``{branch}.rope`` are int64, ``guidance`` ``[8]`` float64.
+
+    Raises:
+        ValueError: a branch name not in :data:`BRANCHES`.
+    """
     payload = {"noise": noise.detach().to(torch.float32).clone(),
                "size": torch.tensor([height, width]),
                "guidance": guidance.to_tensor()}
@@ -630,14 +651,17 @@ class BagelDiTStage(nn.Module):
                 4 * side * side * ch * model_config.dtype.itemsize)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """``[n]`` placeholder ids -> ``[n, hidden]`` zeros (the prompt carries nothing)."""
+        """``[n]`` placeholder ids (any dtype; only their count is read) -> ``[n, hidden]``
+        zeros in the model's dtype (the prompt carries nothing)."""
         return self.dit.marker_embeds.new_zeros(input_ids.shape[0], self.dit.hidden_size)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 intermediate_tensors=None, inputs_embeds: torch.Tensor | None = None,
                 **kwargs) -> torch.Tensor:
         """Generate the image of every request whose prompt this step prefills; returns
-        ``[num_tokens, 1]`` zeros."""
+        ``[num_tokens, 1]`` zeros in the model's dtype. ``input_ids`` ``[num_tokens]`` (int32
+        from vLLM's runner) and ``inputs_embeds`` are not read; ``positions`` ``[num_tokens]``
+        int64 gives only the count and device."""
         self._outputs = {}
         out = torch.zeros(positions.shape[-1], 1, dtype=self.dit.marker_embeds.dtype,
                           device=positions.device)

@@ -136,7 +136,8 @@ def code2wav_prompt_ids(codes: torch.Tensor, config) -> list[int]:
 
     Args:
         codes: ``[T, num_quantizers]`` integer codec codes (the talker's frames), each in
-            ``[0, codebook_size)``; ``T >= 1``.
+            ``[0, codebook_size)``; ``T >= 1``. Any integer dtype (the talker's int64;
+            not bool), any device.
         config: the Qwen3-Omni config (or its ``code2wav_config``).
 
     Returns:
@@ -288,7 +289,8 @@ class Code2WavAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: int) -> torch.Tensor:
         """``x`` ``[batch * frames, hidden]`` rows of ``batch`` equal-length sequences at
         ``positions`` ``[batch * frames]`` -> ``[batch * frames, hidden]``, each frame
-        attending causally within its sequence's sliding window."""
+        attending causally within its sequence's sliding window. Rows in the model's
+        dtype, positions int64."""
         q, k, v = self._qkv(x, positions)
         frames = x.shape[0] // batch
         q, k, v = (t.reshape(batch, frames, *t.shape[1:]) for t in (q, k, v))
@@ -299,14 +301,15 @@ class Code2WavAttention(nn.Module):
         """One sequence's next frames, after frames whose keys and values are cached.
 
         Args:
-            x: ``[n, hidden]`` rows of the next ``n`` frames.
-            positions: ``[n]`` their rotary positions, following the cached frames'.
-            past: keys and values ``[m, num_kv_heads, head_dim]`` (rotary applied) of the
-                ``m`` frames right before, or None.
+            x: ``[n, hidden]`` rows of the next ``n`` frames, in the model's dtype.
+            positions: ``[n]`` int64 their rotary positions, following the cached frames'.
+            past: keys and values ``[m, num_kv_heads, head_dim]`` (rotary applied, the
+                model's dtype) of the ``m`` frames right before, or None.
 
         Returns:
             ``[n, hidden]``, and the keys and values of the last ``sliding_window - 1``
-            frames up to these (all of them without a window): the next call's ``past``.
+            frames up to these (all of them without a window): the next call's ``past``;
+            all in the model's dtype.
         """
         q, k, v = self._qkv(x, positions)
         if past is not None:
@@ -331,7 +334,7 @@ class Code2WavMLP(nn.Module):
         self.act_fn = get_act_and_mul_fn(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[n, hidden]`` -> ``[n, hidden]``."""
+        """``[n, hidden]`` -> ``[n, hidden]``, in the model's dtype."""
         gate_up, _ = self.gate_up_proj(x)
         x, _ = self.down_proj(self.act_fn(gate_up))
         return x
@@ -351,7 +354,9 @@ class Code2WavTransformerLayer(nn.Module):
         self.mlp_layer_scale = hf.Qwen3OmniMoeCode2WavLayerScale(config)
 
     def forward(self, x: torch.Tensor, attention) -> torch.Tensor:
-        """``attention``: the normed rows -> this layer's attention output."""
+        """``x`` ``[n, hidden]`` rows -> ``[n, hidden]``, in the model's dtype;
+        ``attention``: the normed rows ``[n, hidden]`` -> this layer's attention output
+        (same shape)."""
         x = x + self.self_attn_layer_scale(attention(self.input_layernorm(x)))
         h = self.mlp(self.post_attention_layernorm(x))
         return x + self.mlp_layer_scale(h)
@@ -373,7 +378,7 @@ class Code2WavTransformer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[batch, frames, hidden]`` -> ``[batch, frames, hidden]`` (causal: frame ``t``
-        of the output depends on input frames ``<= t`` only)."""
+        of the output depends on input frames ``<= t`` only), in the model's dtype."""
         batch, frames, hidden = x.shape
         positions = torch.arange(frames, device=x.device).repeat(batch)
         h = x.reshape(batch * frames, hidden)
@@ -385,14 +390,15 @@ class Code2WavTransformer(nn.Module):
         """One sequence's next frames, continuing ``cache``.
 
         Args:
-            x: ``[n, hidden]`` the frames' embeddings.
+            x: ``[n, hidden]`` the frames' embeddings, in the model's dtype.
             start: the rotary position of the first of them (the frames before it).
             cache: what the previous call returned, or None (the sequence's first frames).
 
         Returns:
             ``[n, hidden]`` (the rows :meth:`forward` gives these frames of the whole
             sequence), and the cache for the next frames: per layer, the keys and values
-            of its last ``sliding_window - 1`` frames.
+            ``[m, num_kv_heads, head_dim]`` of its last ``m <= sliding_window - 1`` frames;
+            all in the model's dtype.
         """
         positions = torch.arange(start, start + x.shape[0], device=x.device)
         new_cache = []
@@ -708,7 +714,8 @@ class Qwen3OmniCode2WavStage(OwnShards, nn.Module, SupportsMRoPE):
 
     # -- vLLM model interface -----------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """``[n]`` prompt ids -> ``[n, hidden]`` rows of the code embedding."""
+        """``[n]`` prompt ids (int32 from vLLM's runner; int64 works too) -> ``[n, hidden]``
+        rows of the code embedding, in the model's dtype."""
         return self.code2wav.code_embedding(input_ids)
 
     def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list

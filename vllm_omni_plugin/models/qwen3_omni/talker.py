@@ -79,6 +79,8 @@ class _ResizeMLP(nn.Module):
                                            prefix=f"{prefix}.linear_fc2")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., in_size]`` (thinker width) -> ``[..., out_size]`` (talker width), in the
+        model's dtype (``x`` must have it: the projections' weights')."""
         return self.linear_fc2(self.act(self.linear_fc1(x)[0]))[0]
 
 
@@ -105,8 +107,10 @@ class _CodePredictorAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 cache: list[torch.Tensor] | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """``x`` ``[B, n, H]`` at ``positions`` ``[n]``; ``cache`` holds the earlier
-        positions' keys and values ``[B, kv_heads, t, head_dim]`` (None at the start)."""
+        """``x`` ``[B, n, H]`` (the model's dtype) at ``positions`` ``[n]`` int64; ``cache``
+        holds the earlier positions' keys and values ``[B, kv_heads, t, head_dim]`` (None at
+        the start). Returns ``[B, n, H]`` and the keys and values ``[B, kv_heads, t + n,
+        head_dim]``, all in the model's dtype."""
         b, n, _ = x.shape
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x)[0].split([q_size, kv_size, kv_size], dim=-1)
@@ -226,7 +230,8 @@ class _Request:
     mrope: tuple[torch.Tensor, int] | None = None
 
     def positions(self, first: int, end: int) -> torch.Tensor:
-        """``[3, end - first]`` positions of fed positions ``first .. end - 1``."""
+        """``[3, end - first]`` int64 positions of fed positions ``first .. end - 1`` (for a
+        request with :attr:`mrope` set)."""
         table, delta = self.mrope
         length = table.shape[1]
         head = table[:, first:min(end, length)]
@@ -318,9 +323,10 @@ class Qwen3OmniTalkerStage(OwnShards, nn.Module, SupportsMRoPE):
         return self.model.embed_tokens
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """``[num_tokens]`` ids -> ``[num_tokens, hidden_size]`` codec embeddings (the
-        decoder's ``embed_tokens``); inside a step :meth:`forward` replaces them with the
-        request's prompt rows and frame embeddings."""
+        """``[num_tokens]`` int32 ids (vLLM's runner; int64 works too) -> ``[num_tokens,
+        hidden_size]`` codec embeddings in the model's dtype (the decoder's
+        ``embed_tokens``); inside a step :meth:`forward` replaces them with the request's
+        prompt rows and frame embeddings."""
         return self.model.embed_input_ids(input_ids)
 
     def get_mrope_input_positions(self, input_tokens, mm_features):
@@ -357,7 +363,9 @@ class Qwen3OmniTalkerStage(OwnShards, nn.Module, SupportsMRoPE):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """Code-0 logits ``[num_tokens, vocab_size]`` from the codec head, with the codec
         special and speaker ids set to ``-inf`` as HF suppresses them (``codec_eos`` stays
-        allowed); None where vLLM's logits processor returns none."""
+        allowed); None where vLLM's logits processor returns none. ``hidden_states``
+        ``[num_tokens, hidden_size]`` in the model's dtype; the logits in vLLM's head dtype
+        (the model's dtype unless ``head_dtype`` is overridden, e.g. to float32)."""
         logits = self.logits_processor(self.codec_head, hidden_states)
         if logits is None:
             return None

@@ -205,6 +205,7 @@ def tts_token_embeds_from(thinker_embed_tokens: nn.Module | torch.Tensor, config
     ``thinker_embed_tokens`` is the thinker's ``embed_tokens`` module
     (``thinker.get_input_embeddings()``) or its weight ``[V_thinker, H_thinker]``. The talker
     stage must hold these 3 rows: the tts tokens never appear in the thinker's sequence.
+    The rows have the table's dtype (the thinker's) and device.
     """
     ids = torch.tensor(
         [config.tts_bos_token_id, config.tts_eos_token_id, config.tts_pad_token_id],
@@ -235,9 +236,11 @@ def build_talker_prompt(
         talker: HF ``Qwen3OmniMoeTalkerForConditionalGeneration`` (text/hidden projections,
             codec embedding).
         config: top-level ``Qwen3OmniMoeConfig``.
-        sequence_ids: ``[T_seq]`` prompt ids + generated ids (HF ``thinker_result.sequences[0]``).
+        sequence_ids: ``[T_seq]`` prompt ids + generated ids (HF ``thinker_result.sequences[0]``),
+            any integer dtype (flattened, read as int64).
         thinker_embed: ``[T_fed, H_thinker]`` thinker ``hidden_states[0]`` per fed position,
             ``T_fed = T_seq - 1`` (extra trailing rows are ignored, as HF never has them).
+            Float, in the dtype of the talker's projections (as are the other thinker rows).
         thinker_hidden: ``[T_fed, H_thinker]`` thinker ``hidden_states[accept_hidden_layer]``.
             Only read at multimodal user positions; may be ``None`` for text-only prompts.
         speaker: speaker name (case-insensitive key of ``talker_config.speaker_id``).
@@ -248,6 +251,16 @@ def build_talker_prompt(
             which is wrong if the prompt pre-fills assistant text: pass it when known.
         thinker_eos_token_id: ids HF uses to relocate the tts_eos marker (HF default
             ``thinker_eos_token_id``); ``-1`` means ``config.im_end_token_id``, ``None`` disables.
+
+    Returns:
+        The :class:`TalkerPrompt` (shapes there): embeddings in the talker's dtype, ids and
+        ``user_index`` int64, on ``thinker_embed``'s device.
+
+    Raises:
+        ValueError: no ``<|im_start|>assistant`` in the prompt, ``prompt_len`` outside the
+            sequence, fewer than ``T_seq - 1`` rows of ``thinker_embed``, fewer than 4 fed
+            rows of the assistant turn, ``thinker_hidden`` None for a prompt with media, or
+            an unknown speaker.
     """
     tcfg = config.talker_config
     speaker_id = resolve_speaker(tcfg, speaker)
@@ -431,7 +444,11 @@ def sample_from_logits(
     top_p: float | None = None,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """HF warpers (temperature -> top_k -> top_p) + multinomial, or argmax. ``logits``: [1, V]."""
+    """HF warpers (temperature -> top_k -> top_p) + multinomial, or argmax. ``logits``: [1, V].
+
+    ``logits`` may be any float dtype (warped in float32); returns ``[1]`` int64 ids
+    (``[B]`` for ``[B, V]`` logits: rows are sampled independently).
+    """
     logits = logits.float()
     if greedy:
         return torch.argmax(logits, dim=-1)
@@ -456,7 +473,8 @@ def talker_logits_mask(config, vocab_size: int | None = None) -> torch.Tensor:
 
     HF passes ``suppress_tokens = [V-1024, V) minus codec_eos_token_id`` with
     ``V = talker_config.text_config.vocab_size``: the codec special / speaker ids above the
-    codebook can never be generated; eos stays allowed.
+    codebook can never be generated; eos stays allowed. The mask is ``[vocab_size]`` (default:
+    that ``V``), dtype bool, on the CPU.
     """
     tcfg = getattr(config, "talker_config", config)
     v_cfg = tcfg.text_config.vocab_size

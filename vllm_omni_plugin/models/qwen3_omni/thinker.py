@@ -121,8 +121,8 @@ class Qwen3OmniThinkerStage(Qwen3OmniMoeThinkerForConditionalGeneration):
 
     def stage_output_once(self) -> dict[str, torch.Tensor]:
         """Per-request outputs, published with a request's first chunk:
-        ``tts_embed`` ``[3, hidden]``, computed when the weights were loaded (here, on
-        the first call, where vLLM loaded none: ``--load-format dummy``)."""
+        ``tts_embed`` ``[3, hidden]`` in the model's dtype, computed when the weights were
+        loaded (here, on the first call, where vLLM loaded none: ``--load-format dummy``)."""
         if self._tts_embed is None:
             self._tts_embed = self._tts_rows()
         return {"tts_embed": self._tts_embed}
