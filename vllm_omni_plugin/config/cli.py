@@ -87,8 +87,10 @@ def add_omni_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--omni-replica-wait-timeout", type=float, default=_CLUSTER.replica_wait_timeout,
         metavar="SECONDS",
-        help="Head: how long a request waits for a replica of a stage when none is up "
-        "before it fails with HTTP 503 'no replica available for stage N'.")
+        help="Head: how long a request waits for a replica of a stage while none is up "
+        "but one is starting (or a headless one may come back), before it fails with "
+        "HTTP 503 'no replica available for stage N'; with none coming, the 503 is at "
+        "once.")
     group.add_argument(
         "--omni-admission-timeout", type=float, default=_CLUSTER.admission_timeout,
         metavar="SECONDS",
