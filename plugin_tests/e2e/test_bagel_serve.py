@@ -27,8 +27,10 @@ pytestmark = pytest.mark.e2e
 
 #: decoded pixels vs the official code (bf16): mean |difference| in uint8 levels
 PIXEL_MEAN_TOL = 3.0
-#: the server's --omni-stall-timeout (every stage's, over the pipeline's own), seconds
-STALL_S = 10
+#: the server's --omni-stall-timeout (every stage's, over the pipeline's own), seconds:
+#: far above their longest step on a 2-core host shared with another server (a stall of
+#: the AR stage, the head's engine, would take the server down)
+STALL_S = 45
 
 
 @pytest.fixture(scope="module")

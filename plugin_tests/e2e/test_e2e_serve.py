@@ -41,8 +41,10 @@ RATE_BYTES = 24000 * 2
 #: the talker's runtime.devices: on vLLM's CPU build, the core its worker runs on (the
 #: last one this process may use, away from the thinker's)
 TALKER_CORE = max(os.sched_getaffinity(0))
-#: runtime.stall_timeout of the module server's talker and code2wav, seconds
-STALL_S = 8
+#: runtime.stall_timeout of the module server's talker and code2wav, seconds: far above
+#: their longest step here (8 s was not: under the mixed-load test, beside another server
+#: on a 2-core host, the talker answered no probe for longer; alone its probes wait < 1 s)
+STALL_S = 60
 
 
 def _trust_request_mm_kwargs() -> list[str]:

@@ -49,6 +49,9 @@ logger = init_logger(__name__)
 DEFAULT_STALL_TIMEOUT_S = 120.0
 #: Longest wait between two probes, seconds (a tenth of the timeout when that is less).
 MAX_PROBE_INTERVAL_S = 5.0
+#: A probe answered after more than this share of the stall timeout is logged (a step
+#: that long is close to counting as a stall).
+SLOW_PROBE_SHARE = 0.5
 
 
 def engine_processes(engine) -> list | None:
@@ -104,13 +107,20 @@ class StallWatch:
             self._task.cancel()
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
+            sent = loop.time()
             try:
                 await asyncio.wait_for(self.engine.is_sleeping(), self.timeout)
             except asyncio.TimeoutError:  # (not the built-in one before Python 3.11)
                 break
             except Exception:  # dead or shut down: its exit is the supervisor's to see
                 return
+            waited = loop.time() - sent
+            if waited > self.timeout * SLOW_PROBE_SHARE:
+                logger.warning("%s: a liveness probe waited %.1f s for an engine step (stall "
+                               "timeout %g s): raise the stage's runtime.stall_timeout if "
+                               "its steps take this long", self.name, waited, self.timeout)
             await asyncio.sleep(self.interval)
         running = self.busy()
         reason = (f"stalled: its EngineCore answered no liveness probe for "
