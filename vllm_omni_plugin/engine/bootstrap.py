@@ -209,14 +209,14 @@ def entry_stalled(entry_client, pool, reason: str) -> None:
     dead, fails its requests and shuts the API server down (unless
     ``VLLM_KEEP_ALIVE_ON_ENGINE_DEATH``), so that whatever restarts the server (a
     container runtime, systemd) restarts it; its ``/health`` no longer answers 200."""
-    from vllm_omni_plugin.replicas.liveness import engine_processes, kill_process_trees
+    from vllm_omni_plugin.replicas.liveness import kill_engine
 
     if pool is not None:  # the head's replica of the entry stage: counted in /metrics
         for replica in pool.replicas.values():
             if isinstance(getattr(replica, "engine", None), HeadEngine):
                 replica.stalls += 1
                 replica.lost(reason)
-    kill_process_trees(engine_processes(entry_client))
+    kill_engine(entry_client)
 
 
 def check_payload_room(directory: str, model_config, entry) -> None:

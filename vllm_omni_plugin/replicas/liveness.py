@@ -129,15 +129,13 @@ class StallWatch:
         self.on_stall(reason)
 
 
-def kill_process_trees(processes: list | None) -> int:
-    """SIGKILL ``processes`` (an engine's EngineCore processes) and every process they
-    started (its workers), all collected before the first signal so that none is
-    orphaned meanwhile; a stopped (SIGSTOP) process dies of SIGKILL too. Returns how
-    many were signalled (none for ``processes`` None: not exposed by this vLLM)."""
-    if not processes:
-        return 0
+def kill_engine(engine) -> int:
+    """SIGKILL ``engine``'s EngineCore processes (:func:`engine_processes`) and every
+    process they started (its workers), all collected before the first signal so that
+    none is orphaned meanwhile; a stopped (SIGSTOP) process dies of SIGKILL too. Returns
+    how many were signalled (none where this vLLM does not expose the processes)."""
     targets = []
-    for process in processes:
+    for process in engine_processes(engine) or ():
         try:
             root = psutil.Process(process.pid)
             targets += [*root.children(recursive=True), root]

@@ -25,7 +25,7 @@ from vllm_omni_plugin.payload_store import PayloadStore
 from vllm_omni_plugin.wire.codec import FrameRejected, RejectLog
 from vllm_omni_plugin.wire.sockets import bind
 
-from .liveness import StallWatch, engine_processes, kill_process_trees, stall_timeout_of
+from .liveness import StallWatch, kill_engine, stall_timeout_of
 from .protocol import (
     KV_BOOTSTRAP_ENDPOINT,
     MAX_TASK_FRAME_BYTES,
@@ -109,7 +109,7 @@ class ReplicaServer:
                 watch.stop()
 
     def _stalled(self, reason: str) -> None:
-        kill_process_trees(engine_processes(self.engine))
+        kill_engine(self.engine)
         self._engine_lost(ReplicaLost(reason, produced_output=False))
 
     def _engine_lost(self, exc: ReplicaLost) -> None:

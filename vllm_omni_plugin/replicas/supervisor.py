@@ -33,7 +33,7 @@ from multiprocessing import connection
 
 from vllm_omni_plugin.logger import init_logger
 
-from .liveness import StallWatch, engine_processes, kill_process_trees
+from .liveness import StallWatch, engine_processes, kill_engine
 from .replica import LocalReplica
 
 logger = init_logger(__name__)
@@ -140,7 +140,7 @@ class LocalReplicaSupervisor:
         if self._stop.is_set() or engine is not self.replica.engine:
             return
         self.replica.stalls += 1
-        kill_process_trees(engine_processes(engine))
+        kill_engine(engine)
         self._on_exit(engine, [None], reason)
 
     def engine_died(self, engine) -> None:
