@@ -217,10 +217,13 @@ def test_v2_keeps_the_step_batch_from_prepare_inputs_and_stores_it_after_the_for
 
 
 # -- streaming_max_tokens: a resumable request's later chunks keep the first max_tokens -
-def test_a_resumable_requests_next_chunk_brings_its_own_max_tokens():
+@pytest.mark.parametrize("omni", [True, False], ids=["omni", "plain"])
+def test_a_resumable_requests_next_chunk_brings_its_own_max_tokens(omni):
     """vLLM's own ``Scheduler._update_request_as_session`` (patched where it needs it)
-    on a real ``Request``: after a chunk of 2 tokens, the next chunk's 5 is the session's
-    limit. Only the scheduler is a stand-in: the method reads three of its counters."""
+    on a real ``Request``: in omni mode, after a chunk of 2 tokens, the next chunk's 5 is
+    the session's limit; in plain mode the session keeps what vLLM's own method gives it
+    (the first chunk's 2 on 0.30). Only the scheduler is a stand-in: the method reads
+    three of its counters, the patch its ``vllm_config``."""
     from types import SimpleNamespace
 
     from vllm.sampling_params import SamplingParams
@@ -228,11 +231,12 @@ def test_a_resumable_requests_next_chunk_brings_its_own_max_tokens():
     from vllm.v1.request import Request, RequestStatus, StreamingUpdate
 
     from vllm_omni_plugin.compat import streaming_max_tokens
+    from vllm_omni_plugin.config.settings import ADDITIONAL_CONFIG_KEY
 
     streaming_max_tokens.apply()
     method = Scheduler._update_request_as_session
-    assert getattr(method, MARKER, False) is streaming_max_tokens.needed(
-        inspect.unwrap(method))
+    needed = streaming_max_tokens.needed(inspect.unwrap(method))
+    assert getattr(method, MARKER, False) is needed
 
     def request(prompt, max_tokens):
         return Request("r", prompt, SamplingParams(max_tokens=max_tokens), None,
@@ -242,12 +246,13 @@ def test_a_resumable_requests_next_chunk_brings_its_own_max_tokens():
     session.append_output_token_ids([7, 8])
     session.num_computed_tokens = 4  # the last sampled token (8) was not fed
     session.status = RequestStatus.WAITING_FOR_STREAMING_REQ
+    config = SimpleNamespace(additional_config={ADDITIONAL_CONFIG_KEY: {}} if omni else {})
     scheduler = SimpleNamespace(hash_block_size=16, num_waiting_for_streaming_input=1,
-                                log_stats=False)
+                                log_stats=False, vllm_config=config)
     Scheduler._update_request_as_session(scheduler, session,
                                          StreamingUpdate.from_request(request([8], 5)))
     assert session.prompt_token_ids == [1, 2, 3, 7, 8]
-    assert session.max_tokens == 5
+    assert session.max_tokens == (5 if omni or not needed else 2)
 
 
 # -- exit_gc: CPython collects a vLLM process's whole heap again at exit --------------

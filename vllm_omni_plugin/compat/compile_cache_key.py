@@ -11,7 +11,10 @@ Qwen3-Omni's thinker on a GPU). None of the settings changes a model's graph: th
 model classes never read them, only the worker's payload channel and the head do.
 The wrapper hashes a shallow copy of the config whose ``additional_config`` lacks
 the plugin's key (:data:`~vllm_omni_plugin.config.settings.ADDITIONAL_CONFIG_KEY`);
-the config itself is not changed, and a config without the key hashes as before.
+the config itself is not changed. Outside omni mode (a config without the key) it calls
+vLLM's method with the same arguments and changes nothing. It takes every argument vLLM's
+method takes and passes them through (vLLM's FlashInfer autotune warm-up calls
+``compute_hash(include_version=False)``, 0.30-0.33).
 Upstream reason: ``VllmConfig.compute_hash`` hashes every ``additional_config``
 entry and has no way for a plugin to mark one as not affecting the computation
 (vllm/config/vllm.py, 0.30-0.32).
@@ -43,16 +46,15 @@ def apply() -> bool:
     original = VllmConfig.compute_hash
 
     @functools.wraps(original)
-    def compute_hash(self) -> str:
-        from vllm_omni_plugin.config.settings import ADDITIONAL_CONFIG_KEY
+    def compute_hash(self, *args, **kwargs) -> str:
+        from vllm_omni_plugin.config.settings import ADDITIONAL_CONFIG_KEY, in_omni_mode
 
-        extra = self.additional_config
-        if not isinstance(extra, dict) or ADDITIONAL_CONFIG_KEY not in extra:
-            return original(self)
+        if not in_omni_mode(self):
+            return original(self, *args, **kwargs)
         hashed = copy.copy(self)  # no validation, no __post_init__: only the hash reads it
-        object.__setattr__(hashed, "additional_config",
-                           {k: v for k, v in extra.items() if k != ADDITIONAL_CONFIG_KEY})
-        return original(hashed)
+        object.__setattr__(hashed, "additional_config", {
+            k: v for k, v in self.additional_config.items() if k != ADDITIONAL_CONFIG_KEY})
+        return original(hashed, *args, **kwargs)
 
     setattr(compute_hash, MARKER, True)
     VllmConfig.compute_hash = compute_hash

@@ -9,8 +9,9 @@ request at ``Request.max_tokens``, which stays the first chunk's. So every later
 generated the first chunk's count: a talker fed while the thinker ran could run past
 the frames its input was ready for, or past the request's limit (CI saw a streamed
 answer with 25 frames where the limit allows 24). The wrapper sets the session's
-``max_tokens`` from the chunk after vLLM's own update; where vLLM already does, nothing
-changes.
+``max_tokens`` from the chunk after vLLM's own update, in omni mode only (the scheduler's
+``vllm_config`` carries the plugin's settings): plain vLLM's requests keep vLLM's
+behaviour. Where vLLM already sets it, the patch is not applied.
 Upstream reason: fixed in vLLM 0.31 (``_update_request_as_session`` sets
 ``session.max_tokens = update.max_tokens``); 0.30 lacks that line.
 Applied where the method does not set ``max_tokens`` itself (feature detection on its
@@ -54,9 +55,13 @@ def apply() -> bool:
         return False
 
     @functools.wraps(original)
-    def _update_request_as_session(self, session, update) -> None:
-        original(self, session, update)
-        session.max_tokens = update.max_tokens
+    def _update_request_as_session(self, session, update, *args, **kwargs):
+        from vllm_omni_plugin.config.settings import in_omni_mode
+
+        result = original(self, session, update, *args, **kwargs)
+        if in_omni_mode(getattr(self, "vllm_config", None)):
+            session.max_tokens = update.max_tokens
+        return result
 
     setattr(_update_request_as_session, MARKER, True)
     Scheduler._update_request_as_session = _update_request_as_session

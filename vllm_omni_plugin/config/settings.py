@@ -120,6 +120,14 @@ class OmniSettings(BaseModel):
         return cls.model_validate(value) if isinstance(value, dict) else None
 
 
+def in_omni_mode(vllm_config) -> bool:
+    """Whether ``vllm_config`` (a ``VllmConfig``) belongs to an engine of an omni pipeline:
+    its ``additional_config`` carries the plugin's settings. Cheap (no validation): the
+    compat patches ask it on every call to tell omni mode from plain vLLM."""
+    extra = getattr(vllm_config, "additional_config", None)
+    return isinstance(extra, dict) and ADDITIONAL_CONFIG_KEY in extra
+
+
 def is_entry_stage(vllm_config) -> bool:
     """True for the engine ``vllm serve`` builds in omni mode (not a downstream stage)."""
     settings = OmniSettings.from_vllm_config(vllm_config)
