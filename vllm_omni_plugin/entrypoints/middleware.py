@@ -19,8 +19,12 @@ the field: the pipeline's control data is not the client's to write; and a body 
 * ``GET /v1/audio/voices``: the checkpoint's voices (the ``omni_list_voices`` hook).
 * ``GET /v1/realtime`` (WebSocket): OpenAI's Realtime API (:mod:`.realtime`).
 
-A request that fails a check gets HTTP 400 naming the field before vLLM sees it; a voice
-the checkpoint lacks is a 400 naming ``audio.voice`` or ``voice``.
+Everything this middleware answers or reads (the routes above and every JSON ``POST``)
+first passes vLLM's own API-key check, as vLLM configured it (``--api-key``,
+``VLLM_API_KEY``): without the key it gets vLLM's HTTP 401 (a WebSocket the same answer
+before it is accepted), before a body is read or media decoded. A request that fails a
+check gets HTTP 400 naming the field before vLLM sees it; a voice the checkpoint lacks is a
+400 naming ``audio.voice`` or ``voice``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import asyncio
 import json
 
 from vllm_omni_plugin import extra_args as xargs
+from vllm_omni_plugin.compat.api_auth import authenticated
 from vllm_omni_plugin.engine.omni_request import IMAGE
 from vllm_omni_plugin.entrypoints.asgi import (
     error_body,
@@ -88,6 +93,9 @@ class OmniApiMiddleware:
         self.realtime = RealtimeEndpoint(app)
         self._limits: MediaLimits | None = None
         self._voices: Voices | None | object = _UNSET
+        #: :meth:`_serve` behind vLLM's API-key check, built at the first request (when
+        #: vLLM's own middleware is known)
+        self._authenticated = None
 
     def media_limits(self, scope) -> MediaLimits:
         """The served model's media limits, read once from vLLM's app state."""
@@ -119,29 +127,40 @@ class OmniApiMiddleware:
             raise RequestError(field, f"{exc} (GET {VOICES_PATH})") from exc
 
     async def __call__(self, scope, receive, send):
-        """Route one ASGI connection (see the module docstring): the Realtime WebSocket,
-        ``GET`` of the voices, and each JSON ``POST`` (its body read whole, checked,
-        then served by its handler or passed on to vLLM); anything else goes to vLLM
-        untouched. A refused request is answered here with HTTP 400 or 413."""
-        if scope["type"] == "websocket" and scope["path"] == REALTIME_PATH:
+        """Route one ASGI connection (see the module docstring). What this middleware
+        answers or reads (the Realtime WebSocket, ``GET`` of the voices, every JSON
+        ``POST``) first passes vLLM's own API-key check (``--api-key``,
+        :mod:`~vllm_omni_plugin.compat.api_auth`): without the key it gets vLLM's 401
+        before a body is read or a session opened. Anything else goes to vLLM untouched."""
+        if not _reads(scope):
+            return await self.app(scope, receive, send)
+        if self._authenticated is None:
+            self._authenticated = authenticated(scope.get("app"), self._serve)
+        await self._authenticated(scope, receive, send)
+
+    async def _serve(self, scope, receive, send):
+        """Serve an authenticated connection :func:`_reads` picked: the Realtime WebSocket,
+        the voices, or a JSON ``POST`` (its body read whole, checked, then served by its
+        handler or passed on to vLLM). A refused request is answered here with HTTP 400
+        or 413."""
+        if scope["type"] == "websocket":
             return await self.realtime.serve(scope, receive, send, self.voices(scope),
                                              self.media_limits(scope))
-        if scope["type"] == "http" and scope["method"] == "GET" and scope["path"] == VOICES_PATH:
+        if scope["method"] == "GET":
             known = self.voices(scope)
             return await send_json(send, 200, json.dumps({
                 "object": "list", "default": known.default if known else None,
                 "data": [{"id": name, "object": "voice"} for name in
                          (known.names if known else [])]}).encode())
-        if scope["type"] != "http" or scope["method"] != "POST" or not is_json(scope):
-            return await self.app(scope, receive, send)
-        raw = b""
-        more = True
+        chunks, size, more = [], 0, True
         while more:
             message = await receive()
-            raw += message.get("body", b"")
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
             more = message.get("more_body", False)
-            if len(raw) > MAX_BODY_BYTES:
+            if size > MAX_BODY_BYTES:
                 return await send_json(send, 413, error_body("request body too large", 413))
+        raw = b"".join(chunks)
         try:
             body = json.loads(raw) if raw else None
         except ValueError:
@@ -176,6 +195,18 @@ class OmniApiMiddleware:
             forwarded = json.dumps(body).encode() if isinstance(body, dict) else raw
             return await self.app(scope, replay(forwarded, receive), send)
         await serve_chat(self.app, scope, receive, send, body, asked)
+
+
+def _reads(scope) -> bool:
+    """Whether the middleware answers or reads this connection itself: the Realtime
+    WebSocket, ``GET`` of the voices, or a ``POST`` with a JSON body."""
+    if scope["type"] == "websocket":
+        return scope["path"] == REALTIME_PATH
+    if scope["type"] != "http":
+        return False
+    if scope["method"] == "GET":
+        return scope["path"] == VOICES_PATH
+    return scope["method"] == "POST" and is_json(scope)
 
 
 def _asks_image(body: dict) -> bool:
