@@ -72,7 +72,7 @@ def _chat_app(seen: list, hold: asyncio.Event | None = None, cancelled: list | N
 class _Client:
     """The client side of one scripted WebSocket to the middleware."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, additional_config: dict | None = None) -> None:
         from openai.types.realtime import RealtimeServerEvent
         from pydantic import TypeAdapter
 
@@ -84,7 +84,8 @@ class _Client:
         hf_config = SimpleNamespace(talker_config=SimpleNamespace(
             speaker_id={"Ethan": 2302, "Chelsie": 2301}))
         state = SimpleNamespace(vllm_config=SimpleNamespace(
-            model_config=SimpleNamespace(hf_config=hf_config), additional_config={}))
+            model_config=SimpleNamespace(hf_config=hf_config),
+            additional_config=additional_config or {}))
         scope = {"type": "websocket", "path": REALTIME_PATH, "query_string": b"model=m",
                  "headers": [], "scheme": "ws", "server": ("127.0.0.1", 8000),
                  "client": ("127.0.0.1", 5555), "subprotocols": [],
@@ -224,3 +225,68 @@ def test_a_refused_event_names_its_field_and_the_session_goes_on(event, param):
     assert error["type"] == "error" and error["error"]["param"] == param, error
     assert error["error"]["event_id"] == "evt_1"
     assert updated["type"] == "session.updated"
+
+
+def _append(client: _Client, seconds: float) -> None:
+    """Append ``seconds`` of silence (pcm16 at 24 kHz)."""
+    pcm = bytes(2 * round(24000 * seconds))
+    client.send({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm).decode()})
+
+
+def _limited(seconds: float) -> dict:
+    from vllm_omni_plugin.config.settings import OmniSettings, RealtimeSettings
+
+    return OmniSettings(stage_configs_path="/p.yaml", realtime=RealtimeSettings(
+        max_input_audio=seconds)).additional_config()
+
+
+def test_an_append_past_the_input_audio_limit_is_refused_and_the_buffer_kept():
+    """--omni-realtime-max-input-audio 1: 0.8 s fit, 0.4 s more are refused naming the
+    buffer and its limit; the 0.8 s are still there to commit (800 ms)."""
+    async def run():
+        client = _Client(_chat_app([]), _limited(1.0))
+        await client.next()
+        client.send({"type": "session.update", "session": {"type": "realtime", "audio": {
+            "input": {"turn_detection": None}}}})
+        await client.next()
+        _append(client, 0.8)
+        _append(client, 0.4)
+        error = await client.next()
+        client.send({"type": "input_audio_buffer.commit"})
+        committed = await client.next()
+        client.send({"type": "input_audio_buffer.clear"})
+        await client.until("input_audio_buffer.cleared")
+        _append(client, 0.9)  # the cleared buffer takes audio again
+        client.send({"type": "input_audio_buffer.commit"})
+        again = await client.until("input_audio_buffer.committed")
+        await client.close()
+        return error, committed, again
+
+    error, committed, again = asyncio.run(run())
+    assert error["error"]["code"] == "input_audio_buffer_full", error
+    message = error["error"]["message"]
+    assert "input audio buffer holds 0.8 s" in message and "limit of 1 s" in message
+    assert "--omni-realtime-max-input-audio" in message
+    assert committed["type"] == "input_audio_buffer.committed"
+    assert [e for e in again if e["type"] == "error"] == []
+
+
+def test_with_server_vad_silence_does_not_fill_the_input_audio_buffer():
+    """An open microphone: 3 s of silence with server VAD under a 1 s limit are taken
+    (the buffer keeps only the prefix padding while nobody speaks); without VAD the same
+    audio is refused once past the limit."""
+    async def run(turn_detection):
+        client = _Client(_chat_app([]), _limited(1.0))
+        await client.next()
+        client.send({"type": "session.update", "session": {"type": "realtime", "audio": {
+            "input": {"turn_detection": turn_detection}}}})
+        await client.next()
+        for _ in range(6):
+            _append(client, 0.5)
+        client.send({"type": "session.update", "session": {"type": "realtime"}})
+        events = await client.until("session.updated")
+        await client.close()
+        return [e["error"]["code"] for e in events if e["type"] == "error"]
+
+    assert asyncio.run(run({"type": "server_vad"})) == []
+    assert asyncio.run(run(None)) == ["input_audio_buffer_full"] * 4

@@ -124,6 +124,12 @@ def add_omni_args(parser: argparse.ArgumentParser) -> None:
         help="Head: how long a Realtime API session may send no event while no response "
         "runs before the server closes it (an error event, then code 1000).")
     group.add_argument(
+        "--omni-realtime-max-input-audio", type=float, default=_REALTIME.max_input_audio,
+        metavar="SECONDS",
+        help="Head: the most audio a Realtime API session's input audio buffer holds; an "
+        "input_audio_buffer.append past it gets an error event and is dropped, the "
+        "session goes on (commit or clear the buffer).")
+    group.add_argument(
         "--omni-replica-address", "-ora", type=str, default=None, metavar="HOST",
         help="Headless: the address its replicas bind to and the head connects to "
         "(default: this host's address on the route to the master).")
@@ -170,7 +176,8 @@ FLAG_DEFAULTS = {"stage_id": None, "omni_master_address": _CLUSTER.host,
                  "omni_replica_address": None, "omni_cluster_token": None, "replica_id": None,
                  "omni_placement": "auto",
                  "omni_realtime_max_sessions": _REALTIME.max_sessions,
-                 "omni_realtime_idle_timeout": _REALTIME.idle_timeout}
+                 "omni_realtime_idle_timeout": _REALTIME.idle_timeout,
+                 "omni_realtime_max_input_audio": _REALTIME.max_input_audio}
 
 
 def validate_omni_args(args: argparse.Namespace) -> None:
@@ -197,6 +204,7 @@ def validate_omni_args(args: argparse.Namespace) -> None:
     _positive("--omni-replica-wait-timeout", args.omni_replica_wait_timeout)
     _positive("--omni-realtime-max-sessions", args.omni_realtime_max_sessions)
     _positive("--omni-realtime-idle-timeout", args.omni_realtime_idle_timeout)
+    _positive("--omni-realtime-max-input-audio", args.omni_realtime_max_input_audio)
     if not args.omni_admission_timeout >= 0:
         raise ValueError("--omni-admission-timeout must be >= 0, got "
                          f"{args.omni_admission_timeout!r}")
@@ -388,7 +396,8 @@ def apply_omni_args(args: argparse.Namespace, engine_args) -> None:
             stall_timeout=args.omni_stall_timeout,
             request_timeout=args.omni_request_timeout),
         realtime=RealtimeSettings(max_sessions=args.omni_realtime_max_sessions,
-                                  idle_timeout=args.omni_realtime_idle_timeout))
+                                  idle_timeout=args.omni_realtime_idle_timeout,
+                                  max_input_audio=args.omni_realtime_max_input_audio))
     engine_args.additional_config = settings.additional_config(
         engine_args.additional_config if isinstance(engine_args.additional_config, dict)
         else None)

@@ -63,11 +63,17 @@ class RealtimeSettings(BaseModel):
         idle_timeout: seconds a session may go without a client event while no
             response runs, before the server closes it (code 1000, after an
             ``error`` event).
+        max_input_audio: seconds of audio a session's input audio buffer holds at most
+            (pcm16 at 24 kHz: 48,000 bytes a second); an append past it is refused with
+            an ``error`` event and the buffer kept. The default, 300 s (14.4 MB), is
+            about 3,900 audio tokens of Qwen3-Omni's audio encoder (13 a second), far
+            below its context, and far longer than one spoken turn.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     max_sessions: int = Field(default=8, ge=1)
     idle_timeout: float = Field(default=300.0, gt=0)
+    max_input_audio: float = Field(default=300.0, gt=0)
 
 
 class OmniSettings(BaseModel):

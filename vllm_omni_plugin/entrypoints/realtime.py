@@ -41,7 +41,10 @@ stops every stage's work for it at once.
 Limits: at most ``--omni-realtime-max-sessions`` sessions (one more gets an ``error``
 event and is closed with code 1013); a session idle for
 ``--omni-realtime-idle-timeout`` seconds is closed (code 1000); an event over
-:data:`MAX_EVENT_BYTES` or not a JSON object gets an ``error`` event.
+:data:`MAX_EVENT_BYTES` or not a JSON object gets an ``error`` event; the input audio
+buffer holds at most ``--omni-realtime-max-input-audio`` seconds (an append past it gets
+an ``error`` event, ``input_audio_buffer_full``, and is dropped). With server VAD, the
+buffer keeps only ``prefix_padding_ms`` of audio while no speech is under way.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from vllm_omni_plugin.config.settings import OmniSettings, RealtimeSettings
 from vllm_omni_plugin.entrypoints.asgi import vllm_config
 from vllm_omni_plugin.entrypoints.audio_encoding import STREAM_FORMAT, encode_audio
 from vllm_omni_plugin.entrypoints.chat_audio import CHAT_PATH, parse_audio_request, serve_chat
@@ -158,8 +162,6 @@ class RealtimeEndpoint:
         ``media_limits``: the served model's, as the middleware read them."""
         from starlette.websockets import WebSocket
 
-        from vllm_omni_plugin.config.settings import OmniSettings, RealtimeSettings
-
         settings = OmniSettings.from_vllm_config(vllm_config(scope))
         limits = settings.realtime if settings is not None else RealtimeSettings()
         ws = WebSocket(scope, receive, send)
@@ -175,8 +177,7 @@ class RealtimeEndpoint:
             return
         self.open += 1
         try:
-            session = RealtimeSession(self.app, ws, scope, limits.idle_timeout, voices,
-                                      media_limits)
+            session = RealtimeSession(self.app, ws, scope, limits, voices, media_limits)
             await session.run()
         finally:
             self.open -= 1
@@ -192,12 +193,13 @@ def _error_event(exc: RealtimeError, event_id: str | None = None) -> dict:
 class RealtimeSession:
     """One client's conversation over one WebSocket (see the module docstring)."""
 
-    def __init__(self, app, ws, scope, idle_timeout: float, voices: Voices | None,
+    def __init__(self, app, ws, scope, limits: RealtimeSettings, voices: Voices | None,
                  media_limits: MediaLimits) -> None:
         self.app = app
         self.ws = ws
         self.scope = scope
-        self.idle_timeout = idle_timeout
+        self.idle_timeout = limits.idle_timeout
+        self.max_input_audio = limits.max_input_audio
         self.voices = voices
         self.media_limits = media_limits
         self.id = f"sess_{uuid.uuid4().hex[:20]}"
@@ -364,6 +366,13 @@ class RealtimeSession:
             raise RealtimeError("audio", f"{len(pcm)} bytes is not whole 16-bit samples: "
                                 "the input format is audio/pcm, 16-bit mono at "
                                 f"{INPUT_RATE} Hz")
+        held = len(self.audio) // 2 / INPUT_RATE
+        if held + len(pcm) // 2 / INPUT_RATE > self.max_input_audio:
+            raise RealtimeError(
+                "audio", f"the input audio buffer holds {held:.1f} s of audio and this "
+                f"append would take it past its limit of {self.max_input_audio:g} s "
+                "(--omni-realtime-max-input-audio): the append is dropped; commit or clear "
+                "the buffer", code="input_audio_buffer_full")
         detection = self.config.turn_detection
         if detection is not None and self.vad is None:
             # loaded with the first audio (Silero's model: about 2 MB)
@@ -378,6 +387,11 @@ class RealtimeSession:
                 await self._speech_started(self.vad_origin_ms + found.ms)
             elif self.speech_item is not None:
                 await self._speech_stopped(self.vad_origin_ms + found.ms)
+        if self.speech_item is None:
+            # no speech under way: keep only the padding a start would reach back into,
+            # so that an open microphone's silence does not fill the buffer
+            keep = 2 * (INPUT_RATE * self.vad.params.prefix_padding_ms // 1000)
+            del self.audio[:max(0, len(self.audio) - keep)]
 
     async def _speech_started(self, ms: int) -> None:
         self.speech_item = _item_id()
