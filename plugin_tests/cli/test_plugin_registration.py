@@ -65,7 +65,7 @@ def envs(tmp_path_factory) -> Environments:
     the override."""
     fake = shadow_vllm_version(tmp_path_factory.mktemp("shadow-vllm"))
     return Environments(tmp_path_factory, {
-        "plugins-unset": ({"VLLM_PLUGINS": None}, [_LOADER, _OMNI_FLAGS]),
+        "plugins-unset": ({"VLLM_PLUGINS": None}, [_serve_help("all"), _LOADER, _OMNI_FLAGS]),
         "plugins-omni": ({"VLLM_PLUGINS": "omni"}, [_serve_help("Omni"), _LOADER]),
         "plugins-other": ({"VLLM_PLUGINS": "some_other"}, [_LOADER]),
         "plugins-none": ({"VLLM_PLUGINS": "none"}, [_serve_help("all")]),
@@ -118,6 +118,26 @@ def test_vllm_discovers_plugin_and_adds_omni_group(envs):
 def test_vllm_plugins_env_switches_plugin_off(envs):
     out = _help(envs, "plugins-none", "all")
     assert "--stage-configs-path" not in out.stdout and "--max-model-len" in out.stdout
+
+
+def _without_group(text: str, title: str) -> str:
+    """``text`` (argparse help) less the argument group titled ``title``: its title
+    line, description and options, up to the next unindented line after a blank one."""
+    lines = text.splitlines()
+    start = lines.index(f"{title}:")
+    end = start + 1
+    while end < len(lines) and not (lines[end - 1] == "" and lines[end][:1].strip()):
+        end += 1
+    return "\n".join(lines[:start] + lines[end:])
+
+
+def test_plain_serve_help_is_vllms_apart_from_the_omni_group(envs):
+    """``vllm serve --help=all`` with the plugin installed is vLLM's own (VLLM_PLUGINS=none)
+    with one more argument group, the plugin's "Omni"; nothing of vLLM's is changed."""
+    with_plugin = _help(envs, "plugins-unset", "all").stdout
+    plain = _help(envs, "plugins-none", "all").stdout
+    assert "--stage-configs-path" in with_plugin
+    assert _without_group(with_plugin, "Omni") == plain.rstrip("\n")
 
 
 # -- a vLLM outside the supported range --------------------------------------------
