@@ -26,6 +26,26 @@ def wav_bytes(seconds: float, rate: int = AUDIO_RATE, subtype: str = "PCM_16") -
     return buf.getvalue()
 
 
+#: ``input_audio.format`` -> (libsndfile container, subtype) of :func:`audio_bytes`.
+#: Opus itself takes 8, 12, 16, 24 or 48 kHz only (RFC 6716); Vorbis any rate.
+AUDIO_CODECS = {"wav": ("WAV", "PCM_16"), "flac": ("FLAC", "PCM_16"),
+                "mp3": ("MP3", "MPEG_LAYER_III"), "opus": ("OGG", "OPUS"),
+                "ogg": ("OGG", "VORBIS")}
+
+
+def audio_bytes(fmt: str, seconds: float, rate: int, hz: float = 440.0,
+                channels: int = 1) -> bytes:
+    """A :func:`tone` at ``rate`` Hz encoded as ``fmt`` (a key of :data:`AUDIO_CODECS`)
+    with soundfile (libsndfile >= 1.1 writes MP3 and Ogg/Opus); ``channels`` copies."""
+    import soundfile as sf
+
+    container, subtype = AUDIO_CODECS[fmt]
+    samples = np.repeat(tone(seconds, rate, hz)[:, None], channels, axis=1)
+    buf = io.BytesIO()
+    sf.write(buf, samples, rate, format=container, subtype=subtype)
+    return buf.getvalue()
+
+
 def noise_image(width: int, height: int, seed: int = 0):
     """An RGB ``PIL.Image`` of uniform noise."""
     from PIL import Image

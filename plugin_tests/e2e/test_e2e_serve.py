@@ -534,6 +534,49 @@ def test_media_input_chat_speaks(server, kind):
         assert prompt.count(thinker.image_token_id) == 6  # 96 x 64 px: 6 x 4 patches, merged 2 x 2
 
 
+#: (part type, format, rate): every format at a rate other than the model's 16 kHz, every
+#: common rate once (Opus itself takes 8, 12, 16, 24 or 48 kHz only); one as a data URL
+AUDIO_INPUTS = [("input_audio", "wav", 44100), ("input_audio", "mp3", 22050),
+                ("input_audio", "flac", 48000), ("input_audio", "opus", 8000),
+                ("audio_url", "mp3", 48000)]
+
+
+def _audio_tokens(server, part: dict) -> tuple[int, dict]:
+    """(audio placeholder tokens in the prompt, the message) of a 2-token text answer."""
+    from transformers import AutoConfig
+
+    r = server.chat(server.chat_body(
+        messages=[{"role": "user", "content": [part, {"type": "text", "text": "What is it?"}]}],
+        modalities=["text"], max_tokens=2, return_token_ids=True))
+    assert r.status_code == 200, r.text
+    audio_token = AutoConfig.from_pretrained(server.model).thinker_config.audio_token_id
+    return r.json()["prompt_token_ids"].count(audio_token), r.json()["choices"][0]["message"]
+
+
+@pytest.mark.parametrize("kind, fmt, rate", AUDIO_INPUTS,
+                         ids=[f"{k}-{f}-{r}" for k, f, r in AUDIO_INPUTS])
+def test_audio_input_at_any_rate_is_heard_as_16_khz(server, kind, fmt, rate):
+    """A 1 s tone as WAV, MP3, FLAC or Ogg/Opus at 8 to 48 kHz is answered (vLLM resamples
+    it to the feature extractor's 16 kHz; torchaudio was missing on the CPU install: HTTP
+    500) with as many audio tokens as the same second at 16 kHz (a clip taken at its own
+    rate would give rate/16 kHz times as many)."""
+    from plugin_tests import media
+
+    def part(fmt: str, data: bytes) -> dict:
+        if kind == "audio_url":
+            return {"type": "audio_url", "audio_url": {
+                "url": media.data_url({"mp3": "audio/mpeg", "opus": "audio/ogg"}.get(
+                    fmt, f"audio/{fmt}"), data)}}
+        return {"type": "input_audio", "input_audio": {"data": media.b64(data), "format": fmt}}
+
+    reference, _ = _audio_tokens(server, part("wav", media.audio_bytes("wav", 1.0, 16000)))
+    tokens, message = _audio_tokens(server, part(fmt, media.audio_bytes(fmt, 1.0, rate)))
+    assert reference > 0 and message["content"] is not None
+    assert abs(tokens - reference) <= 1, (tokens, reference)
+    print(f"audio input {kind} {fmt} {rate} Hz: 200, {tokens} audio tokens "
+          f"(16 kHz WAV: {reference})")
+
+
 def _bad_media_cases():
     from plugin_tests import media
 
