@@ -57,6 +57,9 @@ BAD_FLAGS = {
                         "--omni-dp-size-local applies to headless replicas"),
     "bad-timeout": (["--omni-heartbeat-timeout", "0"], "--omni-heartbeat-timeout must be positive"),
     "bad-policy": (["--omni-lb-policy", "fastest"], "invalid choice: 'fastest'"),
+    "network-master-without-token": (
+        ["-oma", "192.0.2.7"], "--omni-master-address 192.0.2.7 is not a loopback address "
+        "and no cluster token is set"),
     "bad-stall-timeout": (["--omni-stall-timeout", "-1"], "--omni-stall-timeout must be >= 0"),
     "bad-request-timeout": (["--omni-request-timeout", "0"],
                             "--omni-request-timeout must be positive"),

@@ -3,7 +3,10 @@
 The head runs in this namespace and binds its omni master to the veth
 address; the headless replicas (the prefill/decode pipeline's prefill thinker and
 its talker) run in another namespace, find their address through the route probe
-toward the master and are reached over the link. One cluster for the module.
+toward the master and are reached over the link. One cluster for the module, with a
+cluster token (required on a network address): other heads and replicas started
+beside it show that a head without one is refused, the opt-out starts with a warning,
+and replicas with a wrong or no token are refused at registration.
 Needs root (CAP_NET_ADMIN), `ip` and the plugin's `pd` extra (Mooncake); skipped with the
 reason otherwise.
 """
@@ -21,10 +24,13 @@ import yaml
 from plugin_tests.conftest import QWEN3_OMNI_PD_YAML
 from plugin_tests.helpers import inductor_env
 from plugin_tests.serve_utils import ServeProcess, free_port
+from vllm_omni_plugin.wire.auth import CLUSTER_TOKEN_ENV
 
 pytestmark = pytest.mark.e2e
 
 HEAD_IP, REPLICA_IP = "10.231.0.1", "10.231.0.2"
+#: the cluster's token: the head takes it by flag, the replicas from the environment
+TOKEN = "netns-cluster-secret"
 
 
 def _ip(*args: str) -> subprocess.CompletedProcess:
@@ -84,14 +90,15 @@ def cluster(netns, tiny_qwen3_omni, tmp_path_factory):
     env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     common = [tiny_qwen3_omni, "--stage-configs-path", str(yaml_path), "--dtype", "float32",
               "--max-model-len", "2048", "-oma", HEAD_IP, "-omp", str(free_port())]
-    head = ServeProcess([*common, "--omni-heartbeat-timeout", "10"],
-                        str(root / "head.log"), env=env)
+    head = ServeProcess([*common, "--omni-heartbeat-timeout", "10",
+                         "--omni-cluster-token", TOKEN], str(root / "head.log"), env=env)
     replicas = {}
     try:
         head.wait_for_log(r"omni master on tcp://")
         for stage in (prefill["stage_id"], talker["stage_id"]):
             replicas[stage] = ServeProcess([*common, "--headless", "--stage-id", str(stage)],
-                                           str(root / f"headless{stage}.log"), env=env,
+                                           str(root / f"headless{stage}.log"),
+                                           env={**env, CLUSTER_TOKEN_ENV: TOKEN},
                                            prefix=["ip", "netns", "exec", netns])
         head.wait_ready()
         for stage, replica in replicas.items():
@@ -100,6 +107,7 @@ def cluster(netns, tiny_qwen3_omni, tmp_path_factory):
             head.wait_for_log(rf"stage {stage} replica \d+ \(remote tcp://10\.231\.0\.2:\d+\) "
                               "attached", timeout_s=60)
         head.model = requests.get(f"{head.url}/v1/models", timeout=10).json()["data"][0]["id"]
+        head.common, head.env, head.netns = common, env, netns
         yield head, replicas
     finally:
         for proc in [*replicas.values(), head]:
@@ -147,3 +155,74 @@ def test_headless_prefill_replica_in_another_network_namespace(cluster):
     assert spoken.choices[0].message.content == text.choices[0].message.content
     assert spoken.choices[0].message.audio.data
     assert _served(head, stage) - before == 2
+
+
+# -- secure by default: the cluster token on a network address --------------------------
+def _exited(proc: ServeProcess, timeout: float = 180) -> str:
+    """``proc``'s log once it has exited (it must, with a failure status)."""
+    try:
+        code = proc.proc.wait(timeout=timeout)
+    finally:
+        proc.stop()
+    assert code != 0, proc.log()[-3000:]
+    return proc.log()
+
+
+def test_a_head_on_a_network_address_needs_a_token_or_the_opt_out(cluster, tmp_path):
+    """Beside the cluster's head, two more on the veth address without a token: plain,
+    it refuses to start naming the address, the flags, the variable and how to make a
+    token; with --omni-cluster-insecure it starts its omni master there and warns."""
+    head, _ = cluster
+    env = {k: v for k, v in head.env.items() if k != CLUSTER_TOKEN_ENV}
+
+    def other_head(*flags: str, name: str) -> ServeProcess:
+        args = [*head.common[:-2], str(free_port()), *flags]
+        return ServeProcess(args, str(tmp_path / f"{name}.log"), env=env)
+
+    refused = other_head(name="refused")
+    insecure = other_head("--omni-cluster-insecure", name="insecure")
+    try:
+        log = _exited(refused)
+        assert f"--omni-master-address {HEAD_IP} is not a loopback address and no cluster " \
+            "token is set" in log
+        for part in (CLUSTER_TOKEN_ENV, "secrets.token_hex(32)", "--omni-cluster-insecure"):
+            assert part in log, part
+        insecure.wait_for_log(rf"omni master on tcp://{HEAD_IP.replace('.', '[.]')}:")
+        assert f"--omni-cluster-insecure: the omni master and coordinator listen on {HEAD_IP} " \
+            "without a cluster token" in insecure.log()
+    finally:
+        insecure.stop()
+
+
+def test_a_replica_with_a_wrong_or_no_token_is_refused_and_the_head_serves(cluster, tmp_path):
+    """Headless talker replicas in the other namespace with another token and with none:
+    each exits at registration naming the reason (an answer, not a timeout); the head
+    keeps its replicas and serves."""
+    head, _ = cluster
+    env = {k: v for k, v in head.env.items() if k != CLUSTER_TOKEN_ENV}
+    wrong = ServeProcess([*head.common, "--headless", "--stage-id", "1"],
+                         str(tmp_path / "wrong.log"), env={**env, CLUSTER_TOKEN_ENV: "other"},
+                         prefix=["ip", "netns", "exec", head.netns])
+    missing = ServeProcess([*head.common, "--headless", "--stage-id", "1"],
+                           str(tmp_path / "missing.log"), env=env,
+                           prefix=["ip", "netns", "exec", head.netns])
+    says = {wrong: "the head's cluster token differs from this process's",
+            missing: "the head requires a cluster token and this process has none"}
+    for proc, reason in says.items():
+        log = _exited(proc)
+        assert "registration with the omni master at tcp://10.231.0.1:" in log, log[-3000:]
+        assert reason in log, log[-3000:]
+        assert "no reply from the master" not in log
+    assert head.replicas_up(1) == {0}
+    spoken = head.chat({"model": head.model, "max_tokens": 4, "modalities": ["text", "audio"],
+                        "messages": [{"role": "user", "content": "Still there?"}]})
+    assert spoken.status_code == 200, spoken.text
+
+
+def test_the_token_is_in_no_log_and_not_in_metrics(cluster):
+    head, replicas = cluster
+    assert "--omni-cluster-token" in " ".join(head.proc.args)  # the head took it by flag
+    for proc in (head, *replicas.values()):
+        assert TOKEN not in proc.log(), proc.log_path
+    assert TOKEN not in requests.get(f"{head.url}/metrics", timeout=10).text
+    assert head.metrics()[("vllm_omni:cluster_insecure", frozenset())] == 0.0

@@ -22,8 +22,12 @@ from vllm_omni_plugin.config.placement import (
 )
 from vllm_omni_plugin.config.settings import ClusterSettings, OmniSettings, RealtimeSettings
 from vllm_omni_plugin.logger import init_logger
+from vllm_omni_plugin.wire.auth import TOKEN_RECIPE, is_loopback
 
 logger = init_logger(__name__)
+
+#: What the parsed arguments hold in place of a cluster token.
+REDACTED = "***"
 
 #: Entry-engine settings every downstream stage inherits unless its YAML sets them.
 INHERITED_FIELDS = ("tokenizer", "dtype", "seed", "trust_remote_code", "revision",
@@ -134,11 +138,20 @@ def add_omni_args(parser: argparse.ArgumentParser) -> None:
         help="Headless: the address its replicas bind to and the head connects to "
         "(default: this host's address on the route to the master).")
     group.add_argument(
-        "--omni-cluster-token", type=str, default=None, metavar="TOKEN",
+        "--omni-cluster-token", type=_take_cluster_token, default=None, metavar="TOKEN",
         help="Shared secret of the head and its headless replicas: control-plane and task "
-        "frames are signed with it (HMAC-SHA256) and unsigned ones dropped. Prefer the "
+        "frames are signed with it (HMAC-SHA256) and unsigned ones dropped. Required when "
+        "the head's omni master listens on a non-loopback address (see "
+        "--omni-cluster-insecure). Prefer the "
         f"{envs.CLUSTER_TOKEN} environment variable: command lines are visible to other "
-        "users.")
+        f"users. Make one with: {TOKEN_RECIPE}")
+    group.add_argument(
+        "--omni-cluster-insecure", action="store_true",
+        help="Head: let the omni master and coordinator listen on a non-loopback "
+        "--omni-master-address without a cluster token. Any host that reaches the port "
+        "can then register as a replica and receive users' requests: only on a network "
+        "you trust. Logged as a warning and shown as vllm_omni:cluster_insecure 1 in "
+        "/metrics.")
     group.add_argument(
         "--omni-placement", type=str, default="auto", choices=PLACEMENT_MODES,
         help="Head: where stages without runtime.devices run. auto: on several GPUs the "
@@ -174,6 +187,7 @@ FLAG_DEFAULTS = {"stage_id": None, "omni_master_address": _CLUSTER.host,
                  "omni_stall_timeout": _CLUSTER.stall_timeout,
                  "omni_request_timeout": _CLUSTER.request_timeout,
                  "omni_replica_address": None, "omni_cluster_token": None, "replica_id": None,
+                 "omni_cluster_insecure": False,
                  "omni_placement": "auto",
                  "omni_realtime_max_sessions": _REALTIME.max_sessions,
                  "omni_realtime_idle_timeout": _REALTIME.idle_timeout,
@@ -216,8 +230,6 @@ def validate_omni_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--omni-dp-size-local must be >= 1, got {args.omni_dp_size_local}")
     if not 0 <= args.omni_master_port <= 65535:
         raise ValueError(f"--omni-master-port must be 0..65535, got {args.omni_master_port}")
-    if args.omni_cluster_token:
-        os.environ[envs.CLUSTER_TOKEN] = args.omni_cluster_token
     if is_omni_headless(args):
         if not args.omni_master_port:
             raise ValueError("--headless --stage-id needs --omni-master-port (the head's "
@@ -225,6 +237,8 @@ def validate_omni_args(args: argparse.Namespace) -> None:
         return
     if getattr(args, "headless", False):
         return  # vLLM's own data-parallel headless mode
+    args.omni_cluster_insecure = exposed_without_token(args.omni_master_address,
+                                                       args.omni_cluster_insecure)
     for flag, attr in (("--omni-replica-address", "omni_replica_address"),):
         if getattr(args, attr) is not None:
             raise ValueError(f"{flag} applies to headless replicas (--headless --stage-id N)")
@@ -234,6 +248,41 @@ def validate_omni_args(args: argparse.Namespace) -> None:
                          "runtime.num_replicas in the stage config, and the entry stage "
                          "scales with vLLM's --data-parallel-size (text) and headless "
                          "replicas (image requests)")
+
+
+def _take_cluster_token(value: str) -> str:
+    """``--omni-cluster-token``'s type: the token goes into ``VLLM_OMNI_PLUGIN_CLUSTER_TOKEN``
+    at once (the processes of this command inherit it from there), and the parsed
+    arguments hold only :data:`REDACTED`: vLLM logs and copies them."""
+    if value:
+        os.environ[envs.CLUSTER_TOKEN] = value
+    return REDACTED
+
+
+def exposed_without_token(host: str, insecure: bool) -> bool:
+    """Whether the head's omni master and coordinator, bound to ``host``
+    (``--omni-master-address``), listen on a network address without a cluster token,
+    allowed by ``insecure`` (``--omni-cluster-insecure``): then a warning is logged.
+
+    Raises:
+        ValueError: ``host`` is not a loopback address, no token is set and ``insecure``
+            is False; the message names the address, the flags, the variable and how to
+            make a token.
+    """
+    if envs.cluster_token() or is_loopback(host):
+        return False
+    if not insecure:
+        raise ValueError(
+            f"--omni-master-address {host} is not a loopback address and no cluster token "
+            "is set: any host that reaches the omni master could register as a replica and "
+            "receive users' requests. Set the same token on the head and on every headless "
+            f"process, with {envs.CLUSTER_TOKEN}=TOKEN (or --omni-cluster-token TOKEN); make "
+            f"one with: {TOKEN_RECIPE}. On a network you trust, --omni-cluster-insecure "
+            "allows it")
+    logger.warning("--omni-cluster-insecure: the omni master and coordinator listen on %s "
+                   "without a cluster token; any host that reaches them can register as a "
+                   "replica and receive users' requests", host)
+    return True
 
 
 def is_omni_headless(args: argparse.Namespace) -> bool:
@@ -394,7 +443,7 @@ def apply_omni_args(args: argparse.Namespace, engine_args) -> None:
             replica_wait_timeout=args.omni_replica_wait_timeout,
             admission_timeout=args.omni_admission_timeout,
             stall_timeout=args.omni_stall_timeout,
-            request_timeout=args.omni_request_timeout),
+            request_timeout=args.omni_request_timeout, insecure=args.omni_cluster_insecure),
         realtime=RealtimeSettings(max_sessions=args.omni_realtime_max_sessions,
                                   idle_timeout=args.omni_realtime_idle_timeout,
                                   max_input_audio=args.omni_realtime_max_input_audio))

@@ -41,6 +41,8 @@ class ClusterSettings(BaseModel):
             :data:`~vllm_omni_plugin.replicas.liveness.DEFAULT_STALL_TIMEOUT_S`.
         request_timeout: seconds a request may take from the head's first sight of it
             to its last output before it fails with HTTP 504; None: no limit.
+        insecure: the head's control plane listens on a network address without a
+            cluster token (``--omni-cluster-insecure``); shown in ``/metrics``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -52,6 +54,7 @@ class ClusterSettings(BaseModel):
     admission_timeout: float = Field(default=30.0, ge=0)
     stall_timeout: float | None = Field(default=None, ge=0)
     request_timeout: float | None = Field(default=None, gt=0)
+    insecure: bool = False
 
 
 class RealtimeSettings(BaseModel):

@@ -189,11 +189,12 @@ def build_head(entry_client, vllm_config, settings: OmniSettings) -> Head:
         entry_client, entry_timeout, f"stage {entry.stage_id} ({entry.name}), the head's "
         "engine", lambda reason: entry_stalled(entry_client, pools.get(entry.stage_id),
                                                reason),
-        busy=entry_client.output_processor.get_num_unfinished_requests) \
+        busy=entry_client.get_num_unfinished_requests) \
         if entry_timeout > 0 else None
     head = Head(settings=settings, pipeline=pipeline, store=store, cluster=cluster,
                 pools=pools, admission=admission, orchestrator=orchestrator,
-                metrics=register_collector(pools, admission), supervisors=supervisors,
+                metrics=register_collector(pools, admission, insecure=conf.insecure),
+                supervisors=supervisors,
                 entry_watch=entry_watch)
     try:
         asyncio.get_running_loop()

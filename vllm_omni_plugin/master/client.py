@@ -214,13 +214,15 @@ class OmniMasterClient(ClosedOnExit):
         payload = frames[0]
         if not envelope.verified(self._key, frames):
             # An unverifiable reply is trusted for one thing only: a master with a
-            # different token telling us it rejected our signature (the worst an
+            # different token, or none, telling us it rejected our signature (the worst an
             # injected one can do is fail this request, as dropping it would).
             peek = peek_request(payload)
             if peek is not None and peek.request_id == request_id and \
                     peek.error == RejectReason.BAD_TOKEN.value:
-                raise MasterError(RejectReason.BAD_TOKEN.value,
-                                  "the master rejected our signature: cluster tokens differ")
+                raise MasterError(RejectReason.BAD_TOKEN.value, (
+                    "the head has no cluster token and this process has one"
+                    if len(frames) == 1 else "the head's cluster token differs from this "
+                    "process's") + f": give both the same {auth.CLUSTER_TOKEN_ENV}")
             self.stats["bad_replies"] += 1
             return None
         try:
@@ -240,6 +242,10 @@ class OmniMasterClient(ClosedOnExit):
             self.stats["stale_replies"] += 1
             return None
         if not reply.ok:
+            if reply.error == RejectReason.BAD_TOKEN.value and self._key is None:
+                raise MasterError(reply.error, "the head requires a cluster token and this "
+                                  f"process has none: set {auth.CLUSTER_TOKEN_ENV} (or "
+                                  "--omni-cluster-token) to the head's token")
             raise MasterError(reply.error, reply.detail)
         return reply
 

@@ -523,6 +523,9 @@ class OmniMasterServer(ClosedOnExit):
         # ROUTER prepends the sender identity: [identity, payload(, hmac)].
         identity = frames[0].bytes
         try:
+            if self._key is None and len(frames) == 3:  # identity, payload, signature
+                raise FrameRejected(RejectReason.BAD_TOKEN, "the request is signed with a "
+                                    "cluster token and this head has none")
             req = envelope.unseal(self._key, [f.buffer for f in frames[1:]], self._decoder)
         except FrameRejected as rej:
             self._count_reject(rej)

@@ -25,6 +25,8 @@ are read from the stage pools at scrape time:
   an admission slot of the stage, and the bound.
 * ``vllm_omni:admission_waiting`` (gauge) and ``vllm_omni:admission_refused_total``
   (counter): requests waiting for admission, and refused with HTTP 429.
+* ``vllm_omni:cluster_insecure`` (gauge): 1 when the head's omni master and coordinator
+  listen on a network address without a cluster token (``--omni-cluster-insecure``).
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ STATUSES = ("up", "starting", "error", "down")
 class PoolCollector:
     """Reads one head's stage pools and admission gate at scrape time."""
 
-    def __init__(self, pools: dict, gate=None) -> None:
+    def __init__(self, pools: dict, gate=None, insecure: bool = False) -> None:
         self.pools = pools
         self.gate = gate
+        self.insecure = insecure
 
     def collect(self):
         """The metric families listed in the module docstring, with the current values of the
@@ -78,6 +81,10 @@ class PoolCollector:
                                     "Pipeline requests waiting for admission.")
         refused = CounterMetricFamily("vllm_omni:admission_refused",
                                       "Pipeline requests refused with HTTP 429.")
+        insecure = GaugeMetricFamily(
+            "vllm_omni:cluster_insecure", "1 when the omni master and coordinator listen on "
+            "a network address without a cluster token (--omni-cluster-insecure).",
+            value=float(self.insecure))
         gate = self.gate
         if gate is not None:
             waiting.add_metric([], gate.waiting)
@@ -101,17 +108,17 @@ class PoolCollector:
                 for name in STATUSES:
                     status.add_metric([*values, name], float(replica.status == name))
         yield from (total, running, queue, status, resub, failed, restarts, stalls,
-                    in_flight, bound, waiting, refused)
+                    in_flight, bound, waiting, refused, insecure)
 
 
-def register_collector(pools: dict, gate=None) -> PoolCollector:
-    """Expose ``pools`` (stage id -> StagePool) and the admission ``gate`` (an
-    ``AdmissionGate``) in ``prometheus_client``'s default registry, the one
-    vLLM's ``/metrics`` serves; returns the collector for
-    :func:`unregister_collector`."""
+def register_collector(pools: dict, gate=None, insecure: bool = False) -> PoolCollector:
+    """Expose ``pools`` (stage id -> StagePool), the admission ``gate`` (an
+    ``AdmissionGate``) and whether the control plane is ``insecure`` in
+    ``prometheus_client``'s default registry, the one vLLM's ``/metrics`` serves; returns
+    the collector for :func:`unregister_collector`."""
     from prometheus_client import REGISTRY
 
-    collector = PoolCollector(pools, gate)
+    collector = PoolCollector(pools, gate, insecure)
     REGISTRY.register(collector)
     return collector
 

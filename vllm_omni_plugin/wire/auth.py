@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
+import socket
 
 from vllm_omni_plugin import envs
 
@@ -39,6 +41,27 @@ def resolve_key(cluster_token: str | None) -> bytes | None:
     """
     token = cluster_token_from_env() if cluster_token is None else cluster_token
     return token.encode("utf-8") if token else None
+
+
+#: How to make a cluster token (32 random bytes as hex), for error messages and docs.
+TOKEN_RECIPE = 'python -c "import secrets; print(secrets.token_hex(32))"'
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an IP literal, bracketed IPv6 included, or a name) reaches this
+    machine only: it is, or every address it resolves to is, a loopback address
+    (127.0.0.0/8, ``::1``). ``0.0.0.0``, ``*`` and names that do not resolve are not."""
+    literal = host.strip("[]")
+    try:
+        return ipaddress.ip_address(literal).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(literal, None)
+    except (OSError, UnicodeError):
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback
+                               for info in infos)
 
 
 def sign(key: bytes, payload: bytes) -> bytes:
