@@ -2,8 +2,10 @@
 reach the pipeline's internals; dead stage engines are restarted; bursts are
 bounded by admission control.
 
-One server for the module (three real EngineCores on vLLM's worker and model runner);
-tests run in file order and the last ones kill stage engines with SIGKILL:
+One server for the module (three real EngineCores on vLLM's worker and model runner),
+started with ``--api-key``: every request sends it, and the omni routes are shown to
+refuse a client without it. Tests run in file order and the last ones kill stage
+engines with SIGKILL:
 
 * the talker (stage 1) is restarted by its supervisor (``max_restarts`` default)
   and has an admission bound of 2 requests in flight;
@@ -12,9 +14,12 @@ tests run in file order and the last ones kill stage engines with SIGKILL:
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import json
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -24,6 +29,7 @@ import yaml
 
 from plugin_tests.conftest import QWEN3_OMNI_YAML
 from plugin_tests.helpers import inductor_env
+from plugin_tests.media import wav_bytes
 from plugin_tests.serve_utils import serving
 
 pytestmark = pytest.mark.e2e
@@ -33,6 +39,8 @@ TALKER_BOUND = 2
 ADMISSION_TIMEOUT_S = 0.5
 #: seconds a request waits for a restarting replica (default 30)
 REPLICA_WAIT_S = 180
+#: the server's --api-key
+API_KEY = "sk-omni-hardening"
 
 
 @pytest.fixture(scope="module")
@@ -65,14 +73,14 @@ def server(tiny_qwen3_omni, tmp_path_factory):
                                    # a request sent while the talker restarts waits for it:
                                    # a restart took 46 s on a 2-core host without AVX-512
                                    "--omni-replica-wait-timeout", str(REPLICA_WAIT_S)],
-                 str(root / "serve.log"), env=env) as proc:
+                 str(root / "serve.log"), env=env, api_key=API_KEY) as proc:
         proc.payload_base = payload_base
         proc.stale_dirs = (stale, live)
         yield proc
 
 
 def _completion(server, **extra) -> requests.Response:
-    return requests.post(f"{server.url}/v1/completions", timeout=300,
+    return requests.post(f"{server.url}/v1/completions", timeout=300, headers=server.headers,
                          json={"model": server.model, "prompt": "Hello", "max_tokens": 4,
                                **extra})
 
@@ -106,6 +114,65 @@ def test_stale_payload_dirs_of_dead_processes_removed_at_startup(server):
     assert "removed 1 payload directories of processes that no longer exist" in server.log()
 
 
+# -- --api-key: the omni routes behind vLLM's own check ---------------------------------
+def _omni_routes(server) -> dict[str, tuple[str, str, dict | None]]:
+    """Each route the omni middleware answers or reads: ``(method, path, body)``."""
+    audio_in = {"type": "input_audio", "input_audio": {
+        "data": base64.b64encode(wav_bytes(0.5)).decode(), "format": "wav"}}
+    return {
+        "chat with speech": ("POST", "/v1/chat/completions", server.audio_body()),
+        "chat with audio in": ("POST", "/v1/chat/completions", server.chat_body(
+            messages=[{"role": "user", "content": [audio_in]}])),
+        "speech": ("POST", "/v1/audio/speech", {"model": server.model, "input": "Hello",
+                                                "voice": "ethan"}),
+        "voices": ("GET", "/v1/audio/voices", None),
+    }
+
+
+@pytest.mark.parametrize("route", ["chat with speech", "chat with audio in", "speech",
+                                   "voices"])
+def test_without_the_key_each_omni_route_gets_vllms_401_and_with_it_an_answer(server, route):
+    method, path, body = _omni_routes(server)[route]
+    for headers in ({}, {"Authorization": "Bearer wrong-key"}):
+        refused = requests.request(method, f"{server.url}{path}", json=body, timeout=60,
+                                   headers=headers)
+        assert (refused.status_code, refused.json()) == (401, {"error": "Unauthorized"})
+    answer = requests.request(method, f"{server.url}{path}", json=body, timeout=300,
+                              headers=server.headers)
+    assert answer.status_code == 200, answer.text[:500]
+    assert answer.content
+
+
+def test_a_realtime_socket_needs_the_key(server):
+    """The openai SDK's realtime client: with the server's key a session starts; with
+    another key the handshake is refused with HTTP 401, before any session."""
+    import openai
+
+    async def first_event(key: str) -> str:
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=key)
+        async with client.realtime.connect(model=server.model) as connection:
+            return (await asyncio.wait_for(connection.recv(), 60)).type
+
+    assert asyncio.run(first_event(API_KEY)) == "session.created"
+    with pytest.raises(Exception) as refused:
+        asyncio.run(first_event("wrong-key"))
+    assert "401" in str(refused.value), repr(refused.value)
+
+
+def test_a_60_mb_body_without_the_key_is_refused_before_it_is_sent(server):
+    """The headers and 1 MiB of a 60 MB chat body: vLLM's 401 comes without the server
+    waiting for the other 59 MiB (the middleware used to read the whole body first)."""
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\nAuthorization: Bearer wrong-key\r\n"
+            b"Content-Length: %d\r\n\r\n" % (60 * 2**20))
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(head + b"{" + b" " * 2**20)
+        answer = sock.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
+    assert answer.endswith(b'{"error":"Unauthorized"}'), answer[-200:]
+    _assert_alive(server)
+
+
 @pytest.mark.parametrize("xargs", [{"omni_plugin_payload": "x"},
                                    {"omni_plugin_payload": ["x"]},
                                    {"omni_plugin_modalities": ["text", "audio"]},
@@ -116,7 +183,7 @@ def test_internal_extra_args_are_refused_on_every_endpoint(server, xargs):
     key = sorted(k for k in xargs if k.startswith("omni_plugin_"))[0]
     no_content_type = requests.post(  # FastAPI parses such a body as JSON too
         f"{server.url}/v1/chat/completions", data=json.dumps(server.chat_body(vllm_xargs=xargs)),
-        timeout=300)
+        timeout=300, headers=server.headers)
     for response in (server.chat(server.chat_body(vllm_xargs=xargs)),
                      server.chat(server.audio_body(vllm_xargs=xargs)),
                      _completion(server, vllm_xargs=xargs), no_content_type):
@@ -183,7 +250,7 @@ def test_streamed_client_disconnect_stops_the_stage_and_cleans_up(server):
     os.kill(talker, signal.SIGSTOP)
     try:
         with requests.post(f"{server.url}/v1/chat/completions", stream=True, timeout=60,
-                           json=server.audio_body(stream=True)) as r:
+                           headers=server.headers, json=server.audio_body(stream=True)) as r:
             assert r.status_code == 200
             # the iterator is kept: one dropped mid-way closes the connection (urllib3)
             lines = r.iter_lines()
@@ -285,7 +352,8 @@ def test_fuzzed_request_bodies_never_take_the_server_down(server):
                 "temperature": 0, "max_tokens": 4}
         body.update(extra)
         r = requests.post(f"{server.url}/v1/chat/completions", data=json.dumps(body),
-                          headers={"Content-Type": "application/json"}, timeout=120)
+                          headers={"Content-Type": "application/json", **server.headers},
+                          timeout=120)
         answers[r.status_code] = answers.get(r.status_code, 0) + 1
         assert r.status_code < 500, (body, r.status_code, r.text[:500])
         assert server.proc.poll() is None

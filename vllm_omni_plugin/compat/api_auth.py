@@ -13,8 +13,8 @@ route provider), so the check, the headers read and the 401 body are vLLM's own.
 Read from vLLM: the ``AuthenticationMiddleware`` class (by name, defined under ``vllm.``)
 among the app's ``user_middleware`` (Starlette's list of ``Middleware(cls, *args,
 **kwargs)``), which vLLM fills with ``app.add_middleware(AuthenticationMiddleware,
-tokens=...)``: ``vllm/entrypoints/openai/api_server.py`` (0.30) and
-``vllm/entrypoints/serve/middleware/`` (0.31-0.33). Nothing in vLLM is patched.
+tokens=...)`` in ``init_entrypoints_middleware`` before the ``--middleware`` entries
+(``vllm/entrypoints/serve/middleware/``, 0.30-0.33). Nothing in vLLM is patched.
 Canary: ``plugin_tests/unit/test_api_auth.py`` (every release row).
 Upstream reason: vLLM gives a ``--middleware`` entry no place inside its own checks.
 Remove when: vLLM adds ``--middleware`` entries inside its authentication, or the plugin's
