@@ -25,11 +25,12 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def serving(model: str, args: list[str], log_path: str, env: dict | None = None,
-            cwd: str | None = None, memory_flags: bool = True):
+            cwd: str | None = None, memory_flags: bool = True, api_key: str | None = None):
     """``vllm serve MODEL ARGS`` (in ``cwd``) up and ready for the block (``.model``
-    set), stopped after it; ``memory_flags`` as :class:`ServeProcess` takes it."""
+    set), stopped after it; ``memory_flags`` and ``api_key`` as :class:`ServeProcess`
+    takes them."""
     proc = ServeProcess([model, *args], log_path, env=env, cwd=cwd,
-                        memory_flags=memory_flags)
+                        memory_flags=memory_flags, api_key=api_key)
     try:
         proc.wait_ready()
         proc.model = model
@@ -46,12 +47,17 @@ class ServeProcess:
     (``VLLM_CPU_KVCACHE_SPACE``, unless set) and ask for a small share of host memory
     (``--gpu-memory-utilization 0.3``, unless given): tests' pipelines that replace a
     stage's ``runtime`` lose its KV cache size. False: the command as given.
+    ``api_key``: started with ``--api-key`` (set the attribute instead for a key given
+    through ``VLLM_API_KEY``); :attr:`headers` carry it and the helpers send them.
     """
 
     def __init__(self, args: list[str], log_path: str, env: dict | None = None,
                  prefix: list[str] | None = None, cwd: str | None = None,
-                 memory_flags: bool = True):
+                 memory_flags: bool = True, api_key: str | None = None):
         self.port = free_port()
+        self.api_key = api_key
+        if api_key is not None:
+            args = [*args, "--api-key", api_key]
         self.log_path = log_path
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = open(log_path, "w")
@@ -99,13 +105,20 @@ class ServeProcess:
         the head sees it), send a request that reaches the stage (``send()``, in a
         thread), and wait for its answer; the head has to notice the stall and kill the
         engine meanwhile. ``in_stage()``: the request is at the stage (default: the
-        stage's ``vllm_omni:replica_requests_running`` is 1).
+        stage's ``vllm_omni:replica_requests_running`` is 1). The stopped EngineCore and
+        its worker processes, taken before the stop, are kept in :attr:`stalled` (see
+        :meth:`assert_stalled_killed`).
 
         Returns:
             ``(answer, seconds)``: what ``send`` returned (or the exception it raised),
             and the seconds from when the request was at the stage to the answer.
         """
+        import psutil
+
         pid = self.engine_pid(stage)
+        core = psutil.Process(pid)
+        #: the stopped EngineCore and its worker processes (``psutil.Process``)
+        self.stalled = [core, *core.children(recursive=True)]
         in_stage = in_stage or (lambda: sum(self.replica_metric(
             "vllm_omni:replica_requests_running", stage).values()) >= 1)
         result = {}
@@ -123,6 +136,28 @@ class ServeProcess:
         start = time.monotonic()
         sender.join(timeout)
         return result.get("answer"), time.monotonic() - start
+
+    def assert_stalled_killed(self, timeout: float = 30) -> None:
+        """The processes :meth:`stall` stopped (the EngineCore and its workers) are gone
+        (exited, or a zombie not reaped yet) within ``timeout`` seconds: the head's kill
+        reached every one, whatever it restarts. Fails naming those still running."""
+        import psutil
+
+        def running() -> list[str]:
+            alive = []
+            for process in self.stalled:
+                try:  # is_running: False also for another process under a reused pid
+                    status = process.status() if process.is_running() else None
+                except psutil.NoSuchProcess:
+                    continue
+                if status not in (None, psutil.STATUS_ZOMBIE):
+                    alive.append(f"{process.pid} ({status})")
+            return alive
+
+        deadline = time.monotonic() + timeout
+        while running() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not running(), f"stalled engine processes still running: {running()}"
 
     def wait_ready(self, timeout_s: float = 420) -> float:
         """Seconds until ``/health`` answers 200. Raises RuntimeError with the log tail."""
@@ -221,8 +256,14 @@ class ServeProcess:
         """:meth:`chat_body` asking for text and audio."""
         return self.chat_body(modalities=["text", "audio"], **extra)
 
+    @property
+    def headers(self) -> dict[str, str]:
+        """The ``Authorization`` header of :attr:`api_key` (none without a key)."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
     def chat(self, body: dict, timeout: float = 300) -> requests.Response:
-        return requests.post(f"{self.url}/v1/chat/completions", json=body, timeout=timeout)
+        return requests.post(f"{self.url}/v1/chat/completions", json=body, timeout=timeout,
+                             headers=self.headers)
 
     def metrics(self) -> dict[tuple[str, frozenset], float]:
         """``/metrics`` samples as ``{(name, frozenset(labels.items())): value}``."""
@@ -241,11 +282,13 @@ def check_stall_recovery(server: ServeProcess, stage: int, name: str, stall_s: f
     a local replica with stall timeout ``stall_s``): its EngineCore is stopped while
     ``send()``'s request is at the stage. Checked: the request is answered within the
     stall timeout plus 10 s, 200 (resubmitted) or 503 naming the stage and the stall; the
-    stage is restarted, counted once in ``vllm_omni:replica_stalls_total``, and answers
-    the next ``send()`` with 200; no payload file or admission slot is left. Returns the
-    stalled request's answer."""
+    stopped EngineCore and its worker processes are gone (killed, whether or not the
+    restart succeeds); the stage is restarted, counted once in
+    ``vllm_omni:replica_stalls_total``, and answers the next ``send()`` with 200; no
+    payload file or admission slot is left. Returns the stalled request's answer."""
     assert server.replica_metric("vllm_omni:replica_stalls_total", stage) == {0: 0.0}
     answer, seconds = server.stall(stage, send)
+    server.assert_stalled_killed()
     assert isinstance(answer, requests.Response), answer
     assert seconds <= stall_s + 10, seconds
     assert answer.status_code in (200, 503), answer.text

@@ -25,6 +25,9 @@ from plugin_tests.serve_utils import check_stall_recovery, serving
 
 pytestmark = pytest.mark.e2e
 
+#: the server's key, given as vLLM's VLLM_API_KEY (the Qwen3-Omni hardening server takes
+#: --api-key)
+API_KEY = "sk-omni-bagel"
 #: decoded pixels vs the official code (bf16): mean |difference| in uint8 levels
 PIXEL_MEAN_TOL = 3.0
 #: the server's --omni-stall-timeout (every stage's, over the pipeline's own), seconds:
@@ -43,7 +46,9 @@ def server(tiny_bagel, tmp_path_factory):
     with serving(tiny_bagel, ["--stage-configs-path", "bagel", "--max-model-len", "512",
                               "--dtype", "float32", "--omni-stall-timeout", str(STALL_S),
                               "--omni-replica-wait-timeout", "3"], str(root / "serve.log"),
-                 env={**os.environ, "PYTHONPATH": str(site)}, cwd=str(elsewhere)) as proc:
+                 env={**os.environ, "PYTHONPATH": str(site), "VLLM_API_KEY": API_KEY},
+                 cwd=str(elsewhere)) as proc:
+        proc.api_key = API_KEY
         yield proc
 
 
@@ -59,7 +64,7 @@ def test_the_server_runs_the_installed_wheel(server):
 def client(server):
     import openai
 
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
 
 
 def _image(response):
@@ -175,9 +180,25 @@ def test_bad_requests_are_400s_naming_the_field(server, extra, field):
     import requests
 
     body = {"model": server.model, "prompt": "A cat.", **extra}
-    r = requests.post(f"{server.url}/v1/images/generations", json=body, timeout=60)
+    r = requests.post(f"{server.url}/v1/images/generations", json=body, timeout=60,
+                      headers=server.headers)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/images/generations", {"prompt": "A cat.", "size": "48x32"}),
+    ("/v1/chat/completions", {"modalities": ["image"], "messages": [
+        {"role": "user", "content": "A cat."}]})])
+def test_without_the_key_image_requests_get_vllms_401(server, path, body):
+    """VLLM_API_KEY guards the image routes as vLLM guards its own: without the key, or
+    with another, vLLM's 401 and nothing drawn."""
+    import requests
+
+    for headers in ({}, {"Authorization": "Bearer wrong-key"}):
+        r = requests.post(f"{server.url}{path}", json={"model": server.model, **body},
+                          headers=headers, timeout=60)
+        assert (r.status_code, r.json()) == (401, {"error": "Unauthorized"})
 
 
 def test_a_stage_failure_names_the_stage_and_the_server_goes_on(client, server):
@@ -185,7 +206,8 @@ def test_a_stage_failure_names_the_stage_and_the_server_goes_on(client, server):
     is not an image request: a 400 naming the stage; the next image request is served."""
     import requests
 
-    r = requests.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+    r = requests.post(f"{server.url}/v1/chat/completions", timeout=60, headers=server.headers,
+                      json={
         "model": server.model, "messages": [{"role": "user", "content": "Hi"}],
         "max_tokens": 2, "modalities": ["text", "audio"]})
     assert r.status_code == 400, r.text
@@ -226,8 +248,9 @@ def test_chat_asking_for_an_image_answers_an_image_content_part(client, server):
 def test_bad_image_chats_are_400s_naming_the_field(server, extra, field):
     import requests
 
-    r = requests.post(f"{server.url}/v1/chat/completions", timeout=60, json={
-        "model": server.model, "messages": [{"role": "user", "content": "A cat."}], **extra})
+    r = requests.post(f"{server.url}/v1/chat/completions", timeout=60, headers=server.headers,
+                      json={"model": server.model,
+                            "messages": [{"role": "user", "content": "A cat."}], **extra})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field
 
@@ -239,7 +262,8 @@ def test_a_stalled_dit_is_restarted_and_its_request_answered(server):
     import requests
 
     def image():
-        return requests.post(f"{server.url}/v1/images/generations", timeout=300, json={
+        return requests.post(f"{server.url}/v1/images/generations", timeout=300,
+                             headers=server.headers, json={
             "model": server.model, "prompt": "A red boat.", "size": "48x32", "seed": 3,
             "num_inference_steps": 4})
 

@@ -31,14 +31,15 @@ pytestmark = pytest.mark.engine
 def default_run(tiny_qwen3_omni, hf_reference):
     """One run of the script on the shipped pipeline (talker at TALKER_MAX_TOKENS) for the
     scenarios that need no other engine settings: streamed, parity, media, then cancel
-    and abort (each stopped while the talker holds the request). ``(report, OUT_DIR)``.
+    and abort (each stopped while the talker holds the request), then the liveness
+    canaries on the idle talker. ``(report, OUT_DIR)``.
 
     Its thinker is compiled with inductor (:func:`inductor_env`: `.ci/run` skips
     inductor's code generation elsewhere), so each release checks parity with the
     compiled thinker."""
     out = hf_reference.media_dir.parent
     report, _ = run_script(tiny_qwen3_omni, pipeline_yaml(out, TALKER_MAX_TOKENS), out,
-                           ("streamed", "parity", "media", "cancel", "abort"),
+                           ("streamed", "parity", "media", "cancel", "abort", "liveness"),
                            env=inductor_env())
     return report, out
 
@@ -146,4 +147,24 @@ def test_abort_and_disconnect_reach_every_stage(default_run):
         assert seen["talker_unfinished"] == 0, seen
         assert not seen["result_stored"] and not seen["inflight_left"], seen
         assert seen["payload_dirs_left"] == [], seen
+    assert report["after_ok"]
+
+
+def test_liveness_canaries_on_a_real_engine_core(default_run):
+    """What the stall watch relies on (``compat.internals``), on the talker's real engine:
+    ``engine_processes`` (the processes a stall kills, with their children) is the pid of
+    an EngineCore process the head started; ``is_sleeping()`` (the liveness probe) is a
+    call the EngineCore answers: answered while it runs, unanswered while that process is
+    stopped (SIGSTOP; the code2wav engine still answers meanwhile), answered again once it
+    is continued."""
+    from plugin_tests.engine.scripts.omni_pipeline import STOPPED_PROBE_S
+
+    report, _ = default_run
+    seen = report["liveness"]
+    assert len(seen["pids"]) == 1, seen
+    assert seen["pids"][0] in seen["engine_core_children"], seen
+    assert seen["answered_before_s"] is not None, seen
+    assert seen["answered_stopped_s"] is None, (STOPPED_PROBE_S, seen)
+    assert seen["other_answered_s"] is not None, seen
+    assert seen["answered_after_s"] is not None, seen
     assert report["after_ok"]

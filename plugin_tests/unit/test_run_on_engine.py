@@ -6,6 +6,9 @@ appended before the step's output is reported); real engines are in
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
+import time
 from types import SimpleNamespace
 
 import torch
@@ -140,9 +143,35 @@ def test_a_stop_token_ends_a_growing_request_without_more_input(tmp_path):
     assert run.output_token_ids == [100, 101] and run.finish_reason == "stop"
 
 
-def test_completed_joins_a_growing_input_for_a_replica_that_takes_it_whole():
-    from vllm_omni_plugin.replicas.task import completed
+# -- cancelled while its input is being written ------------------------------------------
+class SlowPutStore(PayloadStore):
+    """A store whose ``put`` (run in a thread) takes a while to start writing, so that a
+    task cancelled meanwhile (a client that went away) has its clean-up run first."""
 
-    task = asyncio.run(completed(growing_task([3, None])))
-    assert task.growth is None and task.ready is None
-    assert task.payload["rows"][:, 0].tolist() == [0, 10, 11]
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.putting = threading.Event()
+
+    def put(self, key, tensors):
+        self.putting.set()
+        time.sleep(0.3)
+        super().put(key, tensors)
+
+
+def test_a_task_cancelled_while_its_input_is_written_leaves_no_payload(tmp_path):
+    """A task cancelled while its input payload is written in a thread: the clean-up
+    deletes the input after the write ends, not before (a key written after its deletion
+    stays in the store for good: the soak saw payload files left after the load)."""
+    store = SlowPutStore(str(tmp_path / "run"))
+    task = StageTask(request_id="r-3", prompt_token_ids=[1], sampling={"max_tokens": 2},
+                     payload={"rows": torch.tensor([[0]])})
+
+    async def main():
+        running = asyncio.ensure_future(run_on_engine(FrameEngine(store), store, task))
+        await asyncio.to_thread(store.putting.wait, 5)
+        running.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await running
+
+    asyncio.run(main())  # (its end waits for the write's thread)
+    assert store.keys() == []

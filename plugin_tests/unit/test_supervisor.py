@@ -1,4 +1,5 @@
-"""LocalReplicaSupervisor: a dead engine is seen at once and restarted with back-off.
+"""LocalReplicaSupervisor: a dead engine is seen at once and restarted with back-off; a
+headless replica's stall watch.
 
 The engines here stand in for vLLM's ``AsyncLLM``: each owns a real child
 process in the place vLLM keeps its EngineCore processes, and the tests kill
@@ -6,8 +7,11 @@ it for real with SIGKILL, or stop it with SIGSTOP (a stalled engine). Their live
 probe (``is_sleeping``, a utility call to vLLM's EngineCore) is answered while the
 child runs and not while it is stopped, as the EngineCore's busy loop would. Failed
 restarts are scripted (``start_engine`` raising), a fault that a real engine start
-cannot be made to produce on cue. The real engines, killed and stopped under a real
-`vllm serve`, are in ``test_hardening_serve.py`` and the ``*_serve.py`` stall tests.
+cannot be made to produce on cue. That vLLM keeps its EngineCore processes where these
+engines do and leaves ``is_sleeping`` unanswered while one is stopped is checked on a real
+engine in ``plugin_tests/engine/test_pipeline_engine.py``; the real engines, killed and
+stopped under a real `vllm serve`, are in ``test_hardening_serve.py`` and the
+``*_serve.py`` stall tests.
 """
 
 from __future__ import annotations
@@ -23,23 +27,29 @@ import psutil
 import pytest
 
 from plugin_tests.helpers import until
-from vllm_omni_plugin.coordinator import RoundRobinBalancer
-from vllm_omni_plugin.replicas.liveness import (
-    DEFAULT_STALL_TIMEOUT_S,
-    engine_processes,
-    stall_timeout_of,
-)
+from vllm_omni_plugin.coordinator import ReplicaStatus, RoundRobinBalancer
+from vllm_omni_plugin.replicas.liveness import DEFAULT_STALL_TIMEOUT_S, stall_timeout_of
 from vllm_omni_plugin.replicas.pool import NoReplicaAvailable, StagePool
 from vllm_omni_plugin.replicas.replica import LocalReplica
+from vllm_omni_plugin.replicas.server import ReplicaServer
 from vllm_omni_plugin.replicas.supervisor import LocalReplicaSupervisor
 from vllm_omni_plugin.replicas.task import ReplicaLost, StageTask
 
 
-class ProcessEngine:
-    """An engine whose "EngineCore" is a real sleeping child process."""
+def _engine_core_with_a_worker() -> None:
+    """A stand-in EngineCore that starts its own worker process, as vLLM's does."""
+    multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,)).start()
+    time.sleep(600)
 
-    def __init__(self, step_s: float = 0.0) -> None:
-        self.proc = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,))
+
+class ProcessEngine:
+    """An engine whose "EngineCore" is a real sleeping child process (``with_worker``: one
+    that has a worker process of its own)."""
+
+    def __init__(self, step_s: float = 0.0, with_worker: bool = False) -> None:
+        self.proc = multiprocessing.get_context("fork").Process(
+            target=_engine_core_with_a_worker if with_worker else time.sleep,
+            args=() if with_worker else (600,))
         self.proc.start()
         manager = SimpleNamespace(processes=[self.proc])
         self.engine_core = SimpleNamespace(resources=SimpleNamespace(engine_manager=manager))
@@ -110,15 +120,6 @@ def _supervised(tmp_path, starter, max_restarts, backoff_s=0.01, stall_timeout=0
                                         stall_timeout=stall_timeout)
     supervisor.watch(asyncio.get_running_loop())
     return first, replica, pool, supervisor, up
-
-
-def test_engine_processes_found_where_vllm_keeps_them():
-    engine = ProcessEngine()
-    try:
-        assert engine_processes(engine) == [engine.proc]
-        assert engine_processes(SimpleNamespace()) is None
-    finally:
-        engine.shutdown()
 
 
 def test_killed_engine_is_seen_and_replaced(tmp_path):
@@ -288,3 +289,40 @@ def test_the_stall_timeout_is_the_flags_else_the_stages_else_the_default():
     assert timeout(None, None) == DEFAULT_STALL_TIMEOUT_S == 120
     assert timeout(None, 600) == 600
     assert timeout(8, 600) == 8 and timeout(0, 600) == 0
+
+
+# -- a headless replica's own stall watch (replicas/server.py) ---------------------------
+def _gone(process: psutil.Process) -> bool:
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_a_headless_replica_kills_its_stalled_engine_core_and_worker_and_stops(tmp_path):
+    """A headless replica (``ReplicaServer``, its task channel and coordinator client real)
+    probes its engine with a real StallWatch: SIGSTOP of the EngineCore makes it kill the
+    EngineCore and its worker (collected before the kill), report ERROR to the head and end
+    serving with the stall as the reason (``vllm serve --headless`` then exits non-zero)."""
+    async def scenario():
+        engine = ProcessEngine(with_worker=True)
+        core = psutil.Process(engine.proc.pid)
+        await until(lambda: len(core.children()) == 1)
+        (worker,) = core.children()
+        server = ReplicaServer(1, 0, engine, str(tmp_path / "run"), "tcp://127.0.0.1:*",
+                               "tcp://127.0.0.1:9", 0, stall_timeout=0.5)
+        serving = asyncio.ensure_future(server.serve())
+        try:
+            await until(lambda: engine.probes_answered)
+            os.kill(engine.proc.pid, signal.SIGSTOP)
+            with pytest.raises(ReplicaLost) as info:
+                await asyncio.wait_for(serving, 10)
+            await until(lambda: _gone(core) and _gone(worker), timeout=10)
+            return info.value, server.coord.status
+        finally:
+            serving.cancel()
+            server.close()
+
+    error, status = asyncio.run(scenario())
+    assert "stalled: its EngineCore answered no liveness probe for 0.5 s" in str(error)
+    assert not error.produced_output and status == ReplicaStatus.ERROR

@@ -3,7 +3,9 @@
 Each patch lives in its own module with ``apply()``, which is idempotent
 (a marker attribute on the patched function) and states why it exists, the
 upstream reason and when to remove it. :func:`apply_all` applies them in order
-and returns the names of those applied, for the environment report.
+and returns the names of those applied, for the environment report. The vLLM internals
+read outside the patches go through :mod:`.internals` (one accessor each, indexed in
+``INTERNALS`` with the releases they were read from, and canary-tested).
 """
 
 from __future__ import annotations

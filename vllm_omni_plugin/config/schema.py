@@ -73,12 +73,9 @@ def engine_arg_names() -> frozenset[str]:
 @functools.cache
 def sampling_param_names() -> frozenset[str]:
     """Public field names of ``vllm.SamplingParams`` (imports vLLM)."""
-    from vllm.sampling_params import SamplingParams
+    from vllm_omni_plugin.compat.internals import sampling_param_fields
 
-    names = getattr(SamplingParams, "__struct_fields__", None)
-    if names is None:
-        names = [f.name for f in dataclasses.fields(SamplingParams)]
-    return frozenset(n for n in names if not n.startswith("_"))
+    return frozenset(n for n in sampling_param_fields() if not n.startswith("_"))
 
 
 def _check_keys(d: dict[str, Any], allowed: frozenset[str], what: str) -> dict[str, Any]:

@@ -39,6 +39,7 @@ import uuid
 from vllm.sampling_params import RequestOutputKind
 
 from vllm_omni_plugin import extra_args as xargs
+from vllm_omni_plugin.compat.internals import prompt_token_ids_of
 from vllm_omni_plugin.engine.admission import AdmissionGate, AdmissionRefused
 from vllm_omni_plugin.engine.errors import StageError, record_failure
 from vllm_omni_plugin.engine.omni_request import (
@@ -573,24 +574,6 @@ def _request_output(request_id: str, run):
     return RequestOutput(request_id=request_id, prompt=None,
                          prompt_token_ids=list(run.prompt_token_ids), prompt_logprobs=None,
                          outputs=[completion], finished=True)
-
-
-def prompt_token_ids_of(prompt) -> list[int] | None:
-    """The token ids of a prompt as vLLM's API server passes it to ``generate`` (a
-    mapping with ``prompt_token_ids``, or an ``EngineCoreRequest``), or None when the
-    prompt also carries multimodal data or embeddings, or has no token ids."""
-    if isinstance(prompt, dict):
-        ids = prompt.get("prompt_token_ids")
-        other = prompt.get("type", "token") != "token" or any(
-            prompt.get(k) for k in ("multi_modal_data", "mm_kwargs", "mm_placeholders",
-                                    "prompt_embeds"))
-    else:
-        ids = getattr(prompt, "prompt_token_ids", None)
-        other = bool(getattr(prompt, "mm_features", None)) or getattr(
-            prompt, "prompt_embeds", None) is not None
-    if other or not isinstance(ids, list) or not ids:
-        return None
-    return list(ids)
 
 
 def _run_output(stage_id: int, run):

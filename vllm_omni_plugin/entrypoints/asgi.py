@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+from vllm_omni_plugin.compat.internals import served_vllm_config
 from vllm_omni_plugin.engine.omni_request import OmniRequest, StageResult, omni_request_scope
 
 #: OpenAI's error ``type`` per HTTP status (others: ``InternalServerError``).
@@ -69,8 +70,9 @@ def replay(body: bytes, receive):
 
 
 def vllm_config(scope):
-    """The served model's ``VllmConfig`` from vLLM's app state, or None."""
-    return getattr(getattr(scope.get("app"), "state", None), "vllm_config", None)
+    """The served model's ``VllmConfig`` from vLLM's app state, or None
+    (:func:`~vllm_omni_plugin.compat.internals.served_vllm_config`)."""
+    return served_vllm_config(scope.get("app"))
 
 
 def hf_config(scope):

@@ -40,7 +40,10 @@ This subclass adds:
 
 Both classes keep vLLM's constructor signatures; the connector's ``__init__`` repeats vLLM's
 role dispatch so that the worker role builds :class:`OmniMooncakeConnectorWorker` (a shim test
-fails when vLLM changes that dispatch).
+fails when vLLM changes that dispatch). The vLLM methods the worker overrides, and the state
+of vLLM's worker it reads (through accessors), are listed in
+:data:`vllm_omni_plugin.compat.internals.INTERNALS` (canaries:
+``plugin_tests/unit/test_compat_internals.py``).
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
     mooncake_connector as vllm_mooncake,
 )
 
+from vllm_omni_plugin.compat import internals
 from vllm_omni_plugin.compat import mooncake as compat_mooncake
 from vllm_omni_plugin.kv_transfer import (
     CONNECTOR_NAME,
@@ -116,21 +120,20 @@ def _preflight(vllm_config: VllmConfig) -> None:
     extra = kv_config.kv_connector_extra_config or {}
     _positive_int(extra, EXTRA_MAX_DESCS_PER_PEER, DEFAULT_MAX_DESCS_PER_PEER)
     _positive_seconds(extra, EXTRA_TRANSFER_TIMEOUT)
-    if vllm_mooncake.TransferEngine is None:
+    if not internals.mooncake_transfer_engine_available():
         raise RuntimeError(
             f"{CONNECTOR_NAME} needs Mooncake's transfer engine ({_mooncake_import_error()}). "
             "Install the plugin's `pd` extra (pip install 'vllm-omni-plugin[pd]'; it installs "
             "mooncake-transfer-engine-non-cuda, use mooncake-transfer-engine on CUDA hosts); "
             "its library links libibverbs.so.1 even for TCP (Debian/Ubuntu: apt-get install "
             "libibverbs1)")
-    if kv_config.kv_role != "kv_consumer" and vllm_mooncake.should_launch_bootstrap_server(
+    if kv_config.kv_role != "kv_consumer" and internals.mooncake_launches_bootstrap_server(
             vllm_config):
         port = _positive_int(extra, EXTRA_BOOTSTRAP_PORT, None)
         if port is not None:
             compat_mooncake.use_bootstrap_port(port)
         else:
-            compat_mooncake.ensure_port_free(
-                vllm_mooncake.get_mooncake_bootstrap_addr(vllm_config)[1])
+            compat_mooncake.ensure_port_free(internals.mooncake_bootstrap_port(vllm_config))
 
 
 def coalesce_descriptors(src_ptrs: list[int], dst_ptrs: list[int], lengths: list[int],
@@ -246,8 +249,8 @@ class OmniMooncakeConnectorWorker(vllm_mooncake.MooncakeConnectorWorker):
         try:
             await asyncio.wait_for(receive, self._omni_remaining(pull_metas))
         except asyncio.TimeoutError:
-            self._handle_failed_recv(
-                pull_metas, list(pull_metas),
+            internals.mooncake_fail_receives(
+                self, pull_metas, list(pull_metas),
                 f"{what} within {self._omni_timeout:g} s "
                 f"(kv_connector_extra_config.{EXTRA_TRANSFER_TIMEOUT})")
             return False
@@ -265,11 +268,9 @@ class OmniMooncakeConnectorWorker(vllm_mooncake.MooncakeConnectorWorker):
                     f"bootstrap server {addr} did not answer"):
                 # vLLM sets and drops the query's event only when its query returns;
                 # waiters for the same address must not wait on a cancelled query.
-                event = self._pending_bootstrap_queries.pop(addr, None)
-                if event is not None:
-                    event.set()
+                internals.mooncake_release_bootstrap_waiters(self, addr)
         finally:
-            if remote_engine_id not in self._remote_agents:
+            if not internals.mooncake_knows_engine(self, remote_engine_id):
                 self._omni_forget(pull_metas)
 
     async def receive_kv_from_single_worker(self, worker_addr: str, pull_metas: dict) -> None:
@@ -293,7 +294,7 @@ class OmniMooncakeConnectorWorker(vllm_mooncake.MooncakeConnectorWorker):
             return
         limit = time.perf_counter() + self._omni_timeout / 2
         for transfer_id, block_ids in metadata.reqs_to_send.values():
-            send_meta = self.reqs_need_send.get(transfer_id)
+            send_meta = internals.mooncake_send_meta(self, transfer_id)
             if block_ids and send_meta is not None:
                 send_meta.expire_time = min(send_meta.expire_time, limit)
 

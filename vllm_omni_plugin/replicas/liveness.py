@@ -3,9 +3,12 @@
 A dead EngineCore is seen by its process sentinel (:mod:`.supervisor`); a *stalled* one
 (a hung kernel, a collective that never returns, a deadlock, a stopped process) stays
 alive and would hold every request routed to it. :class:`StallWatch` probes it with
-vLLM's cheapest utility call, ``AsyncLLM.is_sleeping()``: the EngineCore's busy loop
+vLLM's cheapest utility call, ``AsyncLLM.is_sleeping()``
+(:func:`~vllm_omni_plugin.compat.internals.liveness_probe`): the EngineCore's busy loop
 answers utility calls between two steps, so an answer proves the loop turns, and no
-answer within the stall timeout means it does not.
+answer within the stall timeout means it does not. The EngineCore processes a stalled
+engine's kill signals come from
+:func:`~vllm_omni_plugin.compat.internals.engine_processes`.
 
 **Sizing the timeout.** A healthy engine answers within one engine step, so the
 timeout must exceed the longest step a stage takes. For the shipped pipelines on one
@@ -41,6 +44,7 @@ from collections.abc import Callable
 
 import psutil
 
+from vllm_omni_plugin.compat.internals import engine_processes, liveness_probe
 from vllm_omni_plugin.logger import init_logger
 
 logger = init_logger(__name__)
@@ -52,15 +56,6 @@ MAX_PROBE_INTERVAL_S = 5.0
 #: A probe answered after more than this share of the stall timeout is logged (a step
 #: that long is close to counting as a stall).
 SLOW_PROBE_SHARE = 0.5
-
-
-def engine_processes(engine) -> list | None:
-    """The ``multiprocessing`` processes of ``engine`` (an ``AsyncLLM``), or None
-    when this vLLM does not expose them (``engine_core.resources.engine_manager``
-    in vLLM 0.30-0.33)."""
-    resources = getattr(getattr(engine, "engine_core", None), "resources", None)
-    processes = getattr(getattr(resources, "engine_manager", None), "processes", None)
-    return list(processes) if processes else None
 
 
 def stall_timeout_of(stage, settings) -> float:
@@ -111,7 +106,7 @@ class StallWatch:
         while True:
             sent = loop.time()
             try:
-                await asyncio.wait_for(self.engine.is_sleeping(), self.timeout)
+                await asyncio.wait_for(liveness_probe(self.engine), self.timeout)
             except asyncio.TimeoutError:  # (not the built-in one before Python 3.11)
                 break
             except Exception:  # dead or shut down: its exit is the supervisor's to see
@@ -130,7 +125,8 @@ class StallWatch:
 
 
 def kill_engine(engine) -> int:
-    """SIGKILL ``engine``'s EngineCore processes (:func:`engine_processes`) and every
+    """SIGKILL ``engine``'s EngineCore processes
+    (:func:`~vllm_omni_plugin.compat.internals.engine_processes`) and every
     process they started (its workers), all collected before the first signal so that
     none is orphaned meanwhile; a stopped (SIGSTOP) process dies of SIGKILL too. Returns
     how many were signalled (none where this vLLM does not expose the processes)."""

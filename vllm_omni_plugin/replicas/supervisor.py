@@ -31,9 +31,10 @@ import time
 from collections.abc import Callable
 from multiprocessing import connection
 
+from vllm_omni_plugin.compat.internals import engine_processes
 from vllm_omni_plugin.logger import init_logger
 
-from .liveness import StallWatch, engine_processes, kill_engine
+from .liveness import StallWatch, kill_engine
 from .replica import LocalReplica
 
 logger = init_logger(__name__)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -58,30 +58,6 @@ class InputGrowth:
 
     payload: dict[str, torch.Tensor]
     ready: int | None
-
-
-async def completed(task: StageTask) -> StageTask:
-    """``task`` with its whole input: waits for the rest of a growing input and joins it
-    into the payload (for a vLLM without resumable requests)."""
-    if task.growth is None:
-        return task
-    merged = {k: [v] for k, v in task.payload.items()}
-    async with aclosing(task.growth) as growth:
-        async for more in growth:
-            for name, t in more.payload.items():
-                merged.setdefault(name, []).append(t)
-    return replace(task, payload={k: torch.cat(v, dim=0) for k, v in merged.items()},
-                   ready=None, growth=None)
-
-
-def streaming_input_class():
-    """vLLM's ``StreamingInput`` (resumable requests fed by an async generator), or None
-    for a vLLM without it (then a growing input is waited for, see :func:`completed`)."""
-    try:
-        from vllm.engine.protocol import StreamingInput
-    except ImportError:
-        return None
-    return StreamingInput
 
 
 @dataclass
@@ -187,17 +163,19 @@ async def run_on_engine(engine, store: PayloadStore, task: StageTask,
     produced = False
     final = None
     seen = 0  # payload chunks handed to on_rows
+    write = None  # the input's write, in a thread
     try:
         if task.payload:
-            await asyncio.to_thread(store.put, in_key, task.payload)
+            # shielded: a caller that goes away (a client that disconnected) must not leave
+            # the write running past the clean-up below, which would delete the key before
+            # the write creates it, leaving it in the store for good
+            write = asyncio.ensure_future(asyncio.to_thread(store.put, in_key, task.payload))
+            await asyncio.shield(write)
         store.create(out_key)
-        if task.growth is not None and (streaming_input := streaming_input_class()):
+        if task.growth is not None:
             params.extra_args[xargs.PAYLOAD]["input_grows"] = True
-            outputs = _fed(engine, store, in_key, task, params, streaming_input)
+            outputs = _fed(engine, store, in_key, task, params)
         else:
-            if task.growth is not None:  # a vLLM without resumable requests
-                task = await completed(task)
-                await asyncio.to_thread(store.put, in_key, task.payload)
             outputs = engine.generate(TokensPrompt(prompt_token_ids=list(task.prompt_token_ids)),
                                       params, task.request_id)
         try:
@@ -242,11 +220,11 @@ async def run_on_engine(engine, store: PayloadStore, task: StageTask,
                         prefill_engine=prefill_engine_params(
                             getattr(engine, "vllm_config", None), host))
     finally:
-        await asyncio.to_thread(_delete, store, (in_key, out_key))
+        # shielded as the orchestrator's deletion: a second cancellation must not stop it
+        await asyncio.shield(asyncio.ensure_future(_clean_up(store, (in_key, out_key), write)))
 
 
-async def _fed(engine, store: PayloadStore, in_key: str, task: StageTask, params,
-               streaming_input):
+async def _fed(engine, store: PayloadStore, in_key: str, task: StageTask, params):
     """Run a task whose input grows as one resumable vLLM request fed by an async generator
     of ``StreamingInput`` chunks; yields its outputs with cumulative token ids and, after
     the input stream closes, the last one again as the final output.
@@ -257,6 +235,7 @@ async def _fed(engine, store: PayloadStore, in_key: str, task: StageTask, params
     is the token sampled last, after the rows the chunk needs are appended to the input
     payload. A stop token or ``max_tokens`` in all ends the stream.
     """
+    from vllm.engine.protocol import StreamingInput
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
@@ -269,8 +248,8 @@ async def _fed(engine, store: PayloadStore, in_key: str, task: StageTask, params
     def chunk(prompt_ids: list[int], ready: int | None):
         sampling = params.clone()
         sampling.max_tokens = (limit if ready is None else min(ready, limit)) - len(tokens)
-        return streaming_input(prompt=TokensPrompt(prompt_token_ids=prompt_ids),
-                               sampling_params=sampling)
+        return StreamingInput(prompt=TokensPrompt(prompt_token_ids=prompt_ids),
+                              sampling_params=sampling)
 
     async def inputs():
         ready = task.ready
@@ -307,6 +286,15 @@ async def _fed(engine, store: PayloadStore, in_key: str, task: StageTask, params
     if last is not None:
         last.finished = True
         yield last
+
+
+async def _clean_up(store: PayloadStore, keys, write: asyncio.Future | None) -> None:
+    """Delete ``keys`` once ``write`` (the task's input being written, or None) ended."""
+    if write is not None:
+        await asyncio.wait({write})
+        if not write.cancelled():
+            write.exception()  # (raised to the task already, unless it was cancelled)
+    await asyncio.to_thread(_delete, store, keys)
 
 
 def _delete(store: PayloadStore, keys) -> None:

@@ -52,6 +52,7 @@ import dataclasses
 import math
 import sys
 
+from vllm_omni_plugin.compat.internals import attention_kv_shape, quant_method_name
 from vllm_omni_plugin.config.placement import CPU_BIND_ENV, GIB, Host
 
 #: per-engine allowance for what vLLM's profile does not count: CUDA context (~0.5 GiB),
@@ -200,15 +201,15 @@ def measure_stage(vllm_config) -> tuple[int, int, int]:
     model_config = vllm_config.model_config
     weights = 0
     for module in model.modules():
-        method = type(getattr(module, "quant_method", None)).__name__
+        method = quant_method_name(module) or ""
         for name, tensor in [*module.named_parameters(recurse=False),
                              *module.named_buffers(recurse=False)]:
             one_byte = method.startswith("Fp8") and "Online" in method and \
                 name.endswith("weight")
             weights += tensor.numel() * (1 if one_byte else tensor.element_size())
     kv_dtype = model_config.dtype.itemsize
-    kv_per_token = sum(2 * m.num_kv_heads * m.head_size * kv_dtype for m in model.modules()
-                       if type(m).__name__ == "Attention" and hasattr(m, "num_kv_heads"))
+    shapes = [shape for m in model.modules() if (shape := attention_kv_shape(m)) is not None]
+    kv_per_token = sum(2 * heads * size * kv_dtype for heads, size in shapes)
     profile = getattr(type(model), "plan_profile", None)
     tokens, extra = profile(model_config) if profile else (None, 0)
     peak = activation_peak(vllm_config, tokens) + extra

@@ -34,6 +34,7 @@ from contextlib import contextmanager
 
 from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 
+from vllm_omni_plugin.compat.internals import model_runner_of
 from vllm_omni_plugin.compat.model_runner import batch_req_ids, watch_step
 from vllm_omni_plugin.config.settings import OmniSettings
 from vllm_omni_plugin.logger import init_logger
@@ -73,7 +74,7 @@ class OmniWorkerMixin:
         from vllm.distributed import get_pp_group, get_tp_group
 
         super().load_model(*args, **kwargs)
-        check_graph_mode(_unwrapped(self.model_runner.get_model()),
+        check_graph_mode(_unwrapped(model_runner_of(self).get_model()),
                          self.vllm_config.compilation_config.cudagraph_mode,
                          self.omni_io.stage_id)
         # Every tensor-parallel rank computes the same rows (its outputs are all-reduced)
@@ -89,7 +90,7 @@ class OmniWorkerMixin:
     def determine_available_memory(self):
         """vLLM's memory profile (its profiling forward: ``profile_run``), with
         ``stage_profiling`` set on a stage model that has it (see the module docstring)."""
-        with stage_profiling(_unwrapped(self.model_runner.get_model())):
+        with stage_profiling(_unwrapped(model_runner_of(self).get_model())):
             return super().determine_available_memory()
 
     def execute_model(self, scheduler_output):
@@ -97,19 +98,20 @@ class OmniWorkerMixin:
         (:meth:`StageIO.begin_step`), binds a :class:`StageStep` to a model that declares
         ``uses_stage_step`` during the forward, publishes the stage outputs after it (on
         the publishing worker), and makes failed requests emit their stop token."""
-        model = _unwrapped(self.model_runner.get_model())
+        runner = model_runner_of(self)
+        model = _unwrapped(runner.get_model())
         stepwise = getattr(model, "uses_stage_step", False)
         publishing = self.omni_io.begin_step(scheduler_output, always=stepwise)
         if stepwise:
-            watch_step(self.model_runner)
-            model.stage_step = StageStep(self.omni_io, self.model_runner, scheduler_output)
+            watch_step(runner)
+            model.stage_step = StageStep(self.omni_io, runner, scheduler_output)
         try:
             output = super().execute_model(scheduler_output)
         finally:
             if stepwise:
                 model.stage_step = None
         if publishing and self.omni_publishes and scheduler_output.total_num_scheduled_tokens:
-            self.omni_io.publish(model, batch_req_ids(self.model_runner), scheduler_output)
+            self.omni_io.publish(model, batch_req_ids(runner), scheduler_output)
         return self._fix_failed(output)
 
     def sample_tokens(self, grammar_output):

@@ -14,7 +14,9 @@ and per talker task whether it got a growing input), media (one request per file
 OUT_DIR/media: ``image.png``, ``audio.wav``; the user turn is the medium then
 :data:`MEDIA_TEXT`; codes and waveforms saved to OUT_DIR/media.npz as
 ``{image,audio}_{codes,waveform}``), cancel (client disconnect while the talker engine
-holds the request), abort (explicit abort(), likewise).
+holds the request), abort (explicit abort(), likewise), liveness (the canaries of
+``compat.internals.engine_processes`` and ``liveness_probe`` on the talker's engine, see
+:func:`liveness_canary`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ MEDIA_TEXT = "What is this?"
 #: Seconds: bound on waiting for a request to reach the talker, and for the pipeline to
 #: clean up after an abort
 WAIT_S = 120.0
+#: Seconds a stopped EngineCore is given to answer a liveness probe (an idle one answers
+#: in milliseconds; far below the stall timeout of the pipeline's talker, 120 s)
+STOPPED_PROBE_S = 3.0
 
 
 async def _wait_for(pred, timeout=WAIT_S) -> bool:
@@ -60,6 +65,49 @@ def _model_runner(worker) -> str:
     """The qualified class name of ``worker``'s model runner (run in each worker)."""
     runner = getattr(worker, "worker", worker).model_runner
     return f"{type(runner).__module__}.{type(runner).__qualname__}"
+
+
+def _is_engine_core(process) -> bool:
+    return "EngineCore" in " ".join([process.name(), *process.cmdline()])
+
+
+async def liveness_canary(engine, other) -> dict:
+    """What the stall watch relies on, on a real stage engine (``engine``, an ``AsyncLLM``
+    idle in the pipeline; ``other``: another stage's): ``engine_processes`` gives the pid
+    of an EngineCore process this process started; its liveness probe is answered, is not
+    while that process is stopped (SIGSTOP) though the other engine's is, and is again once
+    it is continued (SIGCONT). Returns what was seen, for the test to judge."""
+    import signal
+
+    import psutil
+
+    from vllm_omni_plugin.compat.internals import engine_processes, liveness_probe
+
+    async def answered(eng, timeout) -> float | None:
+        start = time.monotonic()
+        try:
+            await asyncio.wait_for(liveness_probe(eng), timeout)
+        except asyncio.TimeoutError:
+            return None
+        return time.monotonic() - start
+
+    processes = engine_processes(engine) or []
+    seen = {"pids": [p.pid for p in processes],
+            "engine_core_children": sorted(p.pid for p in psutil.Process().children()
+                                           if _is_engine_core(p)),
+            "answered_before_s": await answered(engine, WAIT_S)}
+    if len(processes) != 1:
+        return seen
+    pid = processes[0].pid
+    seen["workers"] = [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        seen["answered_stopped_s"] = await answered(engine, STOPPED_PROBE_S)
+        seen["other_answered_s"] = await answered(other, WAIT_S)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    seen["answered_after_s"] = await answered(engine, WAIT_S)
+    return seen
 
 
 async def engine_settings(engine) -> dict:
@@ -223,6 +271,9 @@ async def main(ckpt, yaml_path, out_dir, scenarios, dtype="float32",
             report[scenario] = {"was_in_talker": in_talker,
                                 "result_stored": results.pop(scenario, None) is not None,
                                 **left()}
+        if "liveness" in scenarios:
+            code2wav = next(iter(orchestrator.pools[2].replicas.values())).engine
+            report["liveness"] = await liveness_canary(talker, code2wav)
         after = await run("after")
         result = results.pop("after", None)
         report["after_ok"] = bool(after and after.finished and result and result.error is None)

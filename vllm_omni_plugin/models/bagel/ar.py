@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from vllm.model_executor.models.bagel import BagelForConditionalGeneration
 
+from vllm_omni_plugin.compat.internals import bagel_attention_layers
+
 
 class BagelARStage(BagelForConditionalGeneration):
     """vLLM's BAGEL that also keeps each forward's keys and values (see the module doc).
@@ -38,8 +40,8 @@ class BagelARStage(BagelForConditionalGeneration):
         self._kv_shape = (llm.num_key_value_heads, llm.hidden_size // llm.num_attention_heads)
         self._captured: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._rows: dict[str, torch.Tensor] = {}
-        for layer in self.language_model.model.layers:
-            layer.self_attn.attn.register_forward_pre_hook(self._capture)
+        for attention in bagel_attention_layers(self):
+            attention.register_forward_pre_hook(self._capture)
 
     def _capture(self, module, args) -> None:
         _, key, value = args[:3]

@@ -283,11 +283,13 @@ def _draw(shapes: dict[str, tuple[int, ...]], gen, fixed: dict[str, Any]) -> dic
 
 def _sincos(side: int, hidden: int):
     """The fixed 2-D sin-cos table BAGEL stores for ``side`` x ``side`` positions
-    (vLLM's ``PositionEmbedding``, the same formula as the official one)."""
+    (vLLM's ``PositionEmbedding``, the same formula as the official one): ``[side * side,
+    hidden]`` float32."""
     import torch
-    from vllm.model_executor.models.bagel import PositionEmbedding
 
-    return torch.from_numpy(PositionEmbedding._get_2d_sincos_pos_embed(hidden, side)).float()
+    from vllm_omni_plugin.compat.internals import bagel_sincos_pos_embed
+
+    return torch.from_numpy(bagel_sincos_pos_embed(hidden, side)).float()
 
 
 def build_bagel(out_dir: str | os.PathLike, seed: int = 0) -> dict[str, Any]:

@@ -52,6 +52,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 from vllm.model_executor.models.interfaces import SupportsMRoPE
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeMLP, Qwen3MoeModel
 
+from vllm_omni_plugin.compat.internals import text_model_config
 from vllm_omni_plugin.logger import init_logger
 from vllm_omni_plugin.models.qwen3_omni import talker_inputs as ti
 from vllm_omni_plugin.models.qwen3_omni.code2wav import MAX_FRAMES
@@ -296,10 +297,7 @@ class Qwen3OmniTalkerStage(OwnShards, nn.Module, SupportsMRoPE):
         self.omni_config = hf_config
         talker_config = hf_config.talker_config
         text_config = talker_config.text_config
-        decoder_config = vllm_config.with_hf_config(text_config,
-                                                    architectures=["Qwen3MoeForCausalLM"])
-        # with_hf_config leaves hf_text_config (which vLLM's decoder reads) as it was
-        decoder_config.model_config.hf_text_config = text_config
+        decoder_config = text_model_config(vllm_config, text_config, ["Qwen3MoeForCausalLM"])
         self.model = Qwen3MoeModel(vllm_config=decoder_config, prefix="model")
         self.codec_head = ParallelLMHead(text_config.vocab_size, text_config.hidden_size,
                                          prefix="codec_head")

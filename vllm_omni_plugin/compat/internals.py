@@ -1,0 +1,493 @@
+"""The vLLM internals the plugin reads, indexed: one accessor each, and :data:`INTERNALS`.
+
+vLLM's public interface (``EngineClient``'s methods and declared attributes, the config
+dataclasses, ``SamplingParams``, ``RequestOutput``, the extension points of DESIGN.md §4)
+is read directly. Everything else the plugin reads of vLLM (an instance attribute a vLLM
+``__init__`` sets, a private name, the fields of vLLM's internal messages, the module tree
+of a vLLM model, a behaviour a liveness check relies on) goes through a function of this
+module, whose docstring names the vLLM path it reads, the releases it was read from and
+what it does when the path is missing. Two kinds of use are listed without a wrapper:
+
+* a plugin class that subclasses a vLLM class (``OmniMooncakeConnectorWorker``,
+  ``OmniPlacedExecutor``) overrides vLLM's methods and calls them on ``super()``
+  (kind :data:`OVERRIDE`), and reads the fields of the objects vLLM hands those methods
+  (kinds :data:`FIELD`, :data:`ATTRIBUTE`);
+* the patches and shims of the other ``compat/`` modules read what they patch; their
+  reads are listed here with the shim as owner.
+
+:data:`INTERNALS` lists every one of them (who reads it, the vLLM path, what kind of
+thing it is, the releases it was read from). ``plugin_tests/unit/test_compat_internals.py``
+walks it on every supported release (the CUDA-wheel row without engines too): each path
+must still be there, by vLLM's source, read without importing it; the behaviour that
+needs a running engine is checked in ``plugin_tests/engine/test_pipeline_engine.py``
+(liveness canaries). When a canary fails, vLLM moved the thing: update the accessor here
+(feature detection, no version check) and its entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import Any, NamedTuple
+
+#: The vLLM releases every entry was read from (the supported range, DESIGN.md §5).
+RELEASES = ("0.30", "0.31", "0.32", "0.33")
+
+# kinds of entries (see Internal.kind)
+#: an instance attribute assigned (``self.NAME = ...``) in a method of the class
+ATTRIBUTE = "attribute"
+#: a class-level annotated field (dataclass, msgspec ``Struct``, ``TypedDict`` key)
+FIELD = "field"
+#: a method (or property) of the class with these parameter names (``detail``)
+METHOD = "method"
+#: a method of the class with these parameter names (``detail``) that the plugin class
+#: named by ``owner`` overrides with the same parameters (and the same ``async``-ness)
+OVERRIDE = "override"
+#: a module-level function with these parameter names (``detail``), or a module-level name
+FUNCTION = "function"
+#: source text (``detail``, each as ``ast.unparse`` writes it) inside the function or class
+#: named by the path, or inside any module of the package named by a path without ``:``
+SOURCE = "source"
+
+
+class Internal(NamedTuple):
+    """One vLLM internal the plugin reads.
+
+    Attributes:
+        owner: who reads it: a function of this module or of a shim
+            (``module.function``), or the plugin's method that overrides it
+            (``module:Class.method``).
+        path: where vLLM defines it: ``vllm.module:Class.name`` (or ``vllm.module:name``;
+            for :data:`SOURCE` a ``vllm.package`` is searched whole).
+        kind: :data:`ATTRIBUTE`, :data:`FIELD`, :data:`METHOD`, :data:`OVERRIDE`,
+            :data:`FUNCTION` or :data:`SOURCE`.
+        detail: parameter names (methods, functions; None: not checked) or source texts
+            (:data:`SOURCE`).
+        releases: the vLLM releases it was read from.
+    """
+
+    owner: str
+    path: str
+    kind: str
+    detail: tuple[str, ...] | None = None
+    releases: tuple[str, ...] = RELEASES
+
+
+def _missing(what: str) -> AttributeError:
+    return AttributeError(f"vLLM has no {what} (read from vLLM {RELEASES[0]}-{RELEASES[-1]}); "
+                          "vllm_omni_plugin/compat/internals.py needs updating")
+
+
+# -- the engine client (AsyncLLM) ---------------------------------------------------------
+def engine_processes(engine) -> list | None:
+    """The ``multiprocessing`` processes of ``engine``'s EngineCores (an ``AsyncLLM``).
+
+    Reads ``AsyncLLM.engine_core`` (the ``AsyncMPClient``) ``.resources``
+    (``BackgroundResources``) ``.engine_manager`` (``CoreEngineProcManager``)
+    ``.processes``, all set in vLLM 0.30-0.33's constructors.
+
+    Returns:
+        The processes, or None where there are none to see: an engine whose EngineCore
+        runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: an ``InprocClient`` without
+        ``resources``), an engine manager of Ray actors, or a vLLM that moved them (the
+        canaries fail then).
+    """
+    resources = getattr(getattr(engine, "engine_core", None), "resources", None)
+    processes = getattr(getattr(resources, "engine_manager", None), "processes", None)
+    return list(processes) if processes else None
+
+
+def liveness_probe(engine) -> Awaitable[bool]:
+    """A liveness probe of ``engine``'s EngineCore (an ``AsyncLLM``): ``engine.is_sleeping()``.
+
+    ``AsyncLLM.is_sleeping`` awaits ``engine_core.is_sleeping_async()``, a utility call
+    (``call_utility_async("is_sleeping")``) that the EngineCore process answers in its busy
+    loop between two steps (``EngineCoreProc._handle_client_request``,
+    ``EngineCoreRequestType.UTILITY``): vLLM 0.30-0.33. So an answer proves the loop turns,
+    and a stopped or hung EngineCore leaves it unanswered.
+
+    Returns:
+        The awaitable (the engine's answer: whether it sleeps). Raises what the engine
+        raises (``EngineDeadError`` for a dead one).
+    """
+    return engine.is_sleeping()
+
+
+# -- requests ---------------------------------------------------------------------------
+def prompt_token_ids_of(prompt) -> list[int] | None:
+    """The token ids of a prompt as vLLM's API server passes it to ``AsyncLLM.generate``,
+    or None when the prompt also carries multimodal data or embeddings, or has no token ids.
+
+    Reads a mapping's ``prompt_token_ids`` and ``type`` (``"token"``) and the multimodal
+    and embedding keys: the prompt types' ``multi_modal_data``, the engine inputs'
+    (``vllm.inputs.engine``: ``TokensInput``, ``MultiModalInput``'s ``mm_kwargs`` /
+    ``mm_placeholders``, ``EmbedsInput``'s ``prompt_embeds``); or an ``EngineCoreRequest``'s
+    ``prompt_token_ids``, ``mm_features`` and ``prompt_embeds`` (vLLM 0.30-0.33). A prompt
+    without them counts as having none (None when it has no token ids).
+    """
+    if isinstance(prompt, dict):
+        ids = prompt.get("prompt_token_ids")
+        other = prompt.get("type", "token") != "token" or any(
+            prompt.get(k) for k in ("multi_modal_data", "mm_kwargs", "mm_placeholders",
+                                    "prompt_embeds"))
+    else:
+        ids = getattr(prompt, "prompt_token_ids", None)
+        other = bool(getattr(prompt, "mm_features", None)) or getattr(
+            prompt, "prompt_embeds", None) is not None
+    if other or not isinstance(ids, list) or not ids:
+        return None
+    return list(ids)
+
+
+def sampling_param_fields() -> tuple[str, ...]:
+    """The field names of ``vllm.SamplingParams`` (imports vLLM), private ones included.
+
+    Reads ``SamplingParams.__struct_fields__``: a ``msgspec.Struct`` in vLLM 0.30-0.33;
+    a dataclass's fields where it is one.
+
+    Raises:
+        TypeError: ``SamplingParams`` is neither.
+    """
+    from vllm.sampling_params import SamplingParams
+
+    names = getattr(SamplingParams, "__struct_fields__", None)
+    if names is None:
+        import dataclasses
+
+        names = tuple(f.name for f in dataclasses.fields(SamplingParams))
+    return tuple(names)
+
+
+# -- configs ----------------------------------------------------------------------------
+def text_model_config(vllm_config, text_config, architectures: list[str]):
+    """``vllm_config`` for a decoder built from ``text_config`` (an HF text config) as
+    ``architectures``: ``VllmConfig.with_hf_config`` and, as that leaves it, the copy's
+    ``model_config.hf_text_config`` (which vLLM's decoders read) set to ``text_config``.
+
+    Reads ``VllmConfig.with_hf_config(hf_config, architectures)`` and writes
+    ``ModelConfig.hf_text_config`` (set in ``ModelConfig.__post_init__``): vLLM 0.30-0.33.
+    ``vllm_config`` itself is not changed.
+
+    Raises:
+        AttributeError: this vLLM's ``VllmConfig`` has no ``with_hf_config``.
+    """
+    if not hasattr(vllm_config, "with_hf_config"):
+        raise _missing("VllmConfig.with_hf_config")
+    config = vllm_config.with_hf_config(text_config, architectures=list(architectures))
+    config.model_config.hf_text_config = text_config
+    return config
+
+
+def served_vllm_config(app) -> Any:
+    """The ``VllmConfig`` of the model vLLM's API server serves, from its ASGI ``app``
+    (None for another app, or before vLLM set its state).
+
+    Reads ``app.state.vllm_config``, which vLLM's ``init_app_state`` sets
+    (``vllm/entrypoints/launchers/api_server/app_state.py``, vLLM 0.30-0.33; the canary
+    searches all of ``vllm.entrypoints``, where the launchers have moved before).
+    """
+    return getattr(getattr(app, "state", None), "vllm_config", None)
+
+
+# -- workers and model runners ----------------------------------------------------------
+def model_runner_of(worker):
+    """The model runner of a vLLM worker (``Worker``, ``CPUWorker``): its ``model_runner``,
+    set in ``init_device`` (vLLM 0.30-0.33).
+
+    Raises:
+        AttributeError: the worker has none (not initialised, or vLLM moved it).
+    """
+    runner = getattr(worker, "model_runner", None)
+    if runner is None:
+        raise _missing(f"{type(worker).__name__}.model_runner")
+    return runner
+
+
+# -- models -----------------------------------------------------------------------------
+def bagel_attention_layers(model) -> list:
+    """The ``Attention`` modules of vLLM's ``BagelForConditionalGeneration`` (``model``),
+    one per decoder layer in order: ``model.language_model`` (a ``Qwen2ForCausalLM``)
+    ``.model.layers[i].self_attn.attn`` (``Qwen2Model``, ``Qwen2DecoderLayer``,
+    ``Qwen2Attention``; vLLM 0.30-0.33).
+
+    Raises:
+        AttributeError: one of those attributes is missing (vLLM changed the model).
+    """
+    try:
+        return [layer.self_attn.attn for layer in model.language_model.model.layers]
+    except AttributeError as exc:
+        raise _missing(f"BagelForConditionalGeneration.language_model.model.layers[i]"
+                       f".self_attn.attn ({exc})") from exc
+
+
+def bagel_sincos_pos_embed(embed_dim: int, grid_size: int):
+    """BAGEL's fixed 2-D sine-cosine position table of vLLM's BAGEL vision tower: a float
+    ``numpy`` array ``[grid_size * grid_size, embed_dim]`` (the official code's
+    ``get_2d_sincos_pos_embed``).
+
+    Reads ``vllm.model_executor.models.bagel.PositionEmbedding._get_2d_sincos_pos_embed``
+    (a private static method; vLLM 0.30-0.33).
+
+    Raises:
+        AttributeError: vLLM moved it.
+    """
+    from vllm.model_executor.models.bagel import PositionEmbedding
+
+    table = getattr(PositionEmbedding, "_get_2d_sincos_pos_embed", None)
+    if table is None:
+        raise _missing("PositionEmbedding._get_2d_sincos_pos_embed")
+    return table(embed_dim, grid_size)
+
+
+def attention_kv_shape(module) -> tuple[int, int] | None:
+    """``(num_kv_heads, head_size)`` of a vLLM ``Attention`` module (this rank's KV heads),
+    or None for any other module.
+
+    Reads ``Attention.num_kv_heads`` and ``Attention.head_size``, set in its constructor
+    (``vllm/model_executor/layers/attention/attention.py``, vLLM 0.30-0.33).
+    """
+    if type(module).__name__ != "Attention" or not hasattr(module, "num_kv_heads"):
+        return None
+    return int(module.num_kv_heads), int(module.head_size)
+
+
+def quant_method_name(module) -> str | None:
+    """The class name of a vLLM layer's quantization method (``"UnquantizedLinearMethod"``,
+    ``"Fp8OnlineLinearMethod"``...), or None for a module without one.
+
+    Reads the ``quant_method`` that ``LinearBase`` and ``RoutedExperts`` (fused MoE) set in
+    their constructors (vLLM 0.30-0.33).
+    """
+    method = getattr(module, "quant_method", None)
+    return None if method is None else type(method).__name__
+
+
+# -- vLLM's Mooncake connector (kv_transfer/mooncake.py subclasses it) ----------------------
+_MOONCAKE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector"
+
+
+def mooncake_transfer_engine_available() -> bool:
+    """Whether vLLM's Mooncake connector module imported Mooncake's ``TransferEngine``
+    (its module-level ``TransferEngine`` is None where ``mooncake.engine`` does not import;
+    vLLM 0.30-0.33)."""
+    import importlib
+
+    return getattr(importlib.import_module(_MOONCAKE), "TransferEngine", None) is not None
+
+
+def mooncake_launches_bootstrap_server(vllm_config) -> bool:
+    """Whether vLLM's Mooncake connector starts a bootstrap server in this engine's worker
+    (the prefill side's serving rank). Reads the connector module's
+    ``should_launch_bootstrap_server(vllm_config)`` (vLLM 0.30-0.33)."""
+    import importlib
+
+    return bool(importlib.import_module(_MOONCAKE).should_launch_bootstrap_server(vllm_config))
+
+
+def mooncake_bootstrap_port(vllm_config) -> int:
+    """The port vLLM's Mooncake connector binds its bootstrap server on. Reads the connector
+    module's ``get_mooncake_bootstrap_addr(vllm_config)`` (``(host, port)``; vLLM 0.30-0.33;
+    the port from ``VLLM_MOONCAKE_BOOTSTRAP_PORT``)."""
+    import importlib
+
+    return int(importlib.import_module(_MOONCAKE).get_mooncake_bootstrap_addr(vllm_config)[1])
+
+
+def mooncake_release_bootstrap_waiters(worker, bootstrap_addr: str) -> None:
+    """Wake and forget the waiters of ``worker``'s bootstrap query of ``bootstrap_addr``
+    (after that query was cancelled: vLLM sets and drops its event only when its query
+    returns). Reads ``MooncakeConnectorWorker._pending_bootstrap_queries`` (address ->
+    ``asyncio.Event``, set in its constructor; vLLM 0.30-0.33).
+
+    Raises:
+        AttributeError: vLLM moved it.
+    """
+    try:
+        pending = worker._pending_bootstrap_queries
+    except AttributeError as exc:
+        raise _missing("MooncakeConnectorWorker._pending_bootstrap_queries") from exc
+    event = pending.pop(bootstrap_addr, None)
+    if event is not None:
+        event.set()
+
+
+def mooncake_knows_engine(worker, remote_engine_id: str) -> bool:
+    """Whether ``worker`` has bootstrapped the prefill engine ``remote_engine_id`` (knows
+    its workers' addresses). Reads ``MooncakeConnectorWorker._remote_agents`` (engine id ->
+    agents, set in its constructor; vLLM 0.30-0.33).
+
+    Raises:
+        AttributeError: vLLM moved it.
+    """
+    try:
+        return remote_engine_id in worker._remote_agents
+    except AttributeError as exc:
+        raise _missing("MooncakeConnectorWorker._remote_agents") from exc
+
+
+def mooncake_send_meta(worker, transfer_id: str):
+    """The ``SendBlockMeta`` of a finished request ``worker`` (the prefill side) holds for
+    ``transfer_id``, or None. Reads ``MooncakeConnectorWorker.reqs_need_send`` (transfer id
+    -> ``SendBlockMeta``, set in its constructor; vLLM 0.30-0.33).
+
+    Raises:
+        AttributeError: vLLM moved it.
+    """
+    try:
+        return worker.reqs_need_send.get(transfer_id)
+    except AttributeError as exc:
+        raise _missing("MooncakeConnectorWorker.reqs_need_send") from exc
+
+
+def mooncake_fail_receives(worker, pull_metas: dict, req_ids: list[str], reason: str) -> None:
+    """Report the pulls of ``req_ids`` (among ``pull_metas``) as failed loads, as vLLM's
+    decode side does for its own failures: ``MooncakeConnectorWorker._handle_failed_recv(
+    pull_metas, req_ids, reason)`` (vLLM 0.30-0.33).
+
+    Raises:
+        AttributeError: vLLM moved it.
+    """
+    handle = getattr(worker, "_handle_failed_recv", None)
+    if handle is None:
+        raise _missing("MooncakeConnectorWorker._handle_failed_recv")
+    handle(pull_metas, req_ids, reason)
+
+
+# -- the index ----------------------------------------------------------------------------
+_ASYNC_LLM = "vllm.v1.engine.async_llm:AsyncLLM"
+_CORE_CLIENT = "vllm.v1.engine.core_client"
+_MC = f"{_MOONCAKE}:MooncakeConnectorWorker"
+_OMNI_MC = "vllm_omni_plugin.kv_transfer.mooncake:OmniMooncakeConnectorWorker"
+_QWEN2 = "vllm.model_executor.models.qwen2"
+_HERE = "vllm_omni_plugin.compat.internals"
+
+#: Every vLLM internal the plugin reads (see the module docstring), in the order above.
+INTERNALS: tuple[Internal, ...] = (
+    # engine_processes: the EngineCore processes the supervisor waits on and a stall kills
+    Internal(f"{_HERE}.engine_processes", f"{_ASYNC_LLM}.engine_core", ATTRIBUTE),
+    Internal(f"{_HERE}.engine_processes", f"{_CORE_CLIENT}:MPClient.resources", ATTRIBUTE),
+    Internal(f"{_HERE}.engine_processes", f"{_CORE_CLIENT}:BackgroundResources.engine_manager",
+             FIELD),
+    Internal(f"{_HERE}.engine_processes", "vllm.v1.engine.utils:CoreEngineProcManager.processes",
+             ATTRIBUTE),
+    # liveness_probe: is_sleeping is a utility call the EngineCore's busy loop answers
+    Internal(f"{_HERE}.liveness_probe", f"{_ASYNC_LLM}.is_sleeping", SOURCE,
+             ("self.engine_core.is_sleeping_async()",)),
+    Internal(f"{_HERE}.liveness_probe", f"{_CORE_CLIENT}:AsyncMPClient.is_sleeping_async",
+             SOURCE, ("call_utility", "'is_sleeping'")),
+    Internal(f"{_HERE}.liveness_probe", "vllm.v1.engine.core:EngineCore.is_sleeping", METHOD,
+             ("self",)),
+    Internal(f"{_HERE}.liveness_probe",
+             "vllm.v1.engine.core:EngineCoreProc._handle_client_request", SOURCE,
+             ("EngineCoreRequestType.UTILITY",)),
+    # prompt_token_ids_of: what the API server hands AsyncLLM.generate
+    *(Internal(f"{_HERE}.prompt_token_ids_of", f"vllm.v1.engine:EngineCoreRequest.{name}", FIELD)
+      for name in ("prompt_token_ids", "mm_features", "prompt_embeds")),
+    Internal(f"{_HERE}.prompt_token_ids_of", "vllm.inputs.engine:TokensInput.type", FIELD),
+    Internal(f"{_HERE}.prompt_token_ids_of", "vllm.inputs.engine:TokensInput.prompt_token_ids",
+             FIELD),
+    Internal(f"{_HERE}.prompt_token_ids_of", "vllm.inputs.engine:MultiModalInput.mm_kwargs",
+             FIELD),
+    Internal(f"{_HERE}.prompt_token_ids_of",
+             "vllm.inputs.engine:MultiModalInput.mm_placeholders", FIELD),
+    Internal(f"{_HERE}.prompt_token_ids_of", "vllm.inputs.engine:EmbedsInput.prompt_embeds",
+             FIELD),
+    Internal(f"{_HERE}.sampling_param_fields", "vllm.sampling_params:SamplingParams", SOURCE,
+             ("msgspec.Struct",)),
+    # configs
+    Internal(f"{_HERE}.text_model_config", "vllm.config.vllm:VllmConfig.with_hf_config", METHOD,
+             ("self", "hf_config", "architectures")),
+    Internal(f"{_HERE}.text_model_config", "vllm.config.model:ModelConfig.hf_text_config",
+             ATTRIBUTE),
+    Internal(f"{_HERE}.served_vllm_config", "vllm.entrypoints", SOURCE,
+             ("state.vllm_config = vllm_config",)),
+    Internal("vllm_omni_plugin.compat.api_auth.vllm_auth_middleware",
+             "vllm.entrypoints.serve.middleware.register:init_entrypoints_middleware", SOURCE,
+             ("app.add_middleware(AuthenticationMiddleware, tokens=tokens)",
+              "for middleware in args.middleware:")),
+    Internal("vllm_omni_plugin.compat.api_auth.vllm_auth_middleware",
+             "vllm.entrypoints.serve.middleware.authenticate:AuthenticationMiddleware.__call__",
+             METHOD, ("self", "scope", "receive", "send")),
+    # workers and model runners
+    Internal(f"{_HERE}.model_runner_of", "vllm.v1.worker.gpu_worker:Worker.model_runner",
+             ATTRIBUTE),
+    Internal(f"{_HERE}.model_runner_of", "vllm.v1.worker.cpu_worker:CPUWorker.model_runner",
+             ATTRIBUTE),
+    Internal("vllm_omni_plugin.worker.placement:OmniPlacedExecutor._init_executor",
+             "vllm.v1.executor.multiproc_executor:MultiprocExecutor._init_executor", OVERRIDE,
+             ("self",)),
+    Internal("vllm_omni_plugin.compat.model_runner.batch_req_ids",
+             "vllm.v1.worker.gpu_model_runner:GPUModelRunner.input_batch", ATTRIBUTE),
+    Internal("vllm_omni_plugin.compat.model_runner.batch_req_ids",
+             "vllm.v1.worker.gpu_input_batch:InputBatch.req_ids", METHOD, ("self",)),
+    Internal("vllm_omni_plugin.compat.model_runner.batch_req_ids",
+             "vllm.v1.worker.gpu.model_runner:GPUModelRunner.execute_model_state", ATTRIBUTE),
+    Internal("vllm_omni_plugin.compat.model_runner.batch_req_ids",
+             "vllm.v1.worker.gpu.model_runner:ExecuteModelState.input_batch", FIELD),
+    Internal("vllm_omni_plugin.compat.model_runner.batch_req_ids",
+             "vllm.v1.worker.gpu.input_batch:InputBatch.req_ids", FIELD),
+    Internal("vllm_omni_plugin.compat.model_runner.watch_step",
+             "vllm.v1.worker.gpu.model_runner:GPUModelRunner.prepare_inputs", METHOD),
+    Internal("vllm_omni_plugin.compat.streaming_max_tokens.apply",
+             "vllm.v1.core.sched.scheduler:Scheduler._update_request_as_session", METHOD,
+             ("self", "session", "update")),
+    # models
+    Internal(f"{_HERE}.bagel_attention_layers",
+             "vllm.model_executor.models.bagel:BagelForConditionalGeneration.language_model",
+             ATTRIBUTE),
+    Internal(f"{_HERE}.bagel_attention_layers", f"{_QWEN2}:Qwen2ForCausalLM.model", ATTRIBUTE),
+    Internal(f"{_HERE}.bagel_attention_layers", f"{_QWEN2}:Qwen2Model.layers", ATTRIBUTE),
+    Internal(f"{_HERE}.bagel_attention_layers", f"{_QWEN2}:Qwen2DecoderLayer.self_attn",
+             ATTRIBUTE),
+    Internal(f"{_HERE}.bagel_attention_layers", f"{_QWEN2}:Qwen2Attention.attn", ATTRIBUTE),
+    Internal(f"{_HERE}.bagel_sincos_pos_embed",
+             "vllm.model_executor.models.bagel:PositionEmbedding._get_2d_sincos_pos_embed",
+             METHOD, ("embed_dim", "grid_size")),
+    Internal(f"{_HERE}.attention_kv_shape",
+             "vllm.model_executor.layers.attention.attention:Attention.num_kv_heads", ATTRIBUTE),
+    Internal(f"{_HERE}.attention_kv_shape",
+             "vllm.model_executor.layers.attention.attention:Attention.head_size", ATTRIBUTE),
+    Internal(f"{_HERE}.quant_method_name",
+             "vllm.model_executor.layers.linear:LinearBase.quant_method", ATTRIBUTE),
+    Internal(f"{_HERE}.quant_method_name",
+             "vllm.model_executor.layers.fused_moe.routed_experts:RoutedExperts.quant_method",
+             ATTRIBUTE),
+    # vLLM's Mooncake connector: read here, and overridden by the plugin's subclass
+    Internal(f"{_HERE}.mooncake_transfer_engine_available", f"{_MOONCAKE}:TransferEngine",
+             FUNCTION),
+    Internal(f"{_HERE}.mooncake_launches_bootstrap_server",
+             f"{_MOONCAKE}:should_launch_bootstrap_server", FUNCTION, ("vllm_config",)),
+    Internal(f"{_HERE}.mooncake_bootstrap_port", f"{_MOONCAKE}:get_mooncake_bootstrap_addr",
+             FUNCTION, ("vllm_config",)),
+    Internal(f"{_HERE}.mooncake_release_bootstrap_waiters", f"{_MC}._pending_bootstrap_queries",
+             ATTRIBUTE),
+    Internal(f"{_HERE}.mooncake_knows_engine", f"{_MC}._remote_agents", ATTRIBUTE),
+    Internal(f"{_HERE}.mooncake_send_meta", f"{_MC}.reqs_need_send", ATTRIBUTE),
+    Internal(f"{_HERE}.mooncake_fail_receives", f"{_MC}._handle_failed_recv", METHOD,
+             ("self", "pull_metas", "req_ids", "reason")),
+    Internal(f"{_OMNI_MC}.record_send_reqs", f"{_MOONCAKE}:SendBlockMeta.expire_time", FIELD),
+    Internal(f"{_OMNI_MC}.record_send_reqs",
+             f"{_MOONCAKE}:MooncakeConnectorMetadata.reqs_to_send", ATTRIBUTE),
+    Internal(f"{_OMNI_MC}.handle_new_engine_id", f"{_MOONCAKE}:PullReqMeta.remote_bootstrap_addr",
+             FIELD),
+    Internal(f"{_OMNI_MC}.__init__", f"{_MC}.__init__", OVERRIDE,
+             ("self", "vllm_config", "engine_id", "kv_cache_config")),
+    Internal("vllm_omni_plugin.kv_transfer.mooncake:OmniMooncakeConnector.__init__",
+             f"{_MOONCAKE}:MooncakeConnector.__init__", OVERRIDE,
+             ("self", "vllm_config", "role", "kv_cache_config")),
+    Internal(f"{_OMNI_MC}._send_blocks", f"{_MC}._send_blocks", OVERRIDE,
+             ("self", "remote_session", "src_ptrs", "dst_ptrs", "lengths")),
+    Internal(f"{_OMNI_MC}._start_load_kv", f"{_MC}._start_load_kv", OVERRIDE,
+             ("self", "reqs_to_recv")),
+    Internal(f"{_OMNI_MC}.handle_new_engine_id", f"{_MC}.handle_new_engine_id", OVERRIDE,
+             ("self", "remote_engine_id", "pull_metas")),
+    Internal(f"{_OMNI_MC}.receive_kv_from_single_worker", f"{_MC}.receive_kv_from_single_worker",
+             OVERRIDE, ("self", "worker_addr", "pull_metas")),
+    Internal(f"{_OMNI_MC}.record_send_reqs", f"{_MC}.record_send_reqs", OVERRIDE,
+             ("self", "metadata")),
+    Internal(f"{_OMNI_MC}._build_transfer_params", f"{_MC}._build_transfer_params", OVERRIDE,
+             ("self", "ready_reqs", "agent_meta", "local_regions", "remote_regions")),
+    Internal("vllm_omni_plugin.compat.mooncake.use_bootstrap_port", "vllm.envs:enable_envs_cache",
+             FUNCTION, ()),
+    Internal("vllm_omni_plugin.compat.mooncake.use_bootstrap_port",
+             "vllm.envs:disable_envs_cache", FUNCTION, ()),
+)
