@@ -176,7 +176,7 @@ def test_a_head_on_a_network_address_needs_a_token_or_the_opt_out(cluster, tmp_p
     env = {k: v for k, v in head.env.items() if k != CLUSTER_TOKEN_ENV}
 
     def other_head(*flags: str, name: str) -> ServeProcess:
-        args = [*head.common[:-2], str(free_port()), *flags]
+        args = [*head.common[:-1], str(free_port()), *flags]  # another master port
         return ServeProcess(args, str(tmp_path / f"{name}.log"), env=env)
 
     refused = other_head(name="refused")
