@@ -30,12 +30,15 @@ writes the samples to a file. The e2e suite runs 60 seconds of it against its sh
 server (``plugin_tests/e2e/test_e2e_serve.py``).
 
 ``--trace DIR`` runs the server under ``traced_serve.py``: ``vllm serve`` in-process,
-with a thread that writes to DIR, every ``--interval`` seconds from the soak's minute
-``--trace-from`` (its baseline), the RSS, glibc's heap in use and free, the lines whose
+with a thread that writes to DIR the RSS, glibc's heap in use and free, the lines whose
 allocations grew (tracemalloc), object counts by type and the sizes of vLLM's and the
-plugin's collections (``--trim``: glibc's ``malloc_trim(0)`` before each sample).
-Tracing slows the API server several times and adds some 20 MB of its own. Variables
-such as ``MALLOC_ARENA_MAX`` pass through to the server.
+plugin's collections, against a baseline. After sample ``--trace-from`` (2) the clients
+pause until no request is in flight and the probe has its baseline, then go on; the
+probe samples every ``--interval`` seconds, and once the load is over and nothing is in
+flight it takes ``sample-idle.txt``: baseline and idle sample, both without requests in
+flight, tell what stays per request (``--trim``: glibc's ``malloc_trim(0)`` before each
+sample). Tracing slows the API server several times and adds some 20 MB of its own.
+Variables such as ``MALLOC_ARENA_MAX`` pass through to the server.
 
     .venv/bin/python benchmarks/soak_bench.py                 # 30 minutes, 12 clients
     .venv/bin/python benchmarks/soak_bench.py --minutes 10 --clients 8
@@ -87,6 +90,8 @@ class SoakReport:
     files_left: list[str] = field(default_factory=list)
     #: :class:`Sample` field -> its value when the server was ready (before the load)
     at_ready: dict[str, float] = field(default_factory=dict)
+    #: seconds the clients paused for ``on_pause`` (see :func:`soak`)
+    paused_s: float = 0.0
 
     def totals(self) -> Counter:
         return sum((s.answers for s in self.samples), Counter())
@@ -205,12 +210,15 @@ async def _one(session, url: str, model: str, kind: str, i: int) -> str:
 
 async def soak(url: str, model: str, seconds: float, clients: int, server_pid: int,
                payload_root: Path, interval: float = 60.0, settle_s: float = 60.0,
-               on_sample=None) -> SoakReport:
+               on_sample=None, pause_after: int | None = None, on_pause=None,
+               on_idle=None) -> SoakReport:
     """Run the soak (see the module docstring) against ``url``; ``server_pid``: the
     ``vllm serve`` process (the API server), ``payload_root``: its payload store's base
     directory. Samples every ``interval`` seconds (each :class:`Sample` also goes to
     ``on_sample``, if given); after the load, waits up to ``settle_s`` for the payload
-    store to empty."""
+    store to empty. After sample ``pause_after`` the clients pause, once no request is
+    in flight ``await on_pause()`` runs, then they go on (the load still lasts
+    ``seconds``); at the end, with nothing in flight, ``await on_idle()`` runs."""
     import aiohttp  # a vLLM requirement
 
     report = SoakReport()
@@ -218,12 +226,22 @@ async def soak(url: str, model: str, seconds: float, clients: int, server_pid: i
     counter = itertools.count()
     start = time.perf_counter()
     deadline = start + seconds
+    going = asyncio.Event()
+    going.set()
+    in_flight = 0
 
     async def client(session, first: int):
+        nonlocal in_flight
         for kind in itertools.islice(itertools.cycle(KINDS), first, None):
+            await going.wait()
             if time.perf_counter() >= deadline:
                 return
-            answers[(kind, await _one(session, url, model, kind, next(counter)))] += 1
+            in_flight += 1
+            try:
+                outcome = await _one(session, url, model, kind, next(counter))
+            finally:
+                in_flight -= 1
+            answers[(kind, outcome)] += 1
 
     def sample():
         report.samples.append(Sample(time.perf_counter() - start, Counter(answers),
@@ -235,10 +253,23 @@ async def soak(url: str, model: str, seconds: float, clients: int, server_pid: i
         if on_sample is not None:
             on_sample(report.samples[-1])
 
+    async def pause():
+        nonlocal deadline
+        going.clear()
+        paused = time.perf_counter()
+        while in_flight:
+            await asyncio.sleep(0.2)
+        await on_pause()
+        report.paused_s = time.perf_counter() - paused
+        deadline += report.paused_s
+        going.set()
+
     async def sampler():
         while True:
             await asyncio.sleep(interval)
             sample()
+            if on_pause is not None and len(report.samples) == pause_after:
+                await pause()
 
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(
@@ -256,6 +287,8 @@ async def soak(url: str, model: str, seconds: float, clients: int, server_pid: i
     report.files_at_end = payload_files(payload_root)
     report.files_left = sorted(str(Path(d, f).relative_to(payload_root))
                                for d, _, files in os.walk(payload_root) for f in files)[:20]
+    if on_idle is not None:
+        await on_idle()
     return report
 
 
@@ -333,28 +366,42 @@ def main() -> int:
     parser.add_argument("--trace", type=Path, metavar="DIR",
                         help="run the server under traced_serve.py, writing to DIR")
     parser.add_argument("--trace-from", type=int, default=2, metavar="N",
-                        help="with --trace: the probe's baseline is taken at this sample "
-                             "of the soak")
+                        help="with --trace: after sample N the clients pause while the "
+                             "probe takes its baseline with nothing in flight")
     parser.add_argument("--trim", action="store_true",
                         help="with --trace: malloc_trim(0) before each trace sample")
     args = parser.parse_args()
     install_sigterm_as_interrupt()
     tmp = Path(tempfile.mkdtemp(prefix="soak-bench-"))
     ckpt, argv, env, url = audio_pipeline_serve(args, tmp)
-    start_file = tmp / "trace-start"
+    start_file, idle_file = tmp / "trace-start", tmp / "trace-idle"
     if args.trace is not None:
-        # the probe takes its baseline once this script writes start_file
+        # the probe takes its baseline once start_file exists, an idle sample once
+        # idle_file does (both while no request is in flight: see soak())
         argv = [sys.executable, str(Path(__file__).resolve().parent / "traced_serve.py"),
                 "--out", str(args.trace), "--start-file", str(start_file),
-                "--interval", str(args.interval), *(["--trim"] if args.trim else []),
-                "--", *argv[1:]]
+                "--idle-file", str(idle_file), "--interval", str(args.interval),
+                *(["--trim"] if args.trim else []), "--", *argv[1:]]
+
+    async def probe_step(trigger: Path, done: str) -> None:
+        trigger.touch()
+        waited = time.perf_counter() + args.timeout
+        while not (args.trace / done).exists() and time.perf_counter() < waited:
+            await asyncio.sleep(0.5)
+        print(f"trace: {done} after {args.timeout - (waited - time.perf_counter()):.0f} s",
+              flush=True)
+
+    async def on_pause() -> None:
+        await probe_step(start_file, "baseline.done")
+
+    async def on_idle() -> None:
+        await probe_step(idle_file, "idle.done")
+
     payloads = tmp / "payloads"
     payloads.mkdir()
     env["VLLM_OMNI_PLUGIN_PAYLOAD_DIR"] = str(payloads)
 
     def on_sample(s: Sample) -> None:
-        if args.trace is not None and round(s.seconds / args.interval) == args.trace_from:
-            start_file.touch()
         minute, answers, by_status, api, anon, mapped, engines, files = _row(s)
         print(f"minute {minute}: {answers} answers ({by_status}), API server {api} MB "
               f"(anon {anon}, file {mapped}), engines {engines} MB, payload files {files}",
@@ -368,9 +415,12 @@ def main() -> int:
         print(f"server ready in {ready:.1f} s (log {tmp / 'serve.log'}); API server RSS "
               f"{at_ready['api_rss_mb']:.0f} MB (anon {at_ready['api_anon_mb']:.0f}), engines "
               f"{at_ready['engines_rss_mb']:.0f} MB", flush=True)
+        traced = args.trace is not None
         report = asyncio.run(soak(url, str(ckpt), args.minutes * 60, args.clients,
                                   server.proc.pid, payloads, interval=args.interval,
-                                  on_sample=on_sample))
+                                  on_sample=on_sample, pause_after=args.trace_from,
+                                  on_pause=on_pause if traced else None,
+                                  on_idle=on_idle if traced else None))
         report.at_ready = at_ready
     print(table(["minute", "answers", "answers by status", "API server RSS MB", "anon",
                  "file", "engines RSS MB", "payload files"], [_row(s) for s in report.samples],
@@ -388,6 +438,11 @@ def main() -> int:
                 title="targets: 0, <= 1 MB/min, 0"))
     if report.files_left:
         print("payload files left (first 20):", *report.files_left, sep="\n  ")
+    if args.trace is not None:
+        after = sum(sum(s.answers.values()) for s in report.samples[args.trace_from:])
+        print(f"trace ({args.trace}): the load paused {report.paused_s:.0f} s after "
+              f"sample {args.trace_from} for the baseline; {after} answers between it and "
+              f"the idle sample (sample-idle.txt)")
     print()
     print(verdict(report, args.tail_minutes, band=args.flat_band))
     if args.json is not None:

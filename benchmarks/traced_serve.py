@@ -3,15 +3,19 @@ holds every ``--interval`` seconds: a benchmark-only probe for memory growth (no
 it is in the package).
 
     .venv/bin/python benchmarks/traced_serve.py --out DIR [--start-after S] \\
-        [--start-file PATH] [--interval 60] [--trim] -- serve CKPT [vllm serve args]
+        [--start-file PATH] [--idle-file PATH] [--interval 60] [--trim] \\
+        -- serve CKPT [vllm serve args]
 
 ``soak_bench.py --trace DIR`` runs its server this way. Once ``--start-after`` seconds
 passed and ``--start-file`` exists (start-up and a warm-up done), the thread unfreezes
 the start-up heap vLLM's API server froze (``gc.freeze()`` hides it from
 ``gc.get_objects()``: the orchestrator, pools, ``AsyncLLM`` and their collections;
-``--keep-frozen`` leaves it frozen), starts ``tracemalloc`` and takes a baseline. Then,
-each interval, it appends a line to ``DIR/samples.jsonl`` and writes
-``DIR/sample-NNN.txt``, each against the baseline:
+``--keep-frozen`` leaves it frozen), starts ``tracemalloc``, takes a baseline and writes
+``DIR/baseline.done``. Then, each interval, it appends a line to ``DIR/samples.jsonl``
+and writes ``DIR/sample-NNN.txt``, and once ``--idle-file`` exists, one more sample,
+``DIR/sample-idle.txt``, then ``DIR/idle.done`` (``soak_bench.py`` creates the start
+and idle files while no request is in flight, so that those two compare like with
+like). Each sample, against the baseline:
 
 * the RSS (anonymous, file-backed), glibc's heap in use and free in its arenas
   (``mallinfo2``: free but not given back is fragmentation), the traced Python heap,
@@ -138,10 +142,11 @@ def _own(stat) -> bool:
 
 class Probe(threading.Thread):
     def __init__(self, out: Path, start_after: float, start_file: Path | None,
-                 interval: float, trim: bool, frames: int, unfreeze: bool) -> None:
+                 idle_file: Path | None, interval: float, trim: bool, frames: int,
+                 unfreeze: bool) -> None:
         super().__init__(name="memory-probe", daemon=True)
         self.out, self.start_after, self.interval = out, start_after, interval
-        self.start_file, self.unfreeze = start_file, unfreeze
+        self.start_file, self.idle_file, self.unfreeze = start_file, idle_file, unfreeze
         self.trim, self.frames = trim, frames
         self.libc = _libc()
 
@@ -170,16 +175,29 @@ class Probe(threading.Thread):
         base_census = census()
         base = self._measure(t0, 0, None, base_census[0])
         self._write_jsonl(base)
-        n = 0
+        (self.out / "baseline.done").touch()
+        n, idle_done = 0, False
+        due = time.monotonic() + self.interval
         while True:
-            time.sleep(self.interval)
-            n += 1
+            time.sleep(0.5)
+            name = None
+            if not idle_done and self.idle_file is not None and self.idle_file.exists():
+                name, idle_done = "idle", True
+            elif time.monotonic() >= due:
+                n += 1
+                name = f"{n:03d}"
+            if name is None:
+                continue
             try:
-                self._sample(t0, n, base, base_snap, base_census)
+                self._sample(t0, name, base, base_snap, base_census)
             except Exception as exc:  # noqa: BLE001 - a probe must not stop the server
-                (self.out / f"sample-{n:03d}.error").write_text(repr(exc))
+                (self.out / f"sample-{name}.error").write_text(repr(exc))
+            if name == "idle":
+                (self.out / "idle.done").touch()
+            else:
+                due = time.monotonic() + self.interval
 
-    def _measure(self, t0: float, n: int, trimmed: tuple | None, objects: int) -> dict:
+    def _measure(self, t0: float, n, trimmed: tuple | None, objects: int) -> dict:
         traced, _ = tracemalloc.get_traced_memory()
         record = {"sample": n, "seconds": round(time.monotonic() - t0, 1),
                   **rss_mb(), "traced_mb": traced / 2**20, "gc_objects": objects,
@@ -214,9 +232,10 @@ class Probe(threading.Thread):
         stats = [st for st in snap.compare_to(base_snap, "lineno") if not _own(st)][:TOP]
         lines += [f"  {st}" for st in stats]
         lines.append("\ntracemalloc, where the top 5 lines' blocks come from now:")
-        top = {(st.traceback[0].filename, st.traceback[0].lineno) for st in stats[:5]}
+        # (a traceback's frames run from the oldest to the most recent)
+        top = {(st.traceback[-1].filename, st.traceback[-1].lineno) for st in stats[:5]}
         for st in snap.statistics("traceback"):
-            if (st.traceback[0].filename, st.traceback[0].lineno) in top and not _own(st):
+            if (st.traceback[-1].filename, st.traceback[-1].lineno) in top and not _own(st):
                 lines.append(f"  {st.size / 1024:.1f} KiB in {st.count} blocks:")
                 lines += [f"      {f}" for f in st.traceback.format(limit=self.frames)]
         del snap, stats
@@ -231,7 +250,7 @@ class Probe(threading.Thread):
         lines.append("\ncontainer attributes of vLLM / plugin objects that were there at the "
                      "baseline, growth since (now):")
         lines += [f"  {d:+8d}  {k} ({sizes[k]})" for d, k in changed[:TOP] if d > 0]
-        (self.out / f"sample-{n:03d}.txt").write_text("\n".join(lines) + "\n")
+        (self.out / f"sample-{n}.txt").write_text("\n".join(lines) + "\n")
 
 
 def _stop_tracing_in_child() -> None:
@@ -244,6 +263,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--start-after", type=float, default=0)
     parser.add_argument("--start-file", type=Path, help="wait for this file to exist")
+    parser.add_argument("--idle-file", type=Path,
+                        help="once this file exists, take one more sample (sample-idle.txt)")
     parser.add_argument("--interval", type=float, default=60)
     parser.add_argument("--frames", type=int, default=8, help="tracemalloc frames")
     parser.add_argument("--trim", action="store_true", help="malloc_trim(0) before samples")
@@ -254,8 +275,8 @@ def main() -> None:
     args = parser.parse_args()
     rest = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
     os.register_at_fork(after_in_child=_stop_tracing_in_child)
-    Probe(args.out, args.start_after, args.start_file, args.interval, args.trim,
-          args.frames, not args.keep_frozen).start()
+    Probe(args.out, args.start_after, args.start_file, args.idle_file, args.interval,
+          args.trim, args.frames, not args.keep_frozen).start()
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", *rest]
