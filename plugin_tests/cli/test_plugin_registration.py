@@ -12,6 +12,8 @@ the whole child. The in-process registration tests are in ``unit/test_register.p
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from plugin_tests.cli.children import Environments
@@ -131,11 +133,22 @@ def _without_group(text: str, title: str) -> str:
     return "\n".join(lines[:start] + lines[end:])
 
 
+# A line of vLLM's logger ("INFO 11-29 00:12:05 [importing.py:74] ..."): vLLM logs to
+# stdout, and its time stamps differ between two runs.
+_LOG_LINE = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d ")
+
+
+def _help_text(envs, env: str) -> str:
+    """``vllm serve --help=all`` in environment ``env``, less the log lines."""
+    out = _help(envs, env, "all").stdout
+    return "\n".join(line for line in out.splitlines() if not _LOG_LINE.match(line))
+
+
 def test_plain_serve_help_is_vllms_apart_from_the_omni_group(envs):
     """``vllm serve --help=all`` with the plugin installed is vLLM's own (VLLM_PLUGINS=none)
     with one more argument group, the plugin's "Omni"; nothing of vLLM's is changed."""
-    with_plugin = _help(envs, "plugins-unset", "all").stdout
-    plain = _help(envs, "plugins-none", "all").stdout
+    with_plugin = _help_text(envs, "plugins-unset")
+    plain = _help_text(envs, "plugins-none")
     assert "--stage-configs-path" in with_plugin
     assert _without_group(with_plugin, "Omni") == plain.rstrip("\n")
 
