@@ -142,8 +142,8 @@ def _child_env() -> dict[str, str]:
 
 
 def _hf_greedy(model_dir: str) -> dict[tuple[tuple[int, ...], int], list[int]]:
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    import torch
+    import transformers
     model = transformers.Qwen3OmniMoeForConditionalGeneration.from_pretrained(
         model_dir, dtype=torch.float32
     )

@@ -7,17 +7,16 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-
-from vllm_omni_plugin.entrypoints.images import (  # noqa: E402
+from vllm_omni_plugin.entrypoints.images import (
     chat_image_body,
     chat_image_response,
     parse_image_request,
 )
-from vllm_omni_plugin.models.bagel import processors as bp  # noqa: E402
-from vllm_omni_plugin.models.bagel.dit import BRANCHES, Guidance  # noqa: E402
-from vllm_omni_plugin.processors import (  # noqa: E402
+from vllm_omni_plugin.models.bagel import processors as bp
+from vllm_omni_plugin.models.bagel.dit import BRANCHES, Guidance
+from vllm_omni_plugin.processors import (
     ImageRequest,
     RequestError,
     UpstreamOutput,

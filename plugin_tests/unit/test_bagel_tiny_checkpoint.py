@@ -8,12 +8,10 @@ import hashlib
 import json
 from pathlib import Path
 
-import pytest
+import safetensors.torch as safetensors_torch
+import torch
 
 from plugin_tests.conftest import BAGEL_REFERENCE
-
-torch = pytest.importorskip("torch")
-safetensors_torch = pytest.importorskip("safetensors.torch")
 
 
 def _sha256(path: Path) -> str:

@@ -21,16 +21,14 @@ import warnings
 from collections.abc import Sequence
 
 import pytest
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-from torch import nn  # noqa: E402
-from transformers import (  # noqa: E402
+import torch
+from torch import nn
+from transformers import (
     Qwen3OmniMoeConfig,
     Qwen3OmniMoeForConditionalGeneration,
 )
 
-from vllm_omni_plugin.models.qwen3_omni import talker_inputs as ti  # noqa: E402
+from vllm_omni_plugin.models.qwen3_omni import talker_inputs as ti
 
 THINKER_MAX_NEW = 12
 TALKER_MAX_NEW = 20  # HF max_new_tokens -> 19 frames
