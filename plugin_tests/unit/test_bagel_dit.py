@@ -7,14 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from plugin_tests.conftest import BAGEL_REFERENCE
 from plugin_tests.helpers import served_bagel_config
-
-torch = pytest.importorskip("torch")
-
-from vllm_omni_plugin.models.bagel import dit  # noqa: E402
-from vllm_omni_plugin.models.bagel.autoencoder import (  # noqa: E402
+from vllm_omni_plugin.models.bagel import dit
+from vllm_omni_plugin.models.bagel.autoencoder import (
     FluxDecoder,
     autoencoder_config,
 )
@@ -115,3 +113,84 @@ def test_checkpoint_names_map_to_the_dit():
                     "vit_model.vision_model.post_layernorm.weight", "connector.fc1.weight",
                     "latent_pos_embed.pos_embed", "encoder.conv_in.weight"):
         assert m(skipped) is None, skipped
+
+
+@pytest.fixture(scope="module")
+def tiny_dit(tiny_bagel):
+    """The tiny checkpoint's :class:`~vllm_omni_plugin.models.bagel.dit.BagelDiT` (vLLM's
+    layers, one gloo rank in this process, float32 on the CPU), its weights loaded."""
+    from safetensors.torch import load_file
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from vllm_omni_plugin.tools.plan import single_rank
+
+    vllm_config = VllmConfig()
+    single_rank(vllm_config)
+    with set_current_vllm_config(vllm_config):
+        model = dit.BagelDiT(served_bagel_config(tiny_bagel), (1, 2))
+    weights = {**load_file(str(Path(tiny_bagel) / "ema.safetensors")),
+               **load_file(str(Path(tiny_bagel) / "ae.safetensors"))}
+    model.load_weights(weights.items())
+    for module in model.modules():  # what vLLM's loader does next (the CPU build's GEMMs)
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
+    return model.eval()
+
+
+def _velocities(model, lengths: list[int]):
+    """The velocities of a 4 x 4 latent under CFG branches with contexts of ``lengths``
+    tokens (seeded), and whether their packed batch has a padding mask."""
+    attn = model.layers[0].und.self_attn
+    generator = torch.Generator().manual_seed(0)
+    contexts = []
+    for length in lengths:
+        k, v = (torch.randn(len(model.layers), length, attn.kv_size // attn.head_dim,
+                            attn.head_dim, generator=generator) for _ in range(2))
+        contexts.append((k, v, length))
+    packed = model.pack(contexts, 16, "cpu")
+    x = torch.randn(16, model.latent_dim, generator=generator)
+    pos_embed = torch.randn(16, model.hidden_size, generator=generator)
+    with torch.inference_mode():
+        return model.velocities(x, 0.7, pos_embed, packed), packed.mask is not None
+
+
+def test_masked_attention_repeats_kv_heads_instead_of_gqa(tiny_dit, monkeypatch):
+    """No SDPA call of the DiT takes both a mask and ``enable_gqa``: PyTorch has no
+    fused CUDA kernel for that pair and falls back to its math kernel (float32 scores,
+    GiBs per layer at 1024x1024; review 2, N2). Branches of equal context length (no
+    mask) keep ``enable_gqa``; unequal ones (``text_uncond`` without the prompt) get
+    keys and values repeated to the query heads. The velocities equal those of SDPA
+    called with both (what the DiT did before), to float32 rounding."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    calls = []
+
+    def record(q, k, v, attn_mask=None, **kwargs):
+        calls.append({"mask": attn_mask is not None, "gqa": kwargs.get("enable_gqa", False),
+                      "heads": (q.shape[1], k.shape[1])})
+        return sdpa(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", record)
+    heads = tiny_dit.layers[0].und.self_attn.q_size // tiny_dit.layers[0].und.self_attn.head_dim
+    results = {}
+    for lengths in ([5, 5, 5], [5, 0, 5]):
+        calls.clear()
+        results[tuple(lengths)] = _velocities(tiny_dit, lengths)
+        masked = results[tuple(lengths)][1]
+        assert masked == (lengths[1] != lengths[0])
+        assert len(calls) == len(tiny_dit.layers), calls
+        both = [c for c in calls if c["mask"] and c["gqa"]]
+        assert not both, f"SDPA called with a mask and enable_gqa: {both}"
+        if masked:
+            assert all(c["mask"] and c["heads"] == (heads, heads) for c in calls), calls
+        else:
+            assert all(c["gqa"] and c["heads"][1] < heads for c in calls), calls
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
+
+    def both_at_once(q, k, v, mask):
+        return sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    monkeypatch.setattr(dit, "attend", both_at_once)
+    for lengths, (new, _) in results.items():
+        old, _ = _velocities(tiny_dit, list(lengths))
+        torch.testing.assert_close(new, old, rtol=1e-5, atol=1e-6)

@@ -224,6 +224,40 @@ def latent_position_ids(height: int, width: int, downsample: int, max_side: int
     return (rows[:, None] * max_side + cols).reshape(-1)
 
 
+def attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+           mask: torch.Tensor | None) -> torch.Tensor:
+    """Grouped-query attention of the DiT's query over context and query tokens, without a
+    causal mask: ``torch.nn.functional.scaled_dot_product_attention``.
+
+    Args:
+        queries: ``[B, heads, n, head_dim]``.
+        keys: ``[B, kv_heads, L + n, head_dim]`` (``heads`` a multiple of
+            ``kv_heads``), the same dtype as ``queries``.
+        values: as ``keys``.
+        mask: None, or ``[B, 1, 1, L + n]`` bool (False: a padded context position).
+
+    Returns:
+        ``[B, heads, n, head_dim]`` in the queries' dtype.
+
+    Without a mask, SDPA shares each key/value head among its query heads
+    (``enable_gqa``), which PyTorch's flash kernel serves. With one (the CFG branches'
+    contexts differ in length, the usual case), keys and values are first repeated to
+    the query heads: no fused CUDA kernel takes both a mask and ``enable_gqa`` (flash
+    attention takes no mask, memory-efficient attention no GQA), so SDPA would fall back
+    to its math kernel, which materialises float32 ``[B, heads, n, L + n]`` scores
+    (GiBs per layer at 1024x1024); repeated heads with a mask run memory-efficient
+    attention. The repeat costs ``B * heads * (L + n) * head_dim`` elements, a
+    ``head_dim / (L + n)`` fraction of those scores.
+    """
+    if mask is None:
+        return F.scaled_dot_product_attention(queries, keys, values, enable_gqa=True)
+    groups = queries.shape[1] // keys.shape[1]
+    if groups > 1:
+        keys = keys.repeat_interleave(groups, dim=1)
+        values = values.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)
+
+
 class _Attention(nn.Module):
     def __init__(self, config, prefix: str):
         super().__init__()
@@ -288,9 +322,7 @@ class _Layer(nn.Module):
         keys = torch.cat([ctx_k, k.reshape(b, n, -1, hd)], dim=1).transpose(1, 2)
         values = torch.cat([ctx_v, v.reshape(b, n, -1, hd)], dim=1).transpose(1, 2)
         queries = q.reshape(b, n, -1, hd).transpose(1, 2)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask,
-                                             enable_gqa=True)
-        out = out.transpose(1, 2).reshape(b * n, -1)
+        out = attend(queries, keys, values, mask).transpose(1, 2).reshape(b * n, -1)
         y = torch.empty_like(x)
         for expert, index in experts:
             y[index] = expert.self_attn.o_proj(out.index_select(0, index))[0]
