@@ -1,10 +1,27 @@
 """OmniCoordinator: replica liveness, replica-list broadcasts and load balancing.
 
-Public names follow upstream vllm-omni's ``vllm_omni.distributed.omni_coordinator``
-(seed ``omni-coordinator-api.txt``); the wire protocol is ours (typed msgspec
-structs, msgpack, versioned, bounded). Design: ``docs/design/coordinator.md``.
+Public names follow upstream vllm-omni's ``vllm_omni.distributed.omni_coordinator``;
+the wire protocol is ours (typed msgspec structs, msgpack, versioned, bounded).
+Design: ``docs/design/coordinator.md``.
 """
 
+from vllm_omni_plugin.master import (
+    DEFAULT_ENDPOINT_NAMES,
+    DEFAULT_PORT_RANGE,
+    MAX_REPLY_FRAME_BYTES,
+    MAX_REQUEST_FRAME_BYTES,
+    DeregisterRequest,
+    MasterError,
+    MasterErrorCode,
+    MasterReply,
+    MasterRequest,
+    MasterTimeout,
+    OmniMasterClient,
+    OmniMasterServer,
+    RegisterRequest,
+    ReplicaAssignment,
+    route_probe_address,
+)
 from vllm_omni_plugin.wire.auth import CLUSTER_TOKEN_ENV, cluster_token_from_env
 from vllm_omni_plugin.wire.codec import RejectReason
 
@@ -32,8 +49,25 @@ from .messages import (
 from .omni_coordinator import OmniCoordinator
 from .runtime import OmniCoordinatorRuntime
 
+# The omni master's names are here too, as upstream vllm-omni has them beside the
+# coordinator's (their home is vllm_omni_plugin.master).
 __all__ = [
     "CLUSTER_TOKEN_ENV",
+    "DEFAULT_ENDPOINT_NAMES",
+    "DEFAULT_PORT_RANGE",
+    "MAX_REPLY_FRAME_BYTES",
+    "MAX_REQUEST_FRAME_BYTES",
+    "DeregisterRequest",
+    "MasterError",
+    "MasterErrorCode",
+    "MasterReply",
+    "MasterRequest",
+    "MasterTimeout",
+    "OmniMasterClient",
+    "OmniMasterServer",
+    "RegisterRequest",
+    "ReplicaAssignment",
+    "route_probe_address",
     "MAX_EVENT_FRAME_BYTES",
     "MAX_LIST_FRAME_BYTES",
     "PROTOCOL_VERSION",
@@ -57,8 +91,3 @@ __all__ = [
     "cluster_token_from_env",
 ]
 
-# The omni master's names, also here as upstream has them (vllm_omni_plugin.master).
-from vllm_omni_plugin.master import *  # noqa: E402, F403
-from vllm_omni_plugin.master import __all__ as _master_names  # noqa: E402
-
-__all__ += _master_names

@@ -1,7 +1,7 @@
 """Load-balancing policies: pick one replica of a stage for a task.
 
-Names and semantics follow upstream vllm-omni's ``load_balancer`` module (seed
-``omni-coordinator-api.txt``). ``select`` runs on the request path for every
+Names and semantics follow upstream vllm-omni's ``load_balancer`` module
+(``vllm_omni.distributed.omni_coordinator``). ``select`` runs on the request path for every
 stage submission, so the implementations keep it to a few C calls: no lock,
 no per-call allocation, and least-queue-length scans a list only the first
 time it sees it (see :class:`LeastQueueLengthBalancer`).

@@ -11,10 +11,9 @@ carrying ``protocol_version``:
   clients (SUB). The active (``UP``) replicas, as :class:`ReplicaInfo`.
 
 Names, field names and field order follow upstream vllm-omni's
-``vllm_omni.distributed.omni_coordinator.messages`` (seed
-``omni-coordinator-api.txt``) so callers can switch; the encoding (msgpack map,
-never JSON or pickle), the tag, ``protocol_version`` and decode-time bounds are
-ours. See ``docs/design/coordinator.md``.
+``vllm_omni.distributed.omni_coordinator.messages`` so callers can switch; the
+encoding (msgpack map, never JSON or pickle), the tag, ``protocol_version`` and
+decode-time bounds are ours. See ``docs/design/coordinator.md``.
 
 Field constraints (``Meta``) are enforced when a frame is *decoded*, not when a
 struct is constructed in Python.
@@ -22,7 +21,6 @@ struct is constructed in Python.
 
 from __future__ import annotations
 
-import time
 from enum import Enum
 from typing import Annotated
 
@@ -138,16 +136,7 @@ class ReplicaList(msgspec.Struct, tag="replica_list", tag_field="type"):
     protocol_version: int = PROTOCOL_VERSION
 
 
-#: Tag of each wire message type (the value of its ``"type"`` key).
-EVENT_TAG = "replica_event"
-LIST_TAG = "replica_list"
-
-
 def empty_replica_list() -> ReplicaList:
     """A fresh empty :class:`ReplicaList` with ``timestamp=0.0``."""
     return ReplicaList(replicas=[], timestamp=0.0)
 
-
-def now_wall() -> float:
-    """Wall-clock seconds (``time.time()``), as stored in :class:`ReplicaInfo`."""
-    return time.time()

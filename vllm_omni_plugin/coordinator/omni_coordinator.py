@@ -1,7 +1,7 @@
 """OmniCoordinator: replica registry, liveness, and replica-list broadcasts.
 
 One thread, one ``zmq.Poller`` loop (the shape of vLLM's ``DPCoordinator``,
-seed ``vllm-dp-coordinator.txt``):
+``vllm/v1/engine/coordinator.py``):
 
 * ROUTER (bound to ``router_zmq_addr``) receives :class:`ReplicaEvent` frames
   from stage clients (DEALER). Each frame is size-checked, optionally

@@ -8,7 +8,7 @@ server-side de-duplication); the head's own replicas register through
 *same* thread.
 
 Why two registrants can never get the same replica id or port ("slot stealing"
--- upstream vllm-omni bug #9, seed ``pr3569-omni-coordinator-integration.txt``):
+-- a bug of upstream vllm-omni's first master, reported in its coordinator integration PR):
 
 * the allocation table has exactly one owner, the server's poller thread; remote
   requests arrive as frames on its ROUTER and in-process calls are queued to it

@@ -1,6 +1,6 @@
 """One stage task on one vLLM engine: the unit a replica runs.
 
-Shared by the head's in-process replicas (:class:`~.local.LocalReplica`) and
+Shared by the head's in-process replicas (:class:`~.replica.LocalReplica`) and
 by headless replicas (:class:`~.server.ReplicaServer`): write the input
 tensors to the replica's payload store, run the request on the stage's
 ``AsyncLLM``, read the output tensors back.
