@@ -24,13 +24,20 @@ from vllm_omni_plugin.config.placement import (
     apply_cpu_kv_cache,
     default_devices,
     place_engine,
+    placed_executor,
     placement_env,
     plan_head,
     start_lanes,
 )
 from vllm_omni_plugin.config.schema import StageConfig, StageConfigError
 from vllm_omni_plugin.config.settings import OmniSettings
-from vllm_omni_plugin.worker.placement import QUALNAME
+from vllm_omni_plugin.worker.placement import (
+    QUALNAME,
+    UNIPROC_QUALNAME,
+    OmniPlacedExecutor,
+    OmniPlacedUniProcExecutor,
+    apply_placement,
+)
 
 CUDA = "CUDA_VISIBLE_DEVICES"
 
@@ -82,7 +89,10 @@ def test_bad_devices_are_named(devices, n_ranks, host, message):
 def test_a_placed_engine_runs_the_plugins_executor_and_errors_name_the_field(monkeypatch):
     args = EngineArgs(model="m")
     assert place_engine(_stage("1"), args, "1", gpu(2), "p.yaml") == {CUDA: "1"}
-    assert args.distributed_executor_backend == QUALNAME
+    assert args.distributed_executor_backend == UNIPROC_QUALNAME  # one rank on a GPU
+    tp2 = EngineArgs(model="m", tensor_parallel_size=2)
+    assert place_engine(_stage("0,1"), tp2, "0,1", gpu(2), "p.yaml") == {CUDA: "0,1"}
+    assert tp2.distributed_executor_backend == QUALNAME
     untouched = EngineArgs(model="m")
     assert place_engine(_stage(), untouched, None, gpu(2), "p.yaml") is None
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -94,6 +104,60 @@ def test_a_placed_engine_runs_the_plugins_executor_and_errors_name_the_field(mon
                      "0", gpu(2), "p.yaml")
     assert str(err.value).startswith("p.yaml: stage 1 ('talker'): field 'runtime.devices': ")
     assert "distributed_executor_backend is 'ray'" in str(err.value)
+
+
+@pytest.mark.parametrize("n_ranks, host, chosen, expected", [
+    (1, gpu(2), None, UNIPROC_QUALNAME),   # as vLLM runs one rank unplaced
+    (1, gpu(2), "uni", UNIPROC_QUALNAME),
+    (1, gpu(2), "mp", QUALNAME),           # asked for: a worker process of its own
+    (2, gpu(2), None, QUALNAME),           # tensor parallel: one worker process per rank
+    (2, gpu(2), "uni", QUALNAME),          # vLLM itself turns uni into mp for several ranks
+    (1, cpu(4), None, QUALNAME),           # vLLM's CPU build binds OpenMP in worker processes
+    (1, cpu(4), "uni", QUALNAME),
+], ids=["gpu-tp1", "gpu-tp1-uni", "gpu-tp1-mp", "gpu-tp2", "gpu-tp2-uni", "cpu", "cpu-uni"])
+def test_the_placing_executor_is_vllms_uniprocess_one_for_one_rank_on_a_gpu(
+        n_ranks, host, chosen, expected):
+    assert placed_executor(n_ranks, host, chosen) == expected
+    executor = {QUALNAME: OmniPlacedExecutor, UNIPROC_QUALNAME: OmniPlacedUniProcExecutor}
+    from vllm.v1.executor.abstract import Executor
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    # the qualified name vLLM resolves is the class, a subclass of vLLM's own executor
+    vllm_class = {QUALNAME: MultiprocExecutor, UNIPROC_QUALNAME: UniProcExecutor}[expected]
+    assert issubclass(executor[expected], vllm_class)
+    assert executor[expected].supports_async_scheduling()
+    assert Executor.get_class(_executor_config(expected)) is executor[expected]
+
+
+def _executor_config(backend: str):
+    """A real ``VllmConfig`` with ``distributed_executor_backend`` set, as vLLM has it
+    when it picks the executor class."""
+    from vllm.config import ParallelConfig, VllmConfig
+
+    return VllmConfig(parallel_config=ParallelConfig(distributed_executor_backend=backend))
+
+
+def test_the_placing_executors_set_the_variable_in_the_enginecore_process(monkeypatch):
+    from vllm.config import VllmConfig
+
+    settings = OmniSettings(stage_configs_path="/p.yaml").for_stage(1, placement_env={CUDA: "1"})
+    config = VllmConfig(additional_config=settings.additional_config())
+    environ: dict[str, str] = {}
+    assert apply_placement(config, in_process=True, environ=environ) == {CUDA: "1"}
+    assert environ == {CUDA: "1"}
+    assert apply_placement(VllmConfig(), in_process=True, environ=environ) == {}
+    # CUDA initialised before the worker (a fake: there is no CUDA here) would ignore the
+    # variable: the uniprocess executor refuses, naming the way out
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match="stage 1: cannot place its engine with "
+                                           "CUDA_VISIBLE_DEVICES=1: CUDA is already "
+                                           r"initialised .* engine_args\."
+                                           "distributed_executor_backend: mp"):
+        apply_placement(config, in_process=True, environ={})
+    assert apply_placement(config, environ=environ) == {CUDA: "1"}  # workers: own processes
 
 
 def test_the_placement_travels_in_the_stage_settings():

@@ -13,6 +13,7 @@ import pytest
 
 from plugin_tests.conftest import PYTHON, REPO
 from plugin_tests.shipped_plans import SHIPPED
+from vllm_omni_plugin.config.auto_plan import ShippedPlan
 from vllm_omni_plugin.config.loader import load_pipeline_config
 from vllm_omni_plugin.config.pipelines import builtin_pipeline
 from vllm_omni_plugin.config.schema import StageConfigError
@@ -124,3 +125,47 @@ def test_planned_weights_are_the_released_checkpoints_bytes(shipped):
     # 96 KiB of KV cache per thinker token: 48 layers x 2 x 4 KV heads x 128 x 2 bytes
     assert bf16["thinker"]["kv_per_token"] == 48 * 2 * 4 * 128 * 2
     assert bf16["code2wav"]["kv_per_token"] == 0
+
+
+def test_gpu_plans_use_vllms_gpu_scheduler_defaults_and_write_them(shipped):
+    """The plans are computed on vLLM's CPU build, whose scheduler defaults (2,048 tokens /
+    128 sequences a step) are not a GPU's: each stage is planned with its YAML's
+    ``max_num_seqs`` and ``max_num_batched_tokens``, else vLLM's GPU defaults for the
+    device (8,192 / 1,024 on an 80 or 140 GiB GPU), and the plan writes both, so the
+    engines run with them."""
+    import yaml
+
+    for name, result in shipped.items():
+        written = {s["name"]: s["engine_args"] for s in yaml.safe_load(result["yaml"])["stages"]}
+        planned = ShippedPlan.read(name, builtin_pipeline(name)).pipeline  # --pipeline
+        source = {s.name: s.engine_args
+                  for s in load_pipeline_config(builtin_pipeline(planned)).stages}
+        for stage in result["stages"]:
+            yaml_tokens = source[stage["name"]].get("max_num_batched_tokens")
+            assert stage["max_num_batched_tokens"] == (yaml_tokens or 8192), (name, stage)
+            yaml_seqs = source[stage["name"]].get("max_num_seqs")
+            assert stage["max_num_seqs"] == (yaml_seqs or 1024), (name, stage)
+            assert written[stage["name"]]["max_num_batched_tokens"] == \
+                stage["max_num_batched_tokens"]
+            assert written[stage["name"]]["max_num_seqs"] == stage["max_num_seqs"]
+
+
+def test_vllms_gpu_batch_defaults_are_read_for_the_planned_device():
+    """``EngineArgs.get_batch_defaults`` answered for a GPU of the planned size from vLLM's
+    CPU build; vLLM's own answer here (the CPU build's) is untouched."""
+    from vllm.engine import arg_utils
+
+    from vllm_omni_plugin.compat.internals import gpu_batch_defaults
+
+    platform = arg_utils.current_platform
+    assert gpu_batch_defaults(int(79.6 * GIB)) == (8192, 1024)   # H100 80GB
+    assert gpu_batch_defaults(int(140 * GIB), world_size=2) == (8192, 1024)
+    assert gpu_batch_defaults(int(44.9 * GIB)) == (2048, 256)    # below 70 GiB
+    assert gpu_batch_defaults(80 * GIB, device_name="NVIDIA A100-SXM4-80GB") == (2048, 256)
+    assert gpu_batch_defaults(180 * GIB) == (16384, 1024)
+    assert arg_utils.current_platform is platform and platform.is_cpu()
+    from vllm.usage.usage_lib import UsageContext
+
+    tokens, seqs = arg_utils.EngineArgs.get_batch_defaults(1)
+    assert (tokens[UsageContext.OPENAI_API_SERVER], seqs[UsageContext.OPENAI_API_SERVER]) \
+        == (2048, 128)

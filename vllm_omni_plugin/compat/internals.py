@@ -9,9 +9,9 @@ module, whose docstring names the vLLM path it reads, the releases it was read f
 what it does when the path is missing. Two kinds of use are listed without a wrapper:
 
 * a plugin class that subclasses a vLLM class (``OmniMooncakeConnectorWorker``,
-  ``OmniPlacedExecutor``) overrides vLLM's methods and calls them on ``super()``
-  (kind :data:`OVERRIDE`), and reads the fields of the objects vLLM hands those methods
-  (kinds :data:`FIELD`, :data:`ATTRIBUTE`);
+  ``OmniPlacedExecutor``, ``OmniPlacedUniProcExecutor``) overrides vLLM's methods and
+  calls them on ``super()`` (kind :data:`OVERRIDE`), and reads the fields of the
+  objects vLLM hands those methods (kinds :data:`FIELD`, :data:`ATTRIBUTE`);
 * the patches and shims of the other ``compat/`` modules read what they patch; their
   reads are listed here with the shim as owner.
 
@@ -261,6 +261,56 @@ def quant_method_name(module) -> str | None:
     return None if method is None else type(method).__name__
 
 
+# -- vLLM's scheduler defaults ------------------------------------------------------------
+class _PlannedGpu:
+    """A stand-in for ``current_platform`` answering what ``EngineArgs.get_batch_defaults``
+    asks of a GPU: its total memory (bytes) and name."""
+
+    def __init__(self, memory_bytes: int, name: str):
+        self.memory_bytes, self.name = memory_bytes, name
+
+    def get_device_total_memory(self, device_id: int = 0) -> int:
+        return self.memory_bytes
+
+    def get_device_name(self, device_id: int = 0) -> str:
+        return self.name
+
+    def is_tpu(self) -> bool:
+        return False
+
+    def is_cpu(self) -> bool:
+        return False
+
+
+def gpu_batch_defaults(memory_bytes: int, world_size: int = 1,
+                       device_name: str = "") -> tuple[int, int]:
+    """``(max_num_batched_tokens, max_num_seqs)`` vLLM's ``vllm serve`` gives an engine
+    of ``world_size`` ranks on a GPU of ``memory_bytes`` named ``device_name`` (its
+    ``OPENAI_API_SERVER`` defaults), from any platform, the CPU build included: vLLM's
+    ``EngineArgs.get_batch_defaults(world_size)`` (vLLM 0.30-0.33; it reads
+    ``current_platform`` of ``vllm.engine.arg_utils``, answered here for the planned GPU
+    while it runs). In 0.30-0.33: 8,192 / 1,024 from 70 GiB (not an A100), 16,384 / 1,024
+    from 160 GiB, 2,048 / 256 below.
+
+    Raises:
+        AttributeError: vLLM moved it.
+    """
+    from vllm.engine import arg_utils
+    from vllm.usage.usage_lib import UsageContext
+
+    get = getattr(arg_utils.EngineArgs, "get_batch_defaults", None)
+    if get is None or not hasattr(arg_utils, "current_platform"):
+        raise _missing("EngineArgs.get_batch_defaults over arg_utils.current_platform")
+    platform = arg_utils.current_platform
+    arg_utils.current_platform = _PlannedGpu(memory_bytes, device_name)
+    try:
+        tokens, seqs = get(world_size)
+    finally:
+        arg_utils.current_platform = platform
+    context = UsageContext.OPENAI_API_SERVER
+    return int(tokens[context]), int(seqs[context])
+
+
 # -- vLLM's Mooncake connector (kv_transfer/mooncake.py subclasses it) ----------------------
 _MOONCAKE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector"
 
@@ -415,6 +465,9 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("vllm_omni_plugin.worker.placement:OmniPlacedExecutor._init_executor",
              "vllm.v1.executor.multiproc_executor:MultiprocExecutor._init_executor", OVERRIDE,
              ("self",)),
+    Internal("vllm_omni_plugin.worker.placement:OmniPlacedUniProcExecutor._init_executor",
+             "vllm.v1.executor.uniproc_executor:UniProcExecutor._init_executor", OVERRIDE,
+             ("self",)),
     Internal("vllm_omni_plugin.compat.model_runner.batch_req_ids",
              "vllm.v1.worker.gpu_model_runner:GPUModelRunner.input_batch", ATTRIBUTE),
     Internal("vllm_omni_plugin.compat.model_runner.batch_req_ids",
@@ -451,6 +504,10 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(f"{_HERE}.quant_method_name",
              "vllm.model_executor.layers.fused_moe.routed_experts:RoutedExperts.quant_method",
              ATTRIBUTE),
+    # vLLM's scheduler defaults for a GPU, read on any platform
+    Internal(f"{_HERE}.gpu_batch_defaults",
+             "vllm.engine.arg_utils:EngineArgs.get_batch_defaults", METHOD, ("cls", "world_size")),
+    Internal(f"{_HERE}.gpu_batch_defaults", "vllm.engine.arg_utils:current_platform", FUNCTION),
     # vLLM's Mooncake connector: read here, and overridden by the plugin's subclass
     Internal(f"{_HERE}.mooncake_transfer_engine_available", f"{_MOONCAKE}:TransferEngine",
              FUNCTION),

@@ -54,7 +54,8 @@ def add_omni_args(parser: argparse.ArgumentParser) -> None:
         metavar="PIPELINE",
         help="Stage pipeline: a YAML file, the name of a built-in pipeline "
         f"({', '.join(builtin_pipelines())}), or '{AUTO}' (the built-in pipeline named "
-        "after the checkpoint's config.json model_type). Switches on omni mode: the served "
+        "after the checkpoint's config.json model_type; on GPUs, for a checkpoint it "
+        "cannot hold, the shipped memory plan that fits them). Switches on omni mode: the served "
         "model becomes the pipeline's entry stage and the other stages start as their own "
         "vLLM engines. Validated before any engine starts.",
     )
@@ -209,8 +210,10 @@ def validate_omni_args(args: argparse.Namespace) -> None:
         if not hasattr(args, name):
             setattr(args, name, value)
     if getattr(args, "stage_configs_path", None):
-        args.stage_configs_path = resolve_stage_configs(
-            args.stage_configs_path, getattr(args, "model", None), getattr(args, "revision", None))
+        value, model = args.stage_configs_path, getattr(args, "model", None)
+        args.stage_configs_path = resolve_stage_configs(value, model,
+                                                        getattr(args, "revision", None))
+        args.stage_configs_path = _for_devices(args, value == AUTO)
     if getattr(args, "replica_id", None) is not None:
         logger.warning("--replica-id is deprecated and ignored: the head's omni master "
                        "assigns replica ids")
@@ -248,6 +251,31 @@ def validate_omni_args(args: argparse.Namespace) -> None:
                          "runtime.num_replicas in the stage config, and the entry stage "
                          "scales with vLLM's --data-parallel-size (text) and headless "
                          "replicas (image requests)")
+
+
+def _for_devices(args: argparse.Namespace, auto: bool, host: Host | None = None) -> str:
+    """The pipeline YAML to serve for ``args.stage_configs_path`` (resolved) on this
+    host's devices: a built-in pipeline with shipped memory plans, given as ``auto``,
+    becomes the plan that fits the GPUs for a checkpoint it cannot hold
+    (:func:`~vllm_omni_plugin.config.auto_plan.choose`); any other path is kept.
+
+    Raises:
+        StageConfigError: ``auto``, and no shipped plan fits (names the plan tool
+            command for these devices).
+    """
+    from pathlib import Path
+
+    from vllm_omni_plugin.config.auto_plan import choose, shipped_plans
+    from vllm_omni_plugin.config.pipelines import BUILTIN_DIR
+
+    path, model = args.stage_configs_path, getattr(args, "model", None)
+    name = Path(path).stem
+    if Path(path).parent != BUILTIN_DIR or not model or not shipped_plans(name):
+        return path
+    asked = getattr(args, "max_model_len", None)
+    return choose(name, path, model, getattr(args, "revision", None),
+                  host or Host.current(device_memory=True),
+                  asked if isinstance(asked, int) and asked > 0 else None, auto)
 
 
 def _take_cluster_token(value: str) -> str:
@@ -424,9 +452,9 @@ def apply_omni_args(args: argparse.Namespace, engine_args) -> None:
         raise ValueError(f"--stage-id {args.stage_id}: without --headless this process "
                          f"serves the entry stage ({entry.stage_id}); start other stages' "
                          "replicas with --headless --stage-id N")
-    flag_share = engine_args.gpu_memory_utilization
+    flags = {name: getattr(engine_args, name) for name in EXPLICIT_FLAGS_WIN}
     apply_stage_engine_args(engine_args, entry.engine_args)
-    _keep_explicit_share(engine_args, flag_share, entry)
+    _keep_explicit_flags(engine_args, flags, entry)
     if entry.pd is not None:
         _set_decode_kv_transfer_config(engine_args, entry, path, args.omni_heartbeat_timeout,
                                        args.omni_master_address)
@@ -457,16 +485,24 @@ def apply_omni_args(args: argparse.Namespace, engine_args) -> None:
         args.middleware = [*middleware, MIDDLEWARE_QUALNAME]
 
 
-def _keep_explicit_share(engine_args, flag_share: float, entry) -> None:
-    """An explicit ``--gpu-memory-utilization`` (other than vLLM's default) wins over the
-    entry stage's ``engine_args.gpu_memory_utilization`` in the YAML."""
+#: ``EngineArgs`` fields whose explicit command-line value wins over the entry stage's
+#: YAML ``engine_args`` (the device share, the batch limits and the context length the
+#: pipelines and plans set)
+EXPLICIT_FLAGS_WIN = ("gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
+                      "max_model_len")
+
+
+def _keep_explicit_flags(engine_args, flags: dict, entry) -> None:
+    """Each of ``flags`` (:data:`EXPLICIT_FLAGS_WIN` -> its value before the YAML's were
+    applied) given on the command line (not vLLM's default) wins over the entry stage's
+    ``engine_args`` in the YAML."""
     from vllm.engine.arg_utils import EngineArgs
 
-    if flag_share != EngineArgs.gpu_memory_utilization \
-            and engine_args.gpu_memory_utilization != flag_share:
-        logger.info("stage %d (%s): --gpu-memory-utilization %g over the pipeline's %g",
-                    entry.stage_id, entry.name, flag_share, engine_args.gpu_memory_utilization)
-        engine_args.gpu_memory_utilization = flag_share
+    for name, value in flags.items():
+        if value != getattr(EngineArgs, name) and getattr(engine_args, name) != value:
+            logger.info("stage %d (%s): --%s %s over the pipeline's %s", entry.stage_id,
+                        entry.name, name.replace("_", "-"), value, getattr(engine_args, name))
+            setattr(engine_args, name, value)
 
 
 def _set_decode_kv_transfer_config(engine_args, entry, path: str, heartbeat_timeout: float,

@@ -71,7 +71,9 @@ class Host:
         devices: CPU: the cores this process may run on; GPU: ``0 .. N-1``.
         env_var: the platform's placement variable: ``VLLM_CPU_OMP_THREADS_BIND`` on the
             CPU build, else ``current_platform.device_control_env_var``.
-        memory_bytes: CPU: host memory (bytes); GPU: 0 (shares are fractions there).
+        memory_bytes: CPU: host memory (bytes); GPU: the smallest device's total memory
+            (bytes) where it was read (``current(device_memory=True)``), else 0 (shares
+            are fractions there).
     """
 
     kind: str
@@ -85,9 +87,11 @@ class Host:
         return self.kind == "cpu"
 
     @classmethod
-    def current(cls) -> Host:
+    def current(cls, device_memory: bool = False) -> Host:
         """This process's host as vLLM's current platform sees it; on a GPU platform it
-        counts the visible devices without initialising the device."""
+        counts the visible devices without initialising the device, and with
+        ``device_memory`` reads their total memory as vLLM's own engine arguments do in
+        this process (``current_platform.get_device_total_memory``: NVML on CUDA)."""
         from vllm.platforms import current_platform
 
         if current_platform.is_cpu():
@@ -95,8 +99,10 @@ class Host:
 
             return cls("cpu", tuple(sorted(os.sched_getaffinity(0))), CPU_BIND_ENV,
                        psutil.virtual_memory().total)
-        return cls("gpu", tuple(range(current_platform.device_count())),
-                   current_platform.device_control_env_var)
+        devices = tuple(range(current_platform.device_count()))
+        memory = min((current_platform.get_device_total_memory(d) for d in devices),
+                     default=0) if device_memory else 0
+        return cls("gpu", devices, current_platform.device_control_env_var, memory)
 
     def visible(self, environ=os.environ) -> list[str]:
         """The devices this process's placement variable lists (``CUDA_VISIBLE_DEVICES``
@@ -165,32 +171,50 @@ def placement_env(devices: str, n_ranks: int, host: Host,
     return {host.env_var: ",".join(visible[d] if visible else str(d) for d in wanted)}
 
 
+def placed_executor(n_ranks: int, host: Host, chosen: str | None) -> str:
+    """The qualified name of the executor that places an engine of ``n_ranks`` ranks
+    (tensor x pipeline parallel size) on ``host``, ``chosen`` its
+    ``distributed_executor_backend`` so far (:mod:`vllm_omni_plugin.worker.placement`):
+    vLLM's uniprocess executor placed (``OmniPlacedUniProcExecutor``) for one rank on a
+    GPU, as vLLM runs one rank unplaced, unless ``mp`` was chosen; else its
+    multiprocessing executor placed (``OmniPlacedExecutor``): several ranks, ``mp``, and
+    vLLM's CPU build (which needs worker processes for its OpenMP binding).
+
+    Raises:
+        ValueError: ``chosen`` is an executor that cannot be placed (``ray``, a class).
+    """
+    from vllm_omni_plugin.worker.placement import QUALNAME, UNIPROC_QUALNAME
+
+    if chosen not in (None, "mp", "uni", QUALNAME, UNIPROC_QUALNAME):
+        raise ValueError("placing a stage needs vLLM's multiprocessing or uniprocess "
+                         f"executor; distributed_executor_backend is {chosen!r}")
+    if host.is_cpu or n_ranks > 1 or chosen in ("mp", QUALNAME):
+        return QUALNAME
+    return UNIPROC_QUALNAME
+
+
 def place_engine(stage: StageConfig, engine_args: Any, devices: str | None, host: Host,
                  path: str | None) -> dict[str, str] | None:
     """Point ``engine_args`` (``EngineArgs``) of ``stage`` at the plugin's placing
-    executor and return the environment its workers run in (:func:`placement_env`);
-    None, and ``engine_args`` untouched, when nothing is placed (no devices, or engines
-    in-process).
+    executor (:func:`placed_executor`) and return the environment its workers run in
+    (:func:`placement_env`); None, and ``engine_args`` untouched, when nothing is placed
+    (no devices, or engines in-process).
 
     Raises:
         StageConfigError: (naming ``path``, the stage and ``runtime.devices``) a device
-            this host lacks, a count the ranks do not fit, or another
-            ``distributed_executor_backend`` already chosen.
+            this host lacks, a count the ranks do not fit, or a
+            ``distributed_executor_backend`` already chosen that cannot be placed.
     """
-    from vllm_omni_plugin.worker.placement import QUALNAME
-
     if not devices or in_process_engines():
         return None
     try:
-        env = placement_env(devices, ranks(engine_args), host)
-        if engine_args.distributed_executor_backend not in (None, "mp", QUALNAME):
-            raise ValueError("placing a stage needs vLLM's multiprocessing executor; "
-                             "distributed_executor_backend is "
-                             f"{engine_args.distributed_executor_backend!r}")
+        n_ranks = ranks(engine_args)
+        env = placement_env(devices, n_ranks, host)
+        executor = placed_executor(n_ranks, host, engine_args.distributed_executor_backend)
     except ValueError as exc:
         raise StageConfigError(str(exc), path=path, stage_id=stage.stage_id,
                                stage_name=stage.name, field="runtime.devices") from exc
-    engine_args.distributed_executor_backend = QUALNAME
+    engine_args.distributed_executor_backend = executor
     return env
 
 

@@ -21,6 +21,14 @@ Per stage (every stage the head runs; replicas counted):
   the model's attention layers (vLLM's ``Attention`` modules; 0 for a stage with none),
   and for ``max_model_len`` tokens: vLLM refuses to start an engine whose KV cache
   cannot hold one sequence of that length.
+* **batch limits**: ``max_num_batched_tokens`` and ``max_num_seqs``, the pipeline's
+  ``engine_args`` where it sets them, else what ``vllm serve`` gives an engine on the
+  planned devices: on GPUs vLLM's GPU defaults for a device of that size
+  (:func:`~vllm_omni_plugin.compat.internals.gpu_batch_defaults`: 8,192 / 1,024 on an
+  80 or 141 GiB GPU; a stage without chunked prefill takes at least ``max_model_len``
+  tokens, as vLLM does), whichever platform the tool runs on; on the CPU build its own
+  defaults. The plan writes both into every stage's ``engine_args``, so the engines run
+  with the limits they were planned for.
 * **activation peak**: an estimate of what vLLM's memory profile adds to the weights:
   ``max_num_batched_tokens x (8 x hidden + 2 x ffn) x dtype bytes`` (residual stream,
   norms, q/k/v, attention output; the MLP's gate and up, ``ffn`` the dense intermediate
@@ -40,7 +48,8 @@ that length (more is never used at once). It fits when the minima of every devic
 stay within ``1 - headroom``. On the CPU build the KV caches are written as
 ``runtime.cpu_kv_cache_gib`` instead.
 
-``--write`` writes the pipeline YAML with those shares, the placement on several GPUs
+``--write`` writes the pipeline YAML with those shares, the batch limits, the placement
+on several GPUs
 (``runtime.devices`` as ``--omni-placement auto`` would place the stages on that many)
 and the quantization; serve it with ``--stage-configs-path``.
 """
@@ -52,8 +61,13 @@ import dataclasses
 import math
 import sys
 
-from vllm_omni_plugin.compat.internals import attention_kv_shape, quant_method_name
-from vllm_omni_plugin.config.placement import CPU_BIND_ENV, GIB, Host
+from vllm_omni_plugin.compat.internals import (
+    attention_kv_shape,
+    gpu_batch_defaults,
+    quant_method_name,
+)
+from vllm_omni_plugin.config.auto_plan import PLAN_COMMAND, WRITTEN_BY, Devices
+from vllm_omni_plugin.config.placement import GIB
 
 #: per-engine allowance for what vLLM's profile does not count: CUDA context (~0.5 GiB),
 #: CUDA graph pool (vLLM logs it after capture, 0.1-1 GiB for these models), NCCL
@@ -62,45 +76,6 @@ ENGINE_OVERHEAD_GIB = 1.0
 HEADROOM = 0.05
 #: hidden-size-wide activations per token in the profile estimate (module docstring)
 HIDDEN_COPIES = 8
-
-
-@dataclasses.dataclass(frozen=True)
-class Devices:
-    """What the plan is for: ``count`` GPUs of ``gib`` GiB, or host memory (``cpu``)."""
-
-    count: int
-    gib: float
-    cpu: bool = False
-
-    @classmethod
-    def parse(cls, text: str) -> Devices:
-        """``2x80`` (two GPUs of 80 GiB), ``1x141``, ``cpu:16``.
-
-        Raises:
-            ValueError: neither form, or a count or size not above 0.
-        """
-        try:
-            if text.startswith("cpu:"):
-                devices = cls(1, float(text[4:]), cpu=True)
-            else:
-                count, _, gib = text.lower().partition("x")
-                devices = cls(int(count), float(gib))
-        except ValueError:
-            devices = None
-        if devices is None or devices.count < 1 or devices.gib <= 0:
-            raise ValueError(f"--devices {text!r}: expected COUNTxGIB (2x80) or cpu:GIB")
-        return devices
-
-    @property
-    def bytes(self) -> int:
-        """The size of one device (or of the host memory), bytes."""
-        return int(self.gib * GIB)
-
-    def host(self) -> Host:
-        """The devices as the head's placement sees a host of them."""
-        if self.cpu:
-            return Host("cpu", (0,), CPU_BIND_ENV, self.bytes)
-        return Host("gpu", tuple(range(self.count)), "CUDA_VISIBLE_DEVICES")
 
 
 @dataclasses.dataclass
@@ -120,6 +95,7 @@ class StagePlan:
     quantization: str | None = None
     share: float = 0.0
     kv_bytes: int = 0
+    max_num_batched_tokens: int = 0
 
     @property
     def kv_min(self) -> int:
@@ -157,6 +133,8 @@ class Plan:
     stages: list[StagePlan]
     #: device index -> fraction its engines' minima take
     minimum: dict[int, float]
+    #: the entry stage's ``max_model_len`` asked for (None: the model's)
+    max_model_len: int | None = None
 
     @property
     def fits(self) -> bool:
@@ -194,9 +172,29 @@ def build_on_meta(vllm_config):
         return cls(vllm_config=vllm_config)
 
 
-def measure_stage(vllm_config) -> tuple[int, int, int]:
+def batch_limits(engine_args: dict, vllm_config, devices: Devices) -> tuple[int, int]:
+    """``(max_num_batched_tokens, max_num_seqs)`` of an engine configured by
+    ``vllm_config`` (built on this platform) from a stage's YAML ``engine_args``, when
+    it runs on ``devices`` (module docstring): the YAML's values, else vLLM's defaults
+    for a GPU of ``devices.gib`` and the engine's world size (at least ``max_model_len``
+    tokens without chunked prefill, as ``EngineArgs`` sets them), or, for host memory,
+    the configuration's own."""
+    scheduler = vllm_config.scheduler_config
+    if devices.cpu:
+        return scheduler.max_num_batched_tokens, scheduler.max_num_seqs
+    tokens, seqs = gpu_batch_defaults(devices.bytes, vllm_config.parallel_config.world_size)
+    if not scheduler.enable_chunked_prefill:
+        tokens = max(tokens, vllm_config.model_config.max_model_len)
+    return (int(engine_args.get("max_num_batched_tokens") or tokens),
+            int(engine_args.get("max_num_seqs") or seqs))
+
+
+def measure_stage(vllm_config, tokens: int | None = None,
+                  seqs: int | None = None) -> tuple[int, int, int]:
     """``(weights, kv_per_token, peak)`` bytes of one engine configured by
-    ``vllm_config``, its model built on the meta device (module docstring)."""
+    ``vllm_config``, its model built on the meta device (module docstring), running up
+    to ``tokens`` tokens and ``seqs`` sequences a step (default: the configuration's
+    ``max_num_batched_tokens`` and ``max_num_seqs``)."""
     model = build_on_meta(vllm_config)
     model_config = vllm_config.model_config
     weights = 0
@@ -211,15 +209,16 @@ def measure_stage(vllm_config) -> tuple[int, int, int]:
     shapes = [shape for m in model.modules() if (shape := attention_kv_shape(m)) is not None]
     kv_per_token = sum(2 * heads * size * kv_dtype for heads, size in shapes)
     profile = getattr(type(model), "plan_profile", None)
-    tokens, extra = profile(model_config) if profile else (None, 0)
-    peak = activation_peak(vllm_config, tokens) + extra
+    forward, extra = profile(model_config) if profile else (None, 0)
+    peak = activation_peak(vllm_config, forward or tokens, seqs) + extra
     tp = vllm_config.parallel_config.tensor_parallel_size
     return weights // tp, kv_per_token // tp, peak
 
 
-def activation_peak(vllm_config, tokens: int | None = None) -> int:
+def activation_peak(vllm_config, tokens: int | None = None, seqs: int | None = None) -> int:
     """The module docstring's estimate of an engine's profile peak, bytes, for
-    ``tokens`` in one forward (default: ``max_num_batched_tokens``)."""
+    ``tokens`` in one forward and ``seqs`` sampled rows (default: the configuration's
+    ``max_num_batched_tokens`` and ``max_num_seqs``)."""
     model_config, scheduler = vllm_config.model_config, vllm_config.scheduler_config
     text = model_config.hf_text_config
 
@@ -231,7 +230,7 @@ def activation_peak(vllm_config, tokens: int | None = None) -> int:
     hidden = model_config.get_hidden_size()
     return ((tokens or scheduler.max_num_batched_tokens) * (HIDDEN_COPIES * hidden + 2 * ffn)
             * model_config.dtype.itemsize
-            + scheduler.max_num_seqs * model_config.get_vocab_size() * 4 * 2)
+            + (seqs or scheduler.max_num_seqs) * model_config.get_vocab_size() * 4 * 2)
 
 
 def engine_configs(pipeline, path: str, base: dict, stages=None):
@@ -286,16 +285,16 @@ def make_plan(model: str, pipeline_name: str, devices: Devices, *,
     stages: list[StagePlan] = []
     for stage, vllm_config in engine_configs(pipeline, path, base):
         single_rank(vllm_config)
-        weights, kv_per_token, peak = measure_stage(vllm_config)
+        tokens, seqs = batch_limits(stage.engine_args, vllm_config, devices)
+        weights, kv_per_token, peak = measure_stage(vllm_config, tokens, seqs)
         used = tuple(int(d) for d in placed[stage.stage_id].split(",")) \
             if stage.stage_id in placed else (0,)
         stages.append(StagePlan(
             stage.stage_id, stage.name, used, max(1, stage.runtime.num_replicas), weights,
-            kv_per_token, vllm_config.model_config.max_model_len,
-            vllm_config.scheduler_config.max_num_seqs, peak,
+            kv_per_token, vllm_config.model_config.max_model_len, seqs, peak,
             0 if devices.cpu else int(ENGINE_OVERHEAD_GIB * GIB),
-            vllm_config.model_config.quantization))
-    return _allocate(Plan(path, model, devices, headroom, stages, {}))
+            vllm_config.model_config.quantization, max_num_batched_tokens=tokens))
+    return _allocate(Plan(path, model, devices, headroom, stages, {}, max_model_len))
 
 
 def _allocate(plan: Plan) -> Plan:
@@ -327,7 +326,7 @@ def _allocate(plan: Plan) -> Plan:
 
 def plan_yaml(plan: Plan, command: str) -> str:
     """The pipeline YAML of ``plan.pipeline`` with the plan's shares (GPU) or KV cache
-    sizes (CPU), devices and quantization, headed by ``command``."""
+    sizes (CPU), batch limits, devices and quantization, headed by ``command``."""
     import yaml
 
     with open(plan.pipeline) as f:
@@ -339,6 +338,8 @@ def plan_yaml(plan: Plan, command: str) -> str:
             continue
         engine_args = stage.setdefault("engine_args", {})
         runtime = stage.setdefault("runtime", {})
+        engine_args["max_num_seqs"] = s.max_num_seqs
+        engine_args["max_num_batched_tokens"] = s.max_num_batched_tokens
         if plan.devices.cpu:
             if s.kv_per_token:  # a stage without attention keeps the pipeline's value
                 runtime["cpu_kv_cache_gib"] = round(s.kv_bytes / GIB, 2)
@@ -348,9 +349,11 @@ def plan_yaml(plan: Plan, command: str) -> str:
                 runtime["devices"] = ",".join(map(str, s.devices))
         if s.quantization:
             engine_args["quantization"] = s.quantization
-    head = (f"# Written by: {command}\n# {summary_line(plan)}\n"
-            "# Serve it: vllm serve MODEL --stage-configs-path THIS_FILE"
-            + (f" --max-model-len {plan.stages[0].max_model_len}\n"))
+        if plan.max_model_len and s is plan.stages[0]:  # the entry stage
+            engine_args["max_model_len"] = plan.max_model_len
+    head = (f"{WRITTEN_BY}{command}\n# {summary_line(plan)}\n"
+            "# Serve it: vllm serve MODEL --stage-configs-path THIS_FILE (the entry stage's "
+            f"max_model_len: {plan.stages[0].max_model_len})\n")
     return head + yaml.safe_dump(data, sort_keys=False)
 
 
@@ -369,13 +372,15 @@ def render(plan: Plan) -> str:
     def gib(n: int) -> str:
         return f"{n / GIB:.2f}"
 
-    rows = [("stage", "devices", "weights GiB", "KV/token KiB", "KV@max_len GiB",
-             "peak GiB", "overhead GiB", "KV planned GiB", "KV tokens", "share")]
+    rows = [("stage", "devices", "tokens/seqs", "weights GiB", "KV/token KiB",
+             "KV@max_len GiB", "peak GiB", "overhead GiB", "KV planned GiB", "KV tokens",
+             "share")]
     for s in plan.stages:
         name = f"{s.stage_id} {s.name}" + (f" x{s.replicas}" if s.replicas > 1 else "") + \
             (f" ({s.quantization})" if s.quantization else "")
         rows.append((name, "host" if plan.devices.cpu else ",".join(map(str, s.devices)),
-                     gib(s.weights), f"{s.kv_per_token / 1024:.1f}", gib(s.kv_min),
+                     f"{s.max_num_batched_tokens}/{s.max_num_seqs}", gib(s.weights),
+                     f"{s.kv_per_token / 1024:.1f}", gib(s.kv_min),
                      gib(s.peak), gib(s.overhead), gib(s.kv_bytes), str(s.kv_tokens),
                      "-" if plan.devices.cpu else f"{s.share:.2f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -386,7 +391,7 @@ def render(plan: Plan) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m vllm_omni_plugin.tools.plan",
+        prog=PLAN_COMMAND,
         description="Memory plan of an omni pipeline: per stage weights, KV cache, "
                     "activation peak, the share of its device to set, and whether it fits. "
                     "Reads only the checkpoint's config.json; builds no weights.")
@@ -434,8 +439,7 @@ def plan_from_args(argv: list[str]) -> tuple[Plan, str]:
             skip = True
         else:
             rest.append(arg)
-    return plan, plan_yaml(plan, " ".join(["python -m vllm_omni_plugin.tools.plan MODEL",
-                                           *rest]))
+    return plan, plan_yaml(plan, " ".join([f"{PLAN_COMMAND} MODEL", *rest]))
 
 
 def main(argv: list[str] | None = None) -> int:
