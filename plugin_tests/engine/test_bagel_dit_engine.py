@@ -75,7 +75,7 @@ def run(tiny_bagel, tmp_path_factory):
     keys = out["batches"][0]["keys"]
     return {"requests": [{"error": store.error(k)} if store.error(k) else store.get(k)
                          for k in keys], "memory_profile": out["memory_profile"],
-            "mask_gathers": out["mask_gathers"]}
+            "mask_gathers": out["mask_gathers"], "cap": out["cap"]}
 
 
 @pytest.fixture(scope="module")
@@ -125,23 +125,28 @@ def test_a_missing_branch_fails_the_request_naming_it(results):
 
 
 def test_memory_profile_runs_a_step_and_the_decoder_at_the_largest_image(run, tiny_bagel):
-    """vLLM sizes a GPU's KV caches from its profiling forward, which a stage model
-    answers with zeros outside a step: inside the worker's memory profile the DiT runs
-    one denoising step of the largest image with the three CFG branches and decodes that
-    image, so their peak is counted (issue 27, 7: nothing ran). vLLM's profiling forward
-    outside it runs nothing."""
+    """The DiT has no KV cache, so vLLM's start-up never calls the worker's
+    ``determine_available_memory``; the worker's ``compile_or_warm_up_model`` (called
+    for every engine) runs the memory profile instead: one denoising step of the largest
+    image with the three CFG branches, then that image decoded, so their peak is counted
+    (review 2, N3: in a served engine nothing ran). vLLM's profiling forward outside it
+    runs nothing."""
     from vllm_omni_plugin.models.bagel.dit import latent_token_pixels, max_image_side
 
     config = served_bagel_config(tiny_bagel)
     side, token = max_image_side(config), latent_token_pixels(config)
     hw = (side // token) ** 2
     profile = run["memory_profile"]
-    assert profile["outside"] == {} and profile["after"] is False
     # the query: 3 branches of the markers and the latent tokens, one row each
-    assert profile["profile"]["layer"] == [[3 * (hw + 2), config.llm_config.hidden_size]]
-    ((_, _, height, width),) = profile["profile"]["decoder"]
+    assert profile["startup"].get("layer") == [[3 * (hw + 2), config.llm_config.hidden_size]]
+    ((_, _, height, width),) = profile["startup"]["decoder"]
     assert height * config.vae_config["downsample"] == width * config.vae_config[
         "downsample"] == side
+    assert profile["vllm_profiled"] is False
+    record = profile["record"]
+    assert record is not None and record["stage_id"] == 1, record
+    assert record["model"] == "BagelDiTStage" and record["peak_bytes"] is None
+    assert profile["outside"] == {} and profile["after"] is False
 
 
 def test_a_velocity_step_gathers_rows_by_index_not_by_mask(run):
@@ -149,3 +154,18 @@ def test_a_velocity_step_gathers_rows_by_index_not_by_mask(run):
     nonzero) waits for the device every time, a dozen times per layer and step (about
     16k times for a 50-step image with the released checkpoint's 28 layers)."""
     assert run["mask_gathers"] == {}
+
+
+def test_a_step_beyond_max_num_seqs_refuses_the_extra_image(run):
+    """A DiT step renders at most the engine's ``max_num_seqs`` images (the shipped
+    pipelines': ``dit.MAX_IMAGES_PER_STEP``, 2, as this engine), which bounds the step's
+    time under the stall timeout (review 2, N4). vLLM's scheduler never puts more in a
+    step; a step that held more (a stand-in step here) fails the extra request naming the
+    bound, and works on the others (their empty payloads fail on their own)."""
+    from vllm_omni_plugin.models.bagel import dit
+
+    failures = run["cap"]["failures"]
+    assert set(failures) == {"r0", "r1", "r2"}, failures
+    assert all("lacks 'noise'" in failures[r] for r in ("r0", "r1")), failures
+    assert "more than its max_num_seqs (2)" in failures["r2"], failures
+    assert run["cap"]["cap"] == dit.MAX_IMAGES_PER_STEP == 2

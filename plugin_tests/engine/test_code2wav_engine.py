@@ -246,14 +246,21 @@ def test_split_prompt_fails_only_its_request(runs):
 
 
 def test_memory_profile_decodes_the_largest_batch_of_a_step(runs):
-    """vLLM sizes a GPU's KV caches from its profiling forward, which a stage model
-    answers with zeros outside a step: inside the worker's memory profile the model
-    decodes the largest padded batch a step of ``MAX_TOKENS_PER_STEP`` ids makes (1024
-    frames: 3 rows of HF's 325-frame chunk with context), so its peak is counted (issue
-    27, 7: nothing was decoded). vLLM's profiling forward outside it decodes nothing."""
+    """vLLM profiles the memory of engines with a KV cache only (``EngineCore.
+    _initialize_kv_caches`` calls ``determine_available_memory`` then), and code2wav has
+    none: the worker profiles it in ``compile_or_warm_up_model``, which vLLM's start-up
+    calls for every engine. There the model decodes the largest padded batch a step of
+    ``MAX_TOKENS_PER_STEP`` ids makes (1024 frames: 3 rows of HF's 325-frame chunk with
+    context), so its peak is counted (review 2, N3: in a served engine nothing ran; the
+    test called the method itself). vLLM's profiling forward outside it decodes nothing;
+    vLLM's CPU build has no device memory to measure."""
     profile = _engine(runs)["probe"]["memory_profile"]
-    assert profile["outside"] == {}
-    assert profile["profile"] == {"decoder": [[3, 325, 16]]} and profile["after"] is False
+    assert profile["startup"] == {"decoder": [[3, 325, 16]]}
+    assert profile["vllm_profiled"] is False
+    record = profile["record"]
+    assert record is not None and record["stage_id"] == 2, record
+    assert record["model"] == "Qwen3OmniCode2WavStage" and record["peak_bytes"] is None
+    assert profile["outside"] == {} and profile["after"] is False
 
 
 def test_prompt_ids_round_trip_and_errors(hf_model):

@@ -194,3 +194,37 @@ def test_masked_attention_repeats_kv_heads_instead_of_gqa(tiny_dit, monkeypatch)
     for lengths, (new, _) in results.items():
         old, _ = _velocities(tiny_dit, list(lengths))
         torch.testing.assert_close(new, old, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["bagel", "bagel_replicated", "bagel_1xh100"])
+def test_shipped_bagel_pipelines_bound_the_dit_step(name):
+    """Every BAGEL pipeline bounds a DiT engine step (review 2, N4: vLLM's GPU default
+    ``max_num_seqs`` 1,024 let one step render every queued image, past the stall
+    timeout: kill, resubmit, the same batch again): ``max_num_seqs`` is
+    ``MAX_IMAGES_PER_STEP``, the stall timeout the multiple of that step's longest time
+    ``DIT_STALL_TIMEOUT_S``, and the head's admission bound at the DiT follows
+    ``max_num_seqs`` (times its local replicas), not the entry engine's default."""
+    from types import SimpleNamespace
+
+    from vllm.config import VllmConfig
+
+    from vllm_omni_plugin.config import load_pipeline_config
+    from vllm_omni_plugin.config.pipelines import builtin_pipeline
+    from vllm_omni_plugin.engine.bootstrap import admission_bound
+    from vllm_omni_plugin.replicas.liveness import DEFAULT_STALL_TIMEOUT_S
+
+    (stage,) = [s for s in load_pipeline_config(builtin_pipeline(name)).stages
+                if s.engine_args["hf_overrides"]["architectures"] == ["OmniPluginBagelDiT"]]
+    assert stage.engine_args["max_num_seqs"] == dit.MAX_IMAGES_PER_STEP == 2
+    assert stage.runtime.stall_timeout == dit.DIT_STALL_TIMEOUT_S
+    assert dit.DIT_STALL_TIMEOUT_S == 420 > DEFAULT_STALL_TIMEOUT_S
+    entry = VllmConfig()
+    entry.scheduler_config.max_num_seqs = 1024  # vLLM's GPU default, the entry engine's
+    assert admission_bound(stage, [], entry) == 2  # remote replicas only: the YAML's
+
+    def local(stage_id):  # a local replica: its engine's resolved max_num_seqs
+        scheduler = SimpleNamespace(max_num_seqs=stage.engine_args["max_num_seqs"])
+        return SimpleNamespace(stage_id=stage_id, engine=SimpleNamespace(
+            vllm_config=SimpleNamespace(scheduler_config=scheduler)))
+
+    assert admission_bound(stage, [local(0), local(1), local(1)], entry) == 4

@@ -425,13 +425,31 @@ def test_stage_models_refuse_graph_modes_that_would_skip_their_python():
     check_graph_mode(RowsInPython(), CUDAGraphMode.PIECEWISE, 0)
 
 
+def test_a_profile_peak_beyond_the_share_fails_start_up_naming_the_stage():
+    """The decision the worker takes after measuring a KV-less stage's memory profile on
+    a GPU (a peak cannot be measured on vLLM's CPU build): within the share it passes,
+    beyond it start-up fails with the stage, the model and both figures."""
+    from vllm_omni_plugin.worker.omni_worker import StageMemoryProfile, check_profile_fits
+
+    gib = 1 << 30
+    check_profile_fits(StageMemoryProfile(1, "BagelDiTStage", 30 * gib, 30 * gib, 2.0), 0.37)
+    with pytest.raises(ValueError, match=r"stage 1: BagelDiTStage's largest workload .* "
+                       r"peaks at 31.50 GiB .* gpu_memory_utilization 0.37 = 29.45 GiB: "
+                       r"raise this stage's engine_args.gpu_memory_utilization"):
+        check_profile_fits(StageMemoryProfile(1, "BagelDiTStage", int(31.5 * gib),
+                                              int(29.45 * gib), 2.0), 0.37)
+
+
 def test_vllm_gpu_worker_profiles_memory_with_a_forward_the_worker_can_mark():
     """What the worker's ``stage_profiling`` relies on (vLLM's CPU build cannot run it):
     vLLM's GPU worker runs its model runner's ``profile_run`` inside
     ``determine_available_memory``, and both model runners' (V1's and V2's)
-    ``profile_run`` is one dummy forward of ``max_num_tokens``, outside any step. The
-    forward itself, marked, is run by vLLM's CPU model runner in
-    ``engine/test_code2wav_engine.py`` and ``engine/test_bagel_dit_engine.py``."""
+    ``profile_run`` is one dummy forward of ``max_num_tokens``, outside any step. vLLM's
+    EngineCore calls ``determine_available_memory`` only for a model with a KV cache and
+    ``compile_or_warm_up_model`` for every engine, so the worker profiles a model without
+    one (code2wav, the DiT) in the latter (review 2, N3). The forward itself, marked, is
+    run by vLLM's CPU engine start-up in ``engine/test_code2wav_engine.py`` and
+    ``engine/test_bagel_dit_engine.py``."""
     import ast
     import importlib.util
     from pathlib import Path
@@ -444,6 +462,13 @@ def test_vllm_gpu_worker_profiles_memory_with_a_forward_the_worker_can_mark():
 
     assert "self.model_runner.profile_run(" in method(
         "vllm.v1.worker.gpu_worker", "Worker", "determine_available_memory")
+    init = ast.parse(method("vllm.v1.engine.core", "EngineCore", "_initialize_kv_caches"))
+    gate = next(n for n in ast.walk(init) if isinstance(n, ast.If)
+                and ast.unparse(n.test) == "has_kv_cache")
+    gated = ast.unparse(gate)
+    assert "self.model_executor.determine_available_memory()" in gated
+    assert "compile_or_warm_up_model" not in gated
+    assert "self.model_executor.compile_or_warm_up_model()" in ast.unparse(init)
     for module in ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner"):
         profile = method(module, "GPUModelRunner", "profile_run").replace("\n", " ")
         assert profile.count("self._dummy_run(") == 1, module

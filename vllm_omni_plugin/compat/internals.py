@@ -26,7 +26,7 @@ needs a running engine is checked in ``plugin_tests/engine/test_pipeline_engine.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
 
 #: The vLLM releases every entry was read from (the supported range, DESIGN.md §5).
@@ -200,6 +200,42 @@ def model_runner_of(worker):
     if runner is None:
         raise _missing(f"{type(worker).__name__}.model_runner")
     return runner
+
+
+def profile_device_memory(worker, forward: Callable[[], None]) -> tuple[int, int] | None:
+    """Run ``forward`` (a stage's memory profile) on ``worker``, measured as vLLM's GPU
+    worker measures its own profiling forward: ``(peak, share)`` in bytes, ``peak`` the
+    device memory taken since the worker's start-up snapshot plus the activations'
+    transient high-water mark above what stays allocated (weights, activations,
+    non-torch allocations: ``vllm.utils.mem_utils.memory_profiling(...)
+    .non_kv_cache_memory`` from the worker's ``init_snapshot``, with the model runner's
+    ``model_memory_usage`` as weights; like vLLM, it assumes that no other process
+    changed its use of the device meanwhile) and ``share`` the device memory the engine
+    may take (the worker's ``requested_memory``: ``gpu_memory_utilization`` of the
+    device). Read from vLLM 0.30-0.33's ``Worker`` (V1 and V2 model runners).
+
+    On vLLM's CPU platform (host memory, which vLLM does not profile) ``forward`` runs
+    unmeasured and the result is None.
+
+    Raises:
+        AttributeError: a non-CPU worker without those attributes (vLLM moved them).
+    """
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        forward()
+        return None
+    snapshot = getattr(worker, "init_snapshot", None)
+    share = getattr(worker, "requested_memory", None)
+    weights = getattr(model_runner_of(worker), "model_memory_usage", None)
+    if snapshot is None or share is None or weights is None:
+        raise _missing("Worker.init_snapshot / requested_memory / "
+                       "model_runner.model_memory_usage")
+    from vllm.utils.mem_utils import memory_profiling
+
+    with memory_profiling(snapshot, weights_memory=int(weights)) as result:
+        forward()
+    return int(result.non_kv_cache_memory), int(share)
 
 
 # -- models -----------------------------------------------------------------------------
@@ -409,6 +445,8 @@ _MC = f"{_MOONCAKE}:MooncakeConnectorWorker"
 _OMNI_MC = "vllm_omni_plugin.kv_transfer.mooncake:OmniMooncakeConnectorWorker"
 _QWEN2 = "vllm.model_executor.models.qwen2"
 _HERE = "vllm_omni_plugin.compat.internals"
+_OMNI_WORKER = ("vllm_omni_plugin.worker.omni_worker:"
+                "OmniWorkerMixin.compile_or_warm_up_model")
 
 #: Every vLLM internal the plugin reads (see the module docstring), in the order above.
 INTERNALS: tuple[Internal, ...] = (
@@ -468,6 +506,28 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("vllm_omni_plugin.worker.placement:OmniPlacedUniProcExecutor._init_executor",
              "vllm.v1.executor.uniproc_executor:UniProcExecutor._init_executor", OVERRIDE,
              ("self",)),
+    # the memory profile of a stage without a KV cache: vLLM's EngineCore calls the
+    # workers' determine_available_memory only with a KV cache, compile_or_warm_up_model
+    # always; the profile is measured as vLLM's GPU worker measures its own
+    Internal(_OMNI_WORKER, "vllm.v1.engine.core:EngineCore._initialize_kv_caches", SOURCE,
+             ("if has_kv_cache:", "self.model_executor.determine_available_memory()",
+              "self.model_executor.compile_or_warm_up_model()")),
+    Internal(_OMNI_WORKER, "vllm.v1.worker.gpu_worker:Worker.compile_or_warm_up_model",
+             OVERRIDE, ("self",)),
+    Internal(_OMNI_WORKER, "vllm.v1.worker.cpu_worker:CPUWorker.compile_or_warm_up_model",
+             OVERRIDE, ("self",)),
+    Internal(f"{_HERE}.profile_device_memory", "vllm.v1.worker.gpu_worker:Worker.init_snapshot",
+             ATTRIBUTE),
+    Internal(f"{_HERE}.profile_device_memory",
+             "vllm.v1.worker.gpu_worker:Worker.requested_memory", ATTRIBUTE),
+    Internal(f"{_HERE}.profile_device_memory",
+             "vllm.v1.worker.gpu_model_runner:GPUModelRunner.model_memory_usage", ATTRIBUTE),
+    Internal(f"{_HERE}.profile_device_memory",
+             "vllm.v1.worker.gpu.model_runner:GPUModelRunner.model_memory_usage", ATTRIBUTE),
+    Internal(f"{_HERE}.profile_device_memory", "vllm.utils.mem_utils:memory_profiling",
+             FUNCTION, ("baseline_snapshot", "weights_memory")),
+    Internal(f"{_HERE}.profile_device_memory",
+             "vllm.utils.mem_utils:MemoryProfilingResult.non_kv_cache_memory", FIELD),
     Internal("vllm_omni_plugin.compat.model_runner.batch_req_ids",
              "vllm.v1.worker.gpu_model_runner:GPUModelRunner.input_batch", ATTRIBUTE),
     Internal("vllm_omni_plugin.compat.model_runner.batch_req_ids",

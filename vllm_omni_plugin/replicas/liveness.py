@@ -19,15 +19,16 @@ H100 (bf16, about 400 TFLOP/s sustained, i.e. 40 % of its dense peak; FLOPs coun
   parameters, 48 layers of 32 x 128 query dims): 2 x 3.3e9 x 32768 + 2 x 48 x 32768^2
   x 4096 = 6.4e14 FLOPs, about 1.6 s (vLLM's chunked prefill splits it further);
 * talker and code2wav steps are smaller still (a 3 B talker decode step; one codec chunk);
-* a BAGEL-7B-MoT DiT step completes whole images (their denoising loops run inside it):
-  one 1024 x 1024 image, 4096 latent tokens, 49 Euler steps of up to 3 CFG branches,
-  is 49 x 3 x 2 x 7e9 x 4096 = 8.4e15 FLOPs, about 21 s (the shipped BAGEL pipelines
-  set the DiT's own ``runtime.stall_timeout`` for steps of several images).
+* a BAGEL DiT step completes whole images (their denoising loops run inside it), at
+  most its ``max_num_seqs``: the shipped BAGEL pipelines bound it to
+  ``MAX_IMAGES_PER_STEP`` images and give the DiT its own ``runtime.stall_timeout``,
+  ``DIT_STALL_TIMEOUT_S``, a multiple of that step's longest time (the arithmetic is
+  with the constants, in :mod:`vllm_omni_plugin.models.bagel.dit`).
 
 The default, :data:`DEFAULT_STALL_TIMEOUT_S`, is 120 s: more than 50 times that
-prefill, 5 times a DiT image, and beyond the kernel compilations (Triton autotuning)
-vLLM may do on a GPU at a first request. A stage's ``runtime.stall_timeout`` sets its
-own (the shipped BAGEL pipelines give the DiT 600 s), ``--omni-stall-timeout`` every
+prefill, and beyond the kernel compilations (Triton autotuning) vLLM may do on a GPU at
+a first request. A stage's ``runtime.stall_timeout`` sets its own (the shipped BAGEL
+pipelines give the DiT ``DIT_STALL_TIMEOUT_S``), ``--omni-stall-timeout`` every
 stage's.
 
 A probe is sent whether or not the engine has work: an idle engine answers at once,

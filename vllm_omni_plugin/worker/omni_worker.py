@@ -16,7 +16,10 @@ chunked prefill, the paged KV cache and sampling. The subclass only
 * sets ``stage_profiling`` on a stage model that declares it while vLLM profiles the
   engine's memory (:meth:`OmniWorkerMixin.determine_available_memory`): such a model
   answers forwards outside a step with zeros, so it runs its largest workload then, and
-  the KV cache vLLM sizes from the profile leaves room for that workload's peak.
+  the KV cache vLLM sizes from the profile leaves room for that workload's peak; and
+* runs that profile itself for a stage model without a KV cache (code2wav, BAGEL's DiT),
+  which vLLM never profiles (:meth:`OmniWorkerMixin.compile_or_warm_up_model`), and
+  refuses to start when its peak exceeds the engine's share of the device.
 
 Requests without payload keys (plain text chat) pass through untouched.
 
@@ -30,11 +33,13 @@ Qwen3-Omni thinker does).
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
+from typing import NamedTuple
 
 from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 
-from vllm_omni_plugin.compat.internals import model_runner_of
+from vllm_omni_plugin.compat.internals import model_runner_of, profile_device_memory
 from vllm_omni_plugin.compat.model_runner import batch_req_ids, watch_step
 from vllm_omni_plugin.config.settings import OmniSettings
 from vllm_omni_plugin.logger import init_logger
@@ -44,6 +49,30 @@ from vllm_omni_plugin.worker.stage_io import StageIO, StageStep
 logger = init_logger(__name__)
 
 QUALNAME = "vllm_omni_plugin.worker.omni_worker.OmniWorker"
+GIB = 1 << 30
+
+
+class StageMemoryProfile(NamedTuple):
+    """The memory profile the worker ran at start-up for a stage model without a KV
+    cache (:meth:`OmniWorkerMixin.compile_or_warm_up_model`).
+
+    Attributes:
+        stage_id: the engine's stage.
+        model: the stage model's class name.
+        peak_bytes: the device memory the engine took at the profile's peak (weights,
+            activations, non-torch memory), as vLLM measures its own profiling forward
+            (:func:`~vllm_omni_plugin.compat.internals.profile_device_memory`); None
+            where the platform has no device memory to measure (vLLM's CPU build).
+        share_bytes: the device memory the engine may take (``gpu_memory_utilization``
+            of the device), None with ``peak_bytes``.
+        seconds: how long the profile ran (wall clock).
+    """
+
+    stage_id: int
+    model: str
+    peak_bytes: int | None
+    share_bytes: int | None
+    seconds: float
 
 
 class OmniWorkerMixin:
@@ -53,6 +82,10 @@ class OmniWorkerMixin:
     platform_worker: type
     #: whether this worker publishes the stage outputs (set when the model is loaded)
     omni_publishes = True
+    #: whether vLLM ran its memory profile (:meth:`determine_available_memory`)
+    omni_vllm_profiled = False
+    #: the profile the worker ran itself at start-up (:meth:`compile_or_warm_up_model`)
+    omni_memory_profile: StageMemoryProfile | None = None
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -89,9 +122,56 @@ class OmniWorkerMixin:
 
     def determine_available_memory(self):
         """vLLM's memory profile (its profiling forward: ``profile_run``), with
-        ``stage_profiling`` set on a stage model that has it (see the module docstring)."""
+        ``stage_profiling`` set on a stage model that has it (see the module docstring).
+
+        vLLM's EngineCore calls it only for a model with a KV cache
+        (``EngineCore._initialize_kv_caches``); :meth:`compile_or_warm_up_model` profiles
+        the others."""
+        self.omni_vllm_profiled = True
         with stage_profiling(_unwrapped(model_runner_of(self).get_model())):
             return super().determine_available_memory()
+
+    def compile_or_warm_up_model(self):
+        """vLLM's warm-up, after the memory profile of a stage model that declares
+        ``stage_profiling`` when vLLM ran none (:meth:`determine_available_memory` not
+        called: the model has no KV cache, as code2wav and BAGEL's DiT).
+
+        vLLM's EngineCore calls this for every engine at start-up, after allocating the
+        KV caches (``EngineCore._initialize_kv_caches``). The profile is vLLM's profiling
+        forward (the model runner's ``profile_run``) with ``stage_profiling`` set, so the
+        model runs its largest workload, measured as vLLM measures its own profile
+        (:func:`~vllm_omni_plugin.compat.internals.profile_device_memory`); the result is
+        logged and kept in :attr:`omni_memory_profile`.
+
+        Raises:
+            ValueError: the measured peak exceeds the engine's share of its device
+                (:func:`check_profile_fits`): start-up fails naming the stage.
+        """
+        model = _unwrapped(model_runner_of(self).get_model())
+        if hasattr(model, "stage_profiling") and not self.omni_vllm_profiled:
+            self.omni_memory_profile = self._profile_stage_memory(model)
+        return super().compile_or_warm_up_model()
+
+    def _profile_stage_memory(self, model) -> StageMemoryProfile:
+        from vllm.config import set_current_vllm_config
+
+        runner = model_runner_of(self)
+        name, stage_id = type(model).__name__, self.omni_io.stage_id
+        start = time.perf_counter()
+        with stage_profiling(model), set_current_vllm_config(self.vllm_config):
+            measured = profile_device_memory(self, runner.profile_run)
+        peak, share = measured if measured is not None else (None, None)
+        profile = StageMemoryProfile(stage_id, name, peak, share, time.perf_counter() - start)
+        if peak is None:
+            logger.info("stage %d: memory profile of %s (no KV cache, so vLLM runs none) "
+                        "ran its largest workload in %.1f s; device memory is not measured "
+                        "on this platform", stage_id, name, profile.seconds)
+        else:
+            logger.info("stage %d: memory profile of %s (no KV cache, so vLLM runs none): "
+                        "peak %.2f GiB of the engine's %.2f GiB share, %.1f s", stage_id,
+                        name, peak / GIB, share / GIB, profile.seconds)
+            check_profile_fits(profile, self.vllm_config.cache_config.gpu_memory_utilization)
+        return profile
 
     def execute_model(self, scheduler_output):
         """vLLM's step, with the plugin's bookkeeping around it: tracks the step's requests
@@ -137,6 +217,28 @@ def stage_profiling(model):
         yield
     finally:
         model.stage_profiling = False
+
+
+def check_profile_fits(profile: StageMemoryProfile, utilization: float) -> None:
+    """Refuse a stage whose largest workload does not fit its share of the device.
+
+    Args:
+        profile: a measured profile (``peak_bytes`` and ``share_bytes`` set).
+        utilization: the engine's ``gpu_memory_utilization``, for the message.
+
+    Raises:
+        ValueError: ``peak_bytes > share_bytes``, naming the stage, the model, both
+            figures and what to change.
+    """
+    if profile.peak_bytes <= profile.share_bytes:
+        return
+    raise ValueError(
+        f"stage {profile.stage_id}: {profile.model}'s largest workload (its memory "
+        f"profile) peaks at {profile.peak_bytes / GIB:.2f} GiB on its device, more than "
+        f"the engine's share, gpu_memory_utilization {utilization:g} = "
+        f"{profile.share_bytes / GIB:.2f} GiB: raise this stage's "
+        "engine_args.gpu_memory_utilization (python -m vllm_omni_plugin.tools.plan "
+        "computes shares that fit), or give it a device with more free memory")
 
 
 def check_graph_mode(model, cudagraph_mode, stage_id: int) -> None:

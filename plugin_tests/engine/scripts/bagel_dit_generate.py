@@ -18,8 +18,9 @@ its guidance; ``drop`` leaves branches out. Output: the last stdout line is
 ``{"engines": {name: {"batches": [{"keys": [...]}, ...], "memory_profile": ...}}}``; the
 results are in the payload store under those keys (``key.err`` on failure). With
 ``"probe": true`` in an engine's spec, ``memory_profile`` is what
-``_engines.memory_profile_calls`` returned for the DiT's first layer and the decoder, and
-``mask_gathers`` what :func:`mask_gathers` returned.
+``_engines.memory_profile_calls`` returned for the DiT's first layer and the decoder
+(the calls the engine's start-up made: the engine core runs in this process), and
+``mask_gathers`` and ``cap`` what :func:`mask_gathers` and :func:`cap_probe` returned.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import json
 import sys
 from pathlib import Path
 
-from _engines import memory_profile_calls, run_engines
+from _engines import StartupCalls, memory_profile_calls, run_engines
 
 ARCH = "OmniPluginBagelDiT"
 STAGE_ID = 1
@@ -41,6 +42,7 @@ BASE_ENGINE_ARGS = {
     "max_model_len": 64,
     "seed": 0,
     "gpu_memory_utilization": 0.2,
+    "max_num_seqs": 2,  # the shipped pipelines' DiT cap (dit.MAX_IMAGES_PER_STEP)
 }
 
 
@@ -100,21 +102,68 @@ def mask_gathers(model) -> dict:
     return count.ops
 
 
-def run_one(spec: dict, engine: dict) -> dict:
-    from vllm import LLM, SamplingParams
+def cap_probe(model) -> dict:
+    """A step holding one image more than the engine's ``max_num_seqs`` (vLLM's scheduler
+    never makes one, so a stand-in step with empty payloads): ``{"cap": the model's
+    bound, "failures": {req_id: error}}``."""
+    import torch
+
+    from vllm_omni_plugin.worker.stage_io import ScheduledRequest
+
+    class Step:  # the StageStep interface the model uses
+        def __init__(self, rows):
+            self.rows, self.failures = rows, {}
+
+        def requests(self):
+            return self.rows
+
+        def inputs(self, req_id):
+            return {}
+
+        def failed(self, req_id):
+            return req_id in self.failures
+
+        def fail(self, req_id, exc):
+            self.failures[req_id] = f"{type(exc).__name__}: {exc}"
+
+    cap = getattr(model, "max_images_per_step", None)
+    n = (cap or 2) + 1
+    step = Step([ScheduledRequest(f"r{i}", i, 1, 0, 1) for i in range(n)])
+    device = model.dit.marker_embeds.device
+    model.stage_step = step
+    try:
+        model(torch.zeros(n, dtype=torch.int32, device=device), torch.arange(n, device=device))
+    finally:
+        model.stage_step = None
+    return {"cap": cap, "failures": step.failures}
+
+
+def _engine(spec: dict, engine: dict):
+    from vllm import LLM
 
     from vllm_omni_plugin.config.settings import OmniSettings
-    from vllm_omni_plugin.extra_args import PAYLOAD
-    from vllm_omni_plugin.payload_store import PayloadStore
 
-    store = PayloadStore(spec["payload_dir"])
-    llm = LLM(spec["model"], **{
+    return LLM(spec["model"], **{
         **BASE_ENGINE_ARGS,
         "hf_overrides": {"architectures": [ARCH]},
         "additional_config": OmniSettings(
             stage_configs_path=spec["yaml"], stage_id=STAGE_ID, entry=False,
             payload_dir=spec["payload_dir"]).additional_config(),
         **engine.get("engine_args", {})})
+
+
+def run_one(spec: dict, engine: dict) -> dict:
+    from vllm import SamplingParams
+
+    from vllm_omni_plugin.extra_args import PAYLOAD
+    from vllm_omni_plugin.payload_store import PayloadStore
+
+    store = PayloadStore(spec["payload_dir"])
+    startup = StartupCalls()
+    try:
+        llm = _engine(spec, engine)
+    finally:
+        startup.stop()
     config = llm.llm_engine.model_config.hf_config
     batches = []
     try:
@@ -131,14 +180,16 @@ def run_one(spec: dict, engine: dict) -> dict:
             llm.generate([{"prompt_token_ids": [0]}] * len(requests), params, use_tqdm=False)
             batches.append({"keys": keys})
         profile = llm.collective_rpc(memory_profile_calls, args=(
-            lambda model: {"layer": model.dit.layers[0], "decoder": model.dit.vae},))[0] \
-            if engine.get("probe") else None
+            lambda model: {"layer": model.dit.layers[0], "decoder": model.dit.vae},
+            startup.calls))[0] if engine.get("probe") else None
         gathers = llm.apply_model(mask_gathers)[0] if engine.get("probe") else None
+        cap = llm.apply_model(cap_probe)[0] if engine.get("probe") else None
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
-    return {"batches": batches, "memory_profile": profile, "mask_gathers": gathers}
+    return {"batches": batches, "memory_profile": profile, "mask_gathers": gathers,
+            "cap": cap}
 
 
 if __name__ == "__main__":

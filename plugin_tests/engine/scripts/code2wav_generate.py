@@ -36,7 +36,8 @@ Output: the last stdout line is ``{"engines": {name: result}}`` where ``result``
 process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), or ``{"error": traceback}`` when that
 engine failed (the others still run); with ``"probe"`` it also holds ``"probe"``, what
 :func:`probe_model` returned, and in it ``"memory_profile"``, what
-``_engines.memory_profile_calls`` returned for the whole decoder.
+``_engines.memory_profile_calls`` returned for the whole decoder (the calls the engine's
+start-up made: needs the engine core in this process).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ import gc
 import sys
 import time
 
-from _engines import memory_profile_calls, run_engines
+from _engines import StartupCalls, memory_profile_calls, run_engines
 
 from vllm_omni_plugin.config.pipelines import builtin_pipeline
 
@@ -161,7 +162,11 @@ def run(model: str, payload_dir: str, spec: dict) -> dict:
         **spec.get("engine_args", {}),
     }
     store = PayloadStore(payload_dir)
-    llm = LLM(model, **engine_args)
+    startup = StartupCalls()
+    try:
+        llm = LLM(model, **engine_args)
+    finally:
+        startup.stop()
     init_s = time.perf_counter() - start
     batches = []
     for b, prompts in enumerate(spec["batches"]):
@@ -189,7 +194,8 @@ def run(model: str, payload_dir: str, spec: dict) -> dict:
     probe = llm.apply_model(probe_model)[0] if spec.get("probe") else None
     if probe is not None:
         probe["memory_profile"] = llm.collective_rpc(
-            memory_profile_calls, args=(lambda model: {"decoder": model.code2wav},))[0]
+            memory_profile_calls, args=(lambda model: {"decoder": model.code2wav},
+                                        startup.calls))[0]
     streams = llm.apply_model(lambda model: len(model._streams))[0]
     result = {"batches": batches, "probe": probe, "streams": streams,
               "steps": list(STEPS) if STEPS is not None else None,

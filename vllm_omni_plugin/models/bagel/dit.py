@@ -26,10 +26,12 @@ its (placeholder) prompt; ``max_tokens=1`` then ends it, like code2wav.
 * **Output payload** (:meth:`BagelDiTStage.stage_output_requests`): ``latent``
   ``[h*w, p*p*z]`` float32 and ``image`` ``[H, W, 3]`` uint8, decoded by
   :class:`~vllm_omni_plugin.models.bagel.autoencoder.FluxDecoder`.
-* **Memory profile.** vLLM sizes the KV caches of a GPU from a profiling forward outside
-  any step; while it runs, the worker sets ``stage_profiling`` and the model runs one
-  denoising step and the decoder at the largest image (:meth:`BagelDiT.profile_peak`), so
-  that their peak is counted.
+* **Memory profile.** vLLM profiles only engines with a KV cache, and this model has
+  none: the plugin's worker runs vLLM's profiling forward itself at start-up
+  (``OmniWorkerMixin.compile_or_warm_up_model``) with ``stage_profiling`` set, the model
+  runs one denoising step and the decoder at the largest image
+  (:meth:`BagelDiT.profile_peak`), and start-up fails when that peak exceeds the
+  engine's share of its device.
 
 Layers are vLLM's (``QKVParallelLinear``, ``RowParallelLinear``, Qwen2's MLP,
 ``RMSNorm``, ``get_rope``, ``ReplicatedLinear``, BAGEL's ``PositionEmbedding``);
@@ -79,8 +81,39 @@ TIMESTEP_FREQUENCIES = 256
 TIMESTEP_MAX_PERIOD = 10000.0
 #: the norm the official renormalisation adds to a guided velocity's norm
 RENORM_EPS = 1e-8
-#: at most this many timesteps (the official default is 50)
-MAX_TIMESTEPS = 1000
+#: at most this many timesteps (the official default is 50): twice the default, which
+#: bounds an image's time in a step (:data:`IMAGE_SECONDS`)
+MAX_TIMESTEPS = 100
+
+# -- how long a DiT engine step takes, and its stall timeout --------------------------------
+# A request is one image, and its whole denoising loop runs inside the engine step that
+# prefills its one-token prompt: a step renders as many images as vLLM schedules requests
+# in it, at most the engine's max_num_seqs (vLLM's default on a GPU of 70 GiB or more is
+# 1,024). The shipped BAGEL pipelines set the DiT's max_num_seqs to MAX_IMAGES_PER_STEP,
+# the head admits max_num_seqs x replicas image requests to the DiT at once (more wait
+# for admission), and the DiT's stall timeout is DIT_STALL_TIMEOUT_S, a multiple of the
+# longest step those bounds allow.
+
+#: Images one DiT engine step renders at most in the shipped BAGEL pipelines (the DiT
+#: stage's ``engine_args.max_num_seqs``): two images' CFG branches still batch on the
+#: GPU, and the step stays short enough for a liveness probe.
+MAX_IMAGES_PER_STEP = 2
+#: Seconds of one Euler step of the largest image (1024x1024: 4,096 latent tokens) with
+#: the three CFG branches, BAGEL-7B-MoT on one H100 (bf16, 400 TFLOP/s sustained, 40 %
+#: of its dense peak): per branch 2 x 7e9 active parameters x 4,096 tokens, plus
+#: attention over a context of up to 4,096 tokens, 4 x 28 layers x 4,096 x 8,192 x 3,584
+#: = 7.1e13 FLOPs; three branches 2.1e14 FLOPs, 0.53 s.
+EULER_STEP_SECONDS = 0.53
+#: Seconds one image takes at most on one H100: :data:`MAX_TIMESTEPS` - 1 Euler steps
+#: (52.5 s; the official 50 timesteps take 26 s), the decoder's few TFLOPs aside.
+IMAGE_SECONDS = round((MAX_TIMESTEPS - 1) * EULER_STEP_SECONDS, 1)
+#: The DiT's stall timeout over its longest step: a GPU a quarter as fast as the H100
+#: estimate (an A100's dense bf16 peak is a third of an H100's), or Triton's kernel
+#: compilation on a first request, still answers probes in time.
+STALL_SAFETY = 4
+#: The DiT stage's ``runtime.stall_timeout`` in the shipped BAGEL pipelines, seconds:
+#: :data:`MAX_IMAGES_PER_STEP` x :data:`IMAGE_SECONDS` x :data:`STALL_SAFETY`, 420 s.
+DIT_STALL_TIMEOUT_S = MAX_IMAGES_PER_STEP * IMAGE_SECONDS * STALL_SAFETY
 
 
 @dataclass(frozen=True)
@@ -502,10 +535,12 @@ class BagelDiT(nn.Module):
 
     @torch.inference_mode()
     def profile_peak(self) -> None:
-        """What vLLM's memory profile must count: one denoising step of the largest image
-        (:func:`max_image_side` square) with all three CFG branches, each with a context
-        as long as the image's latent tokens (an image-editing context holds its input
-        image's), then the decoder on that image."""
+        """What the engine's memory profile must count: one denoising step of the largest
+        image (:func:`max_image_side` square) with all three CFG branches, each with a
+        context as long as the image's latent tokens (an image-editing context holds its
+        input image's; the text-unconditional one a token shorter, so that the step runs
+        masked attention, as with real contexts of different lengths: :func:`attend`),
+        then the decoder on that image."""
         side = max_image_side(self.config)
         hw = (side // self.downsample) ** 2
         device, dtype = self.marker_embeds.device, self.marker_embeds.dtype
@@ -513,7 +548,9 @@ class BagelDiT(nn.Module):
         kv_heads = attn.kv_size // attn.head_dim
         context = torch.zeros(len(self.layers), hw, kv_heads, attn.head_dim, dtype=dtype,
                               device=device)
-        packed = self.pack([(context, context, hw)] * len(BRANCHES), hw, device)
+        shorter = context[:, 1:]
+        packed = self.pack([(context, context, hw), (shorter, shorter, hw - 1),
+                            (context, context, hw)], hw, device)
         positions = latent_position_ids(side, side, self.downsample, self.max_latent_size)
         pos_embed = self.latent_pos_embed(positions).to(device=device, dtype=dtype)
         x = torch.zeros(hw, self.latent_dim, device=device)
@@ -641,9 +678,9 @@ class BagelDiTStage(nn.Module):
 
     The model works only inside an engine step the plugin's worker binds to
     :attr:`stage_step`; vLLM's own dummy and profiling forwards return zeros, after
-    running :meth:`BagelDiT.profile_peak` in vLLM's memory profile (``stage_profiling``,
-    set by the worker). A request whose payload is unusable fails alone (its error names
-    what is wrong).
+    running :meth:`BagelDiT.profile_peak` in the engine's memory profile
+    (``stage_profiling``, set by the worker). A request whose payload is unusable fails
+    alone (its error names what is wrong).
     """
 
     uses_stage_step = True
@@ -662,6 +699,15 @@ class BagelDiTStage(nn.Module):
         if any(m is None or m == tokenizer.unk_token_id for m in markers):
             raise ValueError("the tokenizer lacks <|vision_start|> / <|vision_end|>")
         self.dit = BagelDiT(config, markers)
+        #: images one step may render: the engine's max_num_seqs (one image a request)
+        self.max_images_per_step = int(vllm_config.scheduler_config.max_num_seqs)
+        if self.max_images_per_step > MAX_IMAGES_PER_STEP:
+            logger.warning(
+                "DiT: max_num_seqs %d lets one engine step render %d images (up to %.0f s "
+                "each at 1024x1024 on an H100): the stage's runtime.stall_timeout must "
+                "exceed that step; the shipped BAGEL pipelines set max_num_seqs %d with "
+                "stall_timeout %.0f s", self.max_images_per_step, self.max_images_per_step,
+                IMAGE_SECONDS, MAX_IMAGES_PER_STEP, DIT_STALL_TIMEOUT_S)
         self.vocab_size = config.llm_config.vocab_size
         self.stage_step = None
         self.stage_profiling = False
@@ -693,7 +739,11 @@ class BagelDiTStage(nn.Module):
         """Generate the image of every request whose prompt this step prefills; returns
         ``[num_tokens, 1]`` zeros in the model's dtype. ``input_ids`` ``[num_tokens]`` (int32
         from vLLM's runner) and ``inputs_embeds`` are not read; ``positions`` ``[num_tokens]``
-        int64 gives only the count and device."""
+        int64 gives only the count and device.
+
+        At most :attr:`max_images_per_step` images (the engine's ``max_num_seqs``, which
+        vLLM's scheduler keeps to); a request beyond it fails with an error naming the
+        bound rather than lengthening the step."""
         self._outputs = {}
         out = torch.zeros(positions.shape[-1], 1, dtype=self.dit.marker_embeds.dtype,
                           device=positions.device)
@@ -702,12 +752,15 @@ class BagelDiTStage(nn.Module):
             if self.stage_profiling:
                 self.dit.profile_peak()
             return out
-        for r in step.requests():
-            if r.num_prompt_tokens == 0 or step.failed(r.req_id):
-                continue
-            if r.num_computed + r.num_tokens < r.num_prompt_tokens \
-                    or r.num_computed >= r.num_prompt_tokens:
-                continue  # not the step that completes its prompt
+        due = [r for r in step.requests()
+               if r.num_prompt_tokens and not step.failed(r.req_id)
+               # the step that completes its prompt
+               and r.num_computed < r.num_prompt_tokens <= r.num_computed + r.num_tokens]
+        for r in due[self.max_images_per_step:]:
+            step.fail(r.req_id, RuntimeError(
+                f"the DiT step holds {len(due)} images, more than its max_num_seqs "
+                f"({self.max_images_per_step}), which bounds its time"))
+        for r in due[:self.max_images_per_step]:
             try:
                 self._outputs[r.req_id] = self._generate(step.inputs(r.req_id))
             except Exception as exc:

@@ -30,10 +30,12 @@ model runner (the plugin's ``OmniWorker``), batched across requests like any mod
   ``waveform`` ``[num_samples]`` float32 in ``[-1, 1]`` and ``sample_rate`` ``[1]`` int64
   (Hz, :func:`sample_rate`); the worker publishes them. The token vLLM samples (logits are
   all zero) is a dummy; with ``max_tokens=1`` it ends the request.
-* **Memory profile.** vLLM sizes the KV caches of a GPU from a profiling forward outside
-  any step; while it runs, the worker sets ``stage_profiling`` and the model decodes the
-  largest padded batch a step can hold (:meth:`Qwen3OmniCode2WavStage.profile_decode`), so
-  that the decode's peak (GiBs at the released checkpoint's size) is counted.
+* **Memory profile.** vLLM profiles only engines with a KV cache, and this model has
+  none: the plugin's worker runs vLLM's profiling forward itself at start-up
+  (``OmniWorkerMixin.compile_or_warm_up_model``) with ``stage_profiling`` set, the model
+  decodes the largest padded batch a step can hold
+  (:meth:`Qwen3OmniCode2WavStage.profile_decode`), and start-up fails when that peak
+  (GiBs at the released checkpoint's size) exceeds the engine's share of its device.
 
 The model has no paged attention layer (vLLM sees no KV cache); the stream state above
 is the model's own (the convolutional part's context is part of it, which is not KV
@@ -651,12 +653,12 @@ class Qwen3OmniCode2WavStage(OwnShards, nn.Module, SupportsMRoPE):
 
     The model does its real work only inside an engine step the plugin's worker binds to
     :attr:`stage_step` (see the module docstring); vLLM's own dummy and profiling forwards
-    (``stage_step`` None) return zeros, after decoding dummy codes in vLLM's memory
+    (``stage_step`` None) return zeros, after decoding dummy codes in the engine's memory
     profile (``stage_profiling``).
 
     Attributes:
         uses_stage_step: tells the worker to bind a ``StageStep`` around each forward.
-        stage_profiling: set by the worker while vLLM profiles the engine's memory.
+        stage_profiling: set by the worker while it profiles the engine's memory.
         max_batch_frames: a bound on ``batch * frames`` of one padded decoder call (frames
             include padding); a step's chunks beyond it run in several calls.
     """
