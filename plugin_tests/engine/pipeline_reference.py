@@ -398,16 +398,17 @@ def _penalized(values, previous, penalty: float):
 
 
 def agreement(tokens, codes, waveform, forced: HFSpeech, model, dtype: str,
-              waveform_atol: float) -> Agreement:
+              waveform_atol: float, ties: NearTie | None = None) -> Agreement:
     """Compare a served answer (thinker ``tokens``, ``codes`` [T, 16], ``waveform``) with
     HF teacher-forced along it (``forced``: :func:`hf_speak` with ``force=(tokens,
     codes)``, on ``model`` in ``dtype``). Every greedy choice the pipeline made must be
     HF's, or trail HF's top logit (after HF's code-0 mask and repetition penalty) by
-    less than :data:`NEAR_TIES`'s gap for ``dtype``: a near-tie that rounding may flip.
-    The waveform must be HF's decode of the same codes within ``waveform_atol``."""
+    less than ``ties``' gap (default :data:`NEAR_TIES`'s for ``dtype``): a near-tie that
+    rounding may flip. The waveform must be HF's decode of the same codes within
+    ``waveform_atol``."""
     from vllm_omni_plugin.models.qwen3_omni.talker_inputs import talker_logits_mask
 
-    ties, mask = NEAR_TIES[dtype], talker_logits_mask(model.config)
+    ties, mask = ties or NEAR_TIES[dtype], talker_logits_mask(model.config)
     codec_eos = model.config.talker_config.codec_eos_token_id
     gaps = {"thinker": [], "code0": [], "residual": []}
     # lengths may differ: a problem of its own below

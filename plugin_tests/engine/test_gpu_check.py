@@ -1,10 +1,14 @@
 """``scripts/gpu_check.sh``'s dry run on vLLM's CPU build (``python -m
 plugin_tests.gpu_check --cpu``) in the cases this host can run: the thinker on tensor
-parallelism 2 (two worker processes, one core each) and the whole pipeline in bfloat16
-(where the CPU computes in it: AVX-512 BF16 or AMX). Every answer of the parity requests
-(alone and 8 at once) is compared with HF transformers teacher-forced along it
-(``pipeline_reference.agreement``). The float32 pipeline's parity is
-test_pipeline_engine.py's."""
+parallelism 2 (two worker processes, one core each), the whole pipeline in bfloat16
+(where the CPU computes in it: AVX-512 BF16 or AMX), and the tiny BAGEL pipeline (AR,
+then the DiT with CFG) at 64 and 512 px. Every answer of the parity requests (alone and 8
+at once) and of the media requests (an image, an audio clip) is compared with HF
+transformers teacher-forced along it (``pipeline_reference.agreement``); BAGEL's images
+with the CPU's float32 record the GPU run is compared with
+(``plugin_tests/fixtures/gpu_check/``): this keeps the record current. Each case must
+report the CPU build's modes, and the same reports fail the GPU's expectation. The
+float32 pipeline's parity is test_pipeline_engine.py's."""
 
 from __future__ import annotations
 
@@ -34,8 +38,9 @@ def _older_release() -> bool:
 pytestmark = [pytest.mark.engine, pytest.mark.skipif(
     _older_release(), reason="gpu_check's dry run runs on the newest CPU-build release")]
 
-#: the parity scenario's answers: each prompt alone, then 8 at once
-ANSWERS = 4 + 8
+#: the parity scenario's answers (each prompt alone, then 8 at once) and the media
+#: scenario's (an image, an audio clip)
+ANSWERS = 4 + 8 + 2
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +48,9 @@ def dry_run(tmp_path_factory) -> tuple[dict, str]:
     """``(results, report)``: the dry run's JSON results and its printed report."""
     out = tmp_path_factory.mktemp("gpu-check")
     proc = run_process_group(
-        [PYTHON, "-m", "plugin_tests.gpu_check", "--cpu", "--cases", "tp2", "bf16",
-         "--scenarios", "parity", "--json", str(out / "results.json"), "--out", str(out)],
+        [PYTHON, "-m", "plugin_tests.gpu_check", "--cpu", "--cases", "tp2", "bf16", "bagel",
+         "--scenarios", "parity", "media", "--allow-skip", "--json",
+         str(out / "results.json"), "--out", str(out)],
         timeout=2 * ENGINE_TIMEOUT_S, cwd=REPO, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-6000:]}"
@@ -54,21 +60,25 @@ def dry_run(tmp_path_factory) -> tuple[dict, str]:
 def _assert_agree(result: dict) -> None:
     assert result["answers"] == ANSWERS and result["agreed"] == ANSWERS, result["problems"]
     # every thinker token and every code of every frame was compared (at least 24
-    # frames of 16 codes an answer, and the thinker's tokens)
-    assert result["choices"] >= ANSWERS * TALKER_FRAMES * 16, result
+    # frames of 16 codes an answer with speech compared, and the thinker's tokens)
+    assert result["choices"] >= (ANSWERS - 1) * TALKER_FRAMES * 16, result
 
 
 def test_a_tp2_thinker_speaks_as_hf(dry_run):
-    """The thinker on two TP ranks (one publishes): every choice is HF's own, in
-    float32. Before the fix its worker hung on the first audio request (the publishing
-    rank alone ran the vocabulary-parallel embedding's all-reduce)."""
+    """The thinker on two TP ranks (one publishes): every choice of the text answers is
+    HF's own, in float32, and the media answers agree. Before the fix its worker hung on
+    the first audio request (the publishing rank alone ran the vocabulary-parallel
+    embedding's all-reduce)."""
     results, report = dry_run
     result = results["tp2"]
     assert result["settings"]["0"]["tensor_parallel_size"] == 2
     assert [s["tensor_parallel_size"] for k, s in result["settings"].items() if k != "0"] \
         == [1, 1]
     _assert_agree(result)
-    assert result["exact"] == result["choices"], result["worst"]
+    # every choice of the text answers is HF's own (the image answer's may trail by
+    # gpu_check.media_near_ties)
+    assert result["exact"] - result["media_exact"] == \
+        result["choices"] - result["media_choices"], result["worst"]
     assert "tp2   ok" in report
 
 
@@ -86,3 +96,36 @@ def test_a_bf16_pipeline_speaks_as_hf_within_bf16_rounding(dry_run):
     assert all(result["worst"][kind] <= getattr(ties, kind) for kind in ties._fields)
     assert result["exact"] >= 0.9 * result["choices"], result  # most choices are HF's
     assert "bf16  ok" in report
+
+
+def test_bagel_images_equal_the_cpu_float32_record(dry_run):
+    """The tiny BAGEL pipeline (AR, then the DiT with CFG and a negative prompt: masked
+    attention over contexts of different lengths) draws a 64 px and a 512 px image equal
+    to the record the GPU run is compared with, within float32 rounding."""
+    from plugin_tests.gpu_check import BAGEL_TOLERANCE
+
+    results, report = dry_run
+    result = results["bagel"]
+    assert result["answers"] == result["agreed"] == 2, result["problems"]
+    assert result["latent_err"] <= BAGEL_TOLERANCE["cpu"].latent
+    assert [s["dtype"] for s in result["settings"].values()] == ["float32", "float32"]
+    assert "bagel ok: 2/2 images" in report
+
+
+def test_each_case_reports_the_cpu_builds_modes_and_fails_the_gpus(dry_run):
+    """The modes the stages reported are the CPU build's (V1 CPUModelRunner, sync, no
+    graphs), what ``--cpu`` requires; judged by the GPU's expectation (what a GPU run
+    with a forced V1 runner or sync scheduling reports too) every case fails, naming
+    each mode."""
+    from plugin_tests.gpu_check import EXPECTED_MODES, case_status, exit_status
+
+    results, report = dry_run
+    ran = {name: r for name, r in results.items() if "skipped" not in r}
+    assert "modes required (cpu): CPU model runner, async scheduling off" in report
+    for name, result in ran.items():
+        assert case_status(result, EXPECTED_MODES["cpu"]) == ("ok", []), name
+        status, problems = case_status(result, EXPECTED_MODES["gpu"])
+        assert status == "FAILED", name
+        assert "stage 0 runs the CPU model runner, not V2" in problems, problems
+        assert "stage 1 has async scheduling off, not on" in problems, problems
+    assert exit_status(ran, EXPECTED_MODES["gpu"]) == 1

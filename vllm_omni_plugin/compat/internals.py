@@ -202,6 +202,19 @@ def model_runner_of(worker):
     return runner
 
 
+def flashinfer_available() -> bool:
+    """Whether vLLM uses FlashInfer's kernels in this process's environment: vLLM's
+    ``vllm.utils.flashinfer.has_flashinfer()`` (the ``flashinfer`` package installed, and
+    either ``flashinfer-cubin`` installed or ``nvcc`` and ``ninja`` found, ``ninja`` on
+    ``PATH``; vLLM 0.30-0.33). Engines started from this process inherit its ``PATH``, so
+    they see the same answer. False where vLLM has no such function."""
+    try:
+        from vllm.utils.flashinfer import has_flashinfer
+    except ImportError:
+        return False
+    return bool(has_flashinfer())
+
+
 def profile_device_memory(worker, forward: Callable[[], None]) -> tuple[int, int] | None:
     """Run ``forward`` (a stage's memory profile) on ``worker``, measured as vLLM's GPU
     worker measures its own profiling forward: ``(peak, share)`` in bytes, ``peak`` the
@@ -500,6 +513,8 @@ INTERNALS: tuple[Internal, ...] = (
              ATTRIBUTE),
     Internal(f"{_HERE}.model_runner_of", "vllm.v1.worker.cpu_worker:CPUWorker.model_runner",
              ATTRIBUTE),
+    Internal(f"{_HERE}.flashinfer_available", "vllm.utils.flashinfer:has_flashinfer",
+             FUNCTION, ()),
     Internal("vllm_omni_plugin.worker.placement:OmniPlacedExecutor._init_executor",
              "vllm.v1.executor.multiproc_executor:MultiprocExecutor._init_executor", OVERRIDE,
              ("self",)),
