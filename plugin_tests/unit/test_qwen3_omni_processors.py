@@ -108,3 +108,87 @@ def test_a_chunk_tells_code2wav_its_context_and_place_in_the_stream():
     first = _code2wav_input(StreamChunk("req-1-s2", first_row=0, last=False), context=0)
     assert set(first.payload) == {"stream"} and first.payload["stream"].tolist()[1:] == [0, 0]
     assert _code2wav_input(None, context=0).payload == {}
+
+
+class _ReadCounted(list):
+    """A prompt's id list that counts the ids read from it (iteration and indexing)."""
+
+    reads = 0
+
+    def __iter__(self):
+        for item in super().__iter__():
+            self.reads += 1
+            yield item
+
+    def __getitem__(self, index):
+        item = super().__getitem__(index)
+        self.reads += len(item) if isinstance(index, slice) else 1
+        return item
+
+
+def test_each_growth_of_a_long_prompt_costs_only_the_tokens_it_added(tmp_path):
+    """The API server feeds the talker while the thinker runs: its input stream
+    (``engine.streaming.InputStream``, on a real payload store) and ``thinker2talker`` are
+    called once per thinker token. After the first call neither reads the prompt's ids
+    again (each call walked the whole prompt in Python and rebuilt its ``sequence_ids``:
+    O(prompt) per token, ~12,000 ids read per call here), and each call's input equals
+    the one a call without the kept state makes on the same output."""
+    import asyncio
+    import dataclasses
+
+    from vllm_omni_plugin.engine.streaming import InputStream
+    from vllm_omni_plugin.payload_store import PayloadStore
+
+    prompt = _ReadCounted([IM_START, USER, *[9] * 4000, IM_START, ASSISTANT, 4])
+    p, extras = len(prompt), {"hf_config": CONFIG}
+    store, key = PayloadStore(str(tmp_path)), "thinker.out"
+    store.create(key)
+
+    def rows(n: int, first: float) -> dict:
+        values = torch.arange(first, first + n, dtype=torch.float32)[:, None].expand(n, 2)
+        return {"embed": values, "hidden": -values,
+                "positions": torch.zeros(n, 3, dtype=torch.long)}
+
+    async def feed() -> list[int]:
+        stream, tokens, reads, first = InputStream(store, key, stage_id=0), [], [], None
+        store.append(key, {**rows(p, 0), "tts_embed": torch.ones(3, 2)})
+        for token in range(50, 58):
+            tokens.append(token)
+            if len(tokens) > 1:  # the step feeding a token publishes its row
+                store.append(key, rows(1, p + len(tokens) - 2))
+            stream.update(prompt, tokens)
+            out = await stream.next()
+            first = first or out
+            # one prompt list and one state for the stream, not a copy per call
+            assert out.prompt_token_ids is first.prompt_token_ids and out.state is first.state
+            out = dataclasses.replace(out, prompt_token_ids=prompt)  # reads counted
+            before = prompt.reads
+            got = thinker2talker([out], None, extras)
+            reads.append(prompt.reads - before)
+            fresh = UpstreamOutput(stage_id=0, prompt_token_ids=list(prompt),
+                                   output_token_ids=list(tokens), payload=out.payload,
+                                   finished=False)
+            _assert_same_input(got, thinker2talker([fresh], None, extras))
+        stream.finish(UpstreamOutput(stage_id=0, prompt_token_ids=prompt,
+                                     output_token_ids=list(tokens), payload=out.payload))
+        out = await stream.next()
+        assert out.finished and out.state is first.state
+        before = prompt.reads
+        got = thinker2talker([out], None, extras)
+        reads.append(prompt.reads - before)
+        assert got.ready is None and len(got.payload["sequence_ids"]) == p + 8
+        _assert_same_input(got, thinker2talker(
+            [UpstreamOutput(stage_id=0, prompt_token_ids=list(prompt),
+                            output_token_ids=list(tokens), payload=out.payload)], None, extras))
+        return reads
+
+    reads = asyncio.run(feed())
+    assert reads[0] > 0 and reads[1:] == [0] * 8, reads
+
+
+def _assert_same_input(got, expected) -> None:
+    assert got.prompt_token_ids == expected.prompt_token_ids
+    assert got.ready == expected.ready
+    assert got.payload.keys() == expected.payload.keys()
+    for name, tensor in expected.payload.items():
+        assert torch.equal(got.payload[name], tensor), name

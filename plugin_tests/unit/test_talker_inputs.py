@@ -748,3 +748,98 @@ def test_codes_for_code2wav():
     assert codes_for_code2wav(codes, codec_eos_token_id=999).shape == (1, 16, 3)
     with pytest.raises(ValueError):
         codes_for_code2wav(codes[0])
+
+
+class _GrowingStep:
+    """The worker's view of one talker request whose input grows (``StageStep``'s
+    ``inputs``, ``params`` and ``grows``), over a real ``GrowingPayload``."""
+
+    def __init__(self):
+        from vllm_omni_plugin.payload_store import GrowingPayload
+
+        self.payload = GrowingPayload()
+
+    def inputs(self, req_id):
+        return self.payload.tensors()
+
+    def params(self, req_id):
+        return None
+
+    def grows(self, req_id):
+        return True
+
+
+def _talker_stage(model):
+    """The served talker stage's prompt path on HF's talker modules (projections and
+    codec embedding; its decoder is not used here)."""
+    from vllm_omni_plugin.models.qwen3_omni.talker import Qwen3OmniTalkerStage
+
+    stage = Qwen3OmniTalkerStage.__new__(Qwen3OmniTalkerStage)
+    nn.Module.__init__(stage)
+    stage.model = nn.Module()
+    stage.model.embed_tokens = model.talker.get_input_embeddings()
+    stage.text_projection = model.talker.text_projection
+    stage.hidden_projection = model.talker.hidden_projection
+    stage.omni_config = model.config
+    stage.speakers = {v: k for k, v in model.config.talker_config.speaker_id.items()}
+    stage._requests = {}
+    return stage
+
+
+def test_a_growing_talker_input_costs_only_the_assistant_turn(talker_parity_model):
+    """A talker fed while the thinker runs (a 600-token user turn) takes each growth of
+    its input without reading the earlier thinker rows again (they are NaN here once
+    taken: rebuilding read them and moved every one to the device again) or projecting
+    the user turn again: the text projection takes the assistant turn's rows only, in one
+    batch as HF does. After each growth the talker's inputs equal, bit for bit,
+    ``build_talker_prompt`` on the whole output so far (what rebuilding gave)."""
+    from types import SimpleNamespace
+
+    model, cfg = talker_parity_model, talker_parity_model.config
+    s, e, nl = cfg.im_start_token_id, cfg.im_end_token_id, 29
+    prompt = [s, cfg.user_token_id, nl, *([40, 41, 42] * 200), e, nl, s, cfg.assistant_token_id,
+              nl]
+    p, assistant_start = len(prompt), len(prompt) - 3
+    seq = torch.tensor(prompt + [60, 61, 62, 63, 64, 65, 66, 67, 68, e])
+    embed = model.thinker.get_input_embeddings()(seq[:-1]).detach()  # the thinker's rows
+    tts = ti.tts_token_embeds_from(model.thinker.get_input_embeddings(), cfg).detach()
+    stage, step = _talker_stage(model), _GrowingStep()
+    projected = []  # rows each text projection call took
+    hook = model.talker.text_projection.register_forward_hook(
+        lambda module, args, out: projected.append(args[0].shape[-2]))
+    ends, taken = (p + 2, p + 3, p + 5, seq.shape[0]), 0  # sequence ids after each growth
+    try:
+        for end in ends:
+            fed = end - 1
+            chunk = {"sequence_ids": seq[taken + 1 if taken else 0:end],
+                     "thinker_embed": embed[taken:fed].clone(),
+                     "thinker_hidden": embed[taken:fed].clone()}
+            if not taken:
+                chunk.update(tts_embed=tts,
+                             speaker_id=torch.tensor([ti.resolve_speaker(cfg.talker_config,
+                                                                         "Ethan")]),
+                             prompt_len=torch.tensor([p]),
+                             thinker_positions=torch.arange(p)[:, None].expand(p, 3))
+            else:  # the rows taken before: reading them again gives NaN
+                step.payload.tensors()["thinker_embed"][:taken].fill_(float("nan"))
+            step.payload.extend([chunk])
+            projected.clear()
+            r = SimpleNamespace(req_id="r", num_prompt_tokens=p - 3 + ti.ASSISTANT_PREFIX_LEN)
+            with torch.no_grad():
+                state = stage._state(step, r)
+            calls = list(projected)
+            whole = ti.build_talker_prompt(
+                model.talker, cfg, seq[:end], embed[:fed], None, "Ethan", tts_token_embeds=tts,
+                prompt_len=p)
+            if taken:
+                assert calls == [fed - assistant_start], (end, calls)
+            for name in ("prompt_embeds", "trailing_text_hidden", "tts_pad_embed",
+                         "talker_input_ids", "user_index"):
+                assert torch.equal(getattr(state.prompt, name), getattr(whole, name)), \
+                    (end, name)
+            taken = fed
+    finally:
+        hook.remove()
+    assert state.sequence_len == seq.shape[0]
+    with pytest.raises(ValueError, match="grew from .* but 1 new rows came"):
+        ti.extend_talker_prompt(model.talker, cfg, state.prompt, seq[:3], embed[:1])

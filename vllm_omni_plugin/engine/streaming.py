@@ -37,6 +37,7 @@ stage's output rows while that stage (the talker) still generates.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import torch
 
@@ -234,12 +235,14 @@ class InputStream:
         self._final = None
         self._changed = asyncio.Event()
         self._finished = asyncio.Event()
+        #: the processor's state between calls (``UpstreamOutput.state``)
+        self._state: dict = {}
 
     def update(self, prompt_token_ids, output_token_ids) -> None:
         """The entry stage's outputs so far (``output_token_ids`` may be a list that
         keeps growing)."""
         if prompt_token_ids and not self._prompt:
-            self._prompt = list(prompt_token_ids)
+            self._prompt = list(prompt_token_ids)  # then never changed: handed out as is
         self._tokens = output_token_ids
         self._changed.set()
 
@@ -256,15 +259,18 @@ class InputStream:
 
     async def next(self):
         """The entry stage's output once it changed since the previous call: the
-        finished one, or the output so far (``finished`` False)."""
+        finished one, or the output so far (``finished`` False); each with the stream's
+        one ``state`` dict. The prompt's id list is the same at every call (not to be
+        changed), so that a call costs what the output added."""
         await self._changed.wait()
         self._changed.clear()
         if self._final is not None:
-            return self._final
+            return dataclasses.replace(self._final, state=self._state)
         chunks = await asyncio.to_thread(self._store.chunks, self._key, self._chunks)
         if chunks:
             self._chunks += len(chunks)
             self._rows.extend(chunks)
-        return UpstreamOutput(stage_id=self._stage_id, prompt_token_ids=list(self._prompt),
+        return UpstreamOutput(stage_id=self._stage_id, prompt_token_ids=self._prompt,
                               output_token_ids=list(self._tokens),
-                              payload=self._rows.tensors(), finished=False)
+                              payload=self._rows.tensors(), finished=False,
+                              state=self._state)

@@ -74,6 +74,11 @@ class UpstreamOutput:
         finished: False while the upstream stage still runs (a stage with
             ``stream_input`` gets its input processor called on the output so far): the
             payload holds the rows published so far, the token ids those generated so far.
+        state: for a processor called on an output as it grows (``finished`` False, then
+            the finished output): one dict, the same object at every call for one
+            request's input stream, empty at the first; the processor may keep in it,
+            under its own name, what it derived from the earlier calls, so that a call
+            costs what the output added, not the whole output. A fresh dict otherwise.
     """
 
     stage_id: int
@@ -83,6 +88,7 @@ class UpstreamOutput:
     context_rows: int = 0
     chunk: StreamChunk | None = None
     finished: bool = True
+    state: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
 
 @dataclass

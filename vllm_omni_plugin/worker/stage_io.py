@@ -116,6 +116,12 @@ class StageStep:
         tracked = self._io.tracked(req_id)
         return tracked.inputs if tracked is not None else {}
 
+    def grows(self, req_id: str) -> bool:
+        """Whether the request's input grows while it runs (a resumable request the
+        orchestrator feeds in chunks: :meth:`inputs` gains rows on dim 0)."""
+        tracked = self._io.tracked(req_id)
+        return tracked is not None and tracked.growing_key is not None
+
     def params(self, req_id: str):
         """The request's ``SamplingParams`` (None for a request the plugin does not track)."""
         tracked = self._io.tracked(req_id)

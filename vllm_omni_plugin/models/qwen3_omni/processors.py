@@ -8,6 +8,7 @@ projections on its own weights. ``request_extras`` carries the request's
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from vllm_omni_plugin.models.qwen3_omni.talker_inputs import (
     resolve_speaker,
     voices,
 )
+from vllm_omni_plugin.payload_store import GrowingPayload
 from vllm_omni_plugin.processors.hookspecs import StageInput, UpstreamOutput, hookimpl
 
 
@@ -32,6 +34,61 @@ def user_positions(config, prompt_ids: list[int]) -> list[int]:
         if role == config.user_token_id and role is not None:
             positions.append(i)
     return positions
+
+
+@dataclass
+class _TalkerFeed:
+    """What :func:`thinker2talker` derives from a thinker output's prompt, kept in the
+    output's ``state`` while the output grows, so that a call on more of it costs the
+    generated tokens, not the prompt (walking a long user turn in Python on every
+    thinker token cost O(prompt) per token).
+
+    Attributes:
+        prompt_len: the thinker prompt's tokens (``P``).
+        assistant_start: position of the prompt's last ``<|im_start|>assistant`` pair.
+        talker_prompt: the talker prompt's placeholder ids (``codec_pad_id``, one per user
+            position and per row of the assistant prefix; the same list at every call).
+        sequence: ``sequence_ids`` (``[P + generated so far]`` int64) in a buffer that
+            doubles when full; ``ids`` of them written.
+    """
+
+    prompt_len: int
+    assistant_start: int
+    talker_prompt: list[int]
+    sequence: GrowingPayload = field(default_factory=GrowingPayload)
+    ids: int = 0
+
+    @classmethod
+    def of(cls, config, prompt: list[int]) -> _TalkerFeed:
+        """The feed of a thinker prompt (its ids).
+
+        Raises:
+            ValueError: the prompt has no ``<|im_start|>assistant`` turn.
+        """
+        starts = [i for i, (a, b) in enumerate(zip(prompt, prompt[1:], strict=False))
+                  if a == config.im_start_token_id and b == config.assistant_token_id]
+        if not starts:
+            raise ValueError("the prompt has no '<|im_start|>assistant' turn to speak")
+        length = len(user_positions(config, prompt)) + ASSISTANT_PREFIX_LEN
+        feed = cls(prompt_len=len(prompt), assistant_start=starts[-1],
+                   talker_prompt=[config.talker_config.codec_pad_id] * length)
+        feed._append(prompt)
+        return feed
+
+    def _append(self, ids: list[int]) -> None:
+        self.sequence.extend([{"ids": torch.tensor(ids, dtype=torch.long)}])
+        self.ids += len(ids)
+
+    def sequence_ids(self, generated: list[int], count: int) -> torch.Tensor:
+        """``[P + count]`` int64: the prompt and ``generated[:count]`` (a view; the rows
+        of views handed out before stay as they were)."""
+        if self.prompt_len + count > self.ids:
+            self._append(generated[self.ids - self.prompt_len:count])
+        return self.sequence.tensors()["ids"][:self.prompt_len + count]
+
+
+#: ``UpstreamOutput.state`` key of :func:`thinker2talker`'s :class:`_TalkerFeed`.
+_FEED = "thinker2talker"
 
 
 def thinker2talker(upstream: list[UpstreamOutput], stage, extras: dict[str, Any]) -> StageInput:
@@ -56,31 +113,32 @@ def thinker2talker(upstream: list[UpstreamOutput], stage, extras: dict[str, Any]
         if name not in thinker.payload:
             raise ValueError(f"thinker payload lacks {name!r}; was the thinker asked to publish?")
     prompt = thinker.prompt_token_ids
-    starts = [i for i, (a, b) in enumerate(zip(prompt, prompt[1:], strict=False))
-              if a == config.im_start_token_id and b == config.assistant_token_id]
-    if not starts:
-        raise ValueError("the prompt has no '<|im_start|>assistant' turn to speak")
+    feed = thinker.state.get(_FEED)
+    if feed is None or feed.prompt_len != len(prompt):
+        feed = _TalkerFeed.of(config, prompt)
+        if not thinker.finished:  # more calls on this output follow
+            thinker.state[_FEED] = feed
     talker_config = config.talker_config
     speaker = resolve_speaker(talker_config, extras.get(xargs.SPEAKER))
     generated, ready = thinker.output_token_ids, None
-    fed_rows = len(prompt) + len(generated) - 1 - starts[-1]  # rows of the assistant turn
+    count = len(generated)  # generated tokens in sequence_ids
+    fed_rows = len(prompt) + count - 1 - feed.assistant_start  # rows of the assistant turn
     if thinker.finished and fed_rows < ASSISTANT_ROWS:
         return StageInput.nothing_to_do(
             {"codes": torch.zeros((0, talker_config.num_code_groups), dtype=torch.long)},
-            f"the thinker's reply of {len(generated)} token(s) is too short to speak")
+            f"the thinker's reply of {count} token(s) is too short to speak")
     if not thinker.finished:
         # HF's talker prompt ends with the row of generated token 0, and feeding frame s
         # adds the row of generated token s + 1. With n generated tokens fed (rows of the
         # thinker), frames 0 .. n - 2 can be fed: code 0 of frames 0 .. n - 1 sampled.
         # The engine may have published rows of tokens the head has not seen yet.
-        fed = min(thinker.payload["embed"].shape[0] - len(prompt), len(generated) - 1)
-        generated, ready = generated[:fed + 1], max(fed, 0)
-    sequence = prompt + generated
-    length = len(user_positions(config, prompt)) + ASSISTANT_PREFIX_LEN
+        fed = min(thinker.payload["embed"].shape[0] - len(prompt), count - 1)
+        # the tokens generated[:fed + 1] holds (Python's slice rules: a range slices alike)
+        count, ready = len(range(count)[:fed + 1]), max(fed, 0)
     return StageInput(
-        prompt_token_ids=[talker_config.codec_pad_id] * length,
+        prompt_token_ids=feed.talker_prompt,
         payload={
-            "sequence_ids": torch.tensor(sequence, dtype=torch.long),
+            "sequence_ids": feed.sequence_ids(generated, count),
             "thinker_embed": thinker.payload["embed"],
             "thinker_hidden": thinker.payload["hidden"],
             "thinker_positions": thinker.payload["positions"][:len(prompt)],

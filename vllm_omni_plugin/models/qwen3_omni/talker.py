@@ -439,7 +439,7 @@ class Qwen3OmniTalkerStage(OwnShards, nn.Module, SupportsMRoPE):
         speaker_id = int(payload["speaker_id"][0])
         if speaker_id not in self.speakers:
             raise ValueError(f"unknown talker speaker id {speaker_id}")
-        prompt = self._prompt(payload)
+        prompt = self._prompt(payload, growable=step.grows(r.req_id))
         if prompt.num_prompt_tokens != r.num_prompt_tokens:
             raise ValueError(
                 f"talker request {r.req_id}: the prompt has {r.num_prompt_tokens} ids but "
@@ -459,7 +459,7 @@ class Qwen3OmniTalkerStage(OwnShards, nn.Module, SupportsMRoPE):
         self._requests[r.req_id] = state
         return state
 
-    def _prompt(self, payload: dict[str, torch.Tensor]) -> ti.TalkerPrompt:
+    def _prompt(self, payload: dict[str, torch.Tensor], growable: bool) -> ti.TalkerPrompt:
         embed = self.get_input_embeddings().weight
 
         def tensor(name):  # the thinker's float rows, in the talker's device and dtype
@@ -470,19 +470,27 @@ class Qwen3OmniTalkerStage(OwnShards, nn.Module, SupportsMRoPE):
             self, self.omni_config, payload["sequence_ids"], tensor("thinker_embed"),
             tensor("thinker_hidden"), self.speakers[int(payload["speaker_id"][0])],
             tts_token_embeds=tensor("tts_embed"),
-            prompt_len=int(payload["prompt_len"][0]) if "prompt_len" in payload else None)
+            prompt_len=int(payload["prompt_len"][0]) if "prompt_len" in payload else None,
+            growable=growable)
 
     def _extend(self, state: _Request, req_id: str, payload: dict[str, torch.Tensor]) -> None:
         """Take the thinker rows appended to a growing input (the request is fed in
-        chunks while the thinker runs): the prompt stays, the trailing text grows. The
-        orchestrator lets the request decode only as far as final trailing rows go."""
-        prompt = self._prompt(payload)
-        if prompt.num_prompt_tokens != state.prompt.num_prompt_tokens:
-            raise ValueError(
-                f"talker request {req_id}: more thinker rows changed the talker prompt from "
-                f"{state.prompt.num_prompt_tokens} to {prompt.num_prompt_tokens} positions")
-        state.prompt = prompt
-        state.sequence_len = len(payload["sequence_ids"])
+        chunks while the thinker runs): only the new rows go to the device, the user part
+        of the prompt stays, and the assistant turn's rows are projected again
+        (:func:`.talker_inputs.extend_talker_prompt`: the prompt equals the one built on
+        the whole output). The orchestrator lets the request decode only as far as final
+        trailing rows go."""
+        embed = self.get_input_embeddings().weight
+        sequence = payload["sequence_ids"]
+        growth = state.prompt.growth
+        new_rows = payload["thinker_embed"][growth.fed if growth else 0:len(sequence) - 1]
+        try:
+            state.prompt = ti.extend_talker_prompt(
+                self, self.omni_config, state.prompt, sequence,
+                new_rows.to(embed.device, embed.dtype))
+        except ValueError as exc:
+            raise ValueError(f"talker request {req_id}: {exc}") from exc
+        state.sequence_len = len(sequence)
 
     def _predict_frames(self, pending, input_ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Run the code predictor for the newest decode row of each request in ``pending``."""

@@ -103,7 +103,7 @@ and cuts each waveform; not needed per request.)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -115,8 +115,10 @@ __all__ = [
     "HF_CODE2WAV_LEFT_CONTEXT",
     "HF_CODE_PREDICTOR_TOP_K",
     "HF_CODE_PREDICTOR_TOP_P",
+    "PromptGrowth",
     "TalkerPrompt",
     "build_talker_prompt",
+    "extend_talker_prompt",
     "sample_from_logits",
     "talker_logits_mask",
     "talker_mrope_positions",
@@ -181,6 +183,8 @@ class TalkerPrompt:
     talker_input_ids: ``[L]`` what HF passes as ``talker_input_ids`` (user token ids, then
         ``tts_pad_token_id``); only used for the multimodal 3D rope index.
     user_index: ``[L - 9]`` int64, the thinker prompt position of each user-part row.
+    growth: what :func:`extend_talker_prompt` needs to take more thinker rows (built with
+        ``growable=True``); None otherwise.
     """
 
     prompt_embeds: torch.Tensor
@@ -188,11 +192,37 @@ class TalkerPrompt:
     tts_pad_embed: torch.Tensor
     talker_input_ids: torch.Tensor
     user_index: torch.Tensor
+    growth: PromptGrowth | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
         """``L``, the talker prompt's length (rows of ``prompt_embeds``)."""
         return int(self.prompt_embeds.shape[0])
+
+
+@dataclass
+class PromptGrowth:
+    """The part of a talker prompt's inputs that :func:`extend_talker_prompt` reads again
+    when the thinker's output grows; everything else in the prompt stays as built.
+
+    assistant_rows: ``[capacity, H_thinker]`` buffer (the talker's device and dtype) whose
+        first ``fed - assistant_start`` rows are the thinker rows of the assistant turn
+        (``thinker_embed[assistant_start:fed]``); its capacity doubles when full.
+    fed: ``T_fed``, the thinker rows the prompt holds.
+    assistant_start: thinker position of the assistant turn's ``<|im_start|>``.
+    prompt_len: thinker prompt tokens (``P``).
+    tts: ``[1, 3, H_talker]`` the projected tts_bos, tts_eos, tts_pad rows.
+    assistant_codec: ``[1, 9, H_talker]`` the codec half of the assistant prefix.
+    thinker_eos_token_id: as given to :func:`build_talker_prompt`.
+    """
+
+    assistant_rows: torch.Tensor
+    fed: int
+    assistant_start: int
+    prompt_len: int
+    tts: torch.Tensor
+    assistant_codec: torch.Tensor
+    thinker_eos_token_id: int | Sequence[int] | None
 
 
 def _talker_dtype(talker: nn.Module) -> torch.dtype:
@@ -229,6 +259,7 @@ def build_talker_prompt(
     tts_token_embeds: torch.Tensor,
     prompt_len: int | None = None,
     thinker_eos_token_id: int | Sequence[int] | None = -1,
+    growable: bool = False,
 ) -> TalkerPrompt:
     """Build the talker prompt exactly like HF ``Qwen3OmniMoeForConditionalGeneration.generate``.
 
@@ -251,6 +282,8 @@ def build_talker_prompt(
             which is wrong if the prompt pre-fills assistant text: pass it when known.
         thinker_eos_token_id: ids HF uses to relocate the tts_eos marker (HF default
             ``thinker_eos_token_id``); ``-1`` means ``config.im_end_token_id``, ``None`` disables.
+        growable: keep what :func:`extend_talker_prompt` needs (:class:`PromptGrowth`: a
+            copy of the assistant turn's thinker rows) for a thinker output that grows.
 
     Returns:
         The :class:`TalkerPrompt` (shapes there): embeddings in the talker's dtype, ids and
@@ -337,14 +370,8 @@ def build_talker_prompt(
 
     # ---- tts special embeddings ---------------------------------------------------------
     tts = talker.text_projection(tts_token_embeds.to(dev).reshape(1, 3, -1))
-    tts_bos, tts_eos, tts_pad = tts.chunk(3, dim=1)  # 3 x [1, 1, H]
 
     # ---- assistant part (HF `_get_talker_assistant_parts`) -------------------------------
-    assistant_hidden = talker.text_projection(embed[:, assistant_start:])
-    assistant_text = torch.cat(
-        (assistant_hidden[:, :3], tts_pad.expand(1, 4, -1), tts_bos, assistant_hidden[:, 3:4]),
-        dim=1,
-    )
     codec_ids = torch.tensor(
         [
             [
@@ -366,19 +393,9 @@ def build_talker_prompt(
         ),
         dim=1,
     )
-    assistant_embeds = assistant_text + assistant_codec
-    trailing = torch.cat((assistant_hidden[:, 4:], tts_eos), dim=1)
-
-    # ---- tts_eos relocation after the first thinker eos (no-op for a single request) -----
-    if thinker_eos_token_id is not None:
-        eos_ids = config.im_end_token_id if thinker_eos_token_id == -1 else thinker_eos_token_id
-        gen = seq[prompt_len:]
-        is_eos = (gen.unsqueeze(-1) == torch.as_tensor(eos_ids, device=dev).flatten()).any(-1)
-        gen_pos = torch.arange(gen.shape[0], device=dev)
-        first_eos = int(torch.where(is_eos, gen_pos, gen.shape[0]).min()) if gen.numel() else 0
-        trail_pos = torch.arange(trailing.shape[1], device=dev).unsqueeze(0).unsqueeze(-1)
-        trailing = torch.where(trail_pos > first_eos, tts_pad.to(trailing.dtype), trailing)
-        trailing = torch.where(trail_pos == first_eos, tts_eos.to(trailing.dtype), trailing)
+    assistant_embeds, trailing = _assistant_part(
+        talker, config, embed[:, assistant_start:], tts, assistant_codec, seq[prompt_len:],
+        thinker_eos_token_id)
 
     prompt_embeds = torch.cat((user_embeds, assistant_embeds), dim=1)[0]
     talker_input_ids = torch.cat(
@@ -387,13 +404,111 @@ def build_talker_prompt(
             torch.full((ASSISTANT_PREFIX_LEN,), config.tts_pad_token_id, device=dev),
         )
     ).to(torch.long)
+    growth = None
+    if growable:
+        rows = embed[0, assistant_start:]
+        buffer = rows.new_empty((_capacity(rows.shape[0]), rows.shape[1]))
+        buffer[:rows.shape[0]] = rows
+        growth = PromptGrowth(assistant_rows=buffer, fed=t_fed, assistant_start=assistant_start,
+                              prompt_len=prompt_len, tts=tts, assistant_codec=assistant_codec,
+                              thinker_eos_token_id=thinker_eos_token_id)
     return TalkerPrompt(
         prompt_embeds=prompt_embeds,
         trailing_text_hidden=trailing[0],
-        tts_pad_embed=tts_pad[0],
+        tts_pad_embed=tts[:, 2],
         talker_input_ids=talker_input_ids,
         user_index=user_idx[0],
+        growth=growth,
     )
+
+
+def _capacity(rows: int) -> int:
+    """Rows a growing buffer holding ``rows`` gets: room to double."""
+    return max(2 * rows, 16)
+
+
+def _assistant_part(talker: nn.Module, config, rows: torch.Tensor, tts: torch.Tensor,
+                    assistant_codec: torch.Tensor, generated: torch.Tensor,
+                    thinker_eos_token_id) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's assistant prefix ``[1, 9, H]`` and trailing text ``[1, M - 3, H]`` from the
+    assistant turn's thinker rows ``rows`` ``[1, M, H_thinker]`` (``M >= 4``), all projected
+    in one batch as HF does (a row projected in another batch may differ by float
+    rounding), ``tts`` ``[1, 3, H]``, ``assistant_codec`` ``[1, 9, H]`` and the generated
+    ids ``generated`` ``[G]`` (for the tts_eos relocation)."""
+    dev = rows.device
+    tts_bos, tts_eos, tts_pad = tts.chunk(3, dim=1)  # 3 x [1, 1, H]
+    assistant_hidden = talker.text_projection(rows)
+    assistant_text = torch.cat(
+        (assistant_hidden[:, :3], tts_pad.expand(1, 4, -1), tts_bos, assistant_hidden[:, 3:4]),
+        dim=1,
+    )
+    assistant_embeds = assistant_text + assistant_codec
+    trailing = torch.cat((assistant_hidden[:, 4:], tts_eos), dim=1)
+
+    # ---- tts_eos relocation after the first thinker eos (no-op for a single request) -----
+    if thinker_eos_token_id is not None:
+        eos_ids = config.im_end_token_id if thinker_eos_token_id == -1 else thinker_eos_token_id
+        gen = generated.to(dev)
+        is_eos = (gen.unsqueeze(-1) == torch.as_tensor(eos_ids, device=dev).flatten()).any(-1)
+        gen_pos = torch.arange(gen.shape[0], device=dev)
+        first_eos = int(torch.where(is_eos, gen_pos, gen.shape[0]).min()) if gen.numel() else 0
+        trail_pos = torch.arange(trailing.shape[1], device=dev).unsqueeze(0).unsqueeze(-1)
+        trailing = torch.where(trail_pos > first_eos, tts_pad.to(trailing.dtype), trailing)
+        trailing = torch.where(trail_pos == first_eos, tts_eos.to(trailing.dtype), trailing)
+    return assistant_embeds, trailing
+
+
+@torch.no_grad()
+def extend_talker_prompt(talker: nn.Module, config, prompt: TalkerPrompt,
+                         sequence_ids: torch.Tensor, new_embed: torch.Tensor) -> TalkerPrompt:
+    """``prompt`` (built with ``growable=True``) for a thinker output that grew: equal, bit
+    for bit, to :func:`build_talker_prompt` on the whole output, at a cost that does not
+    grow with the thinker's prompt. The user part stays; ``new_embed`` is appended to the
+    assistant turn's thinker rows, which are projected again in one batch (as HF projects
+    them: projecting only the new rows gave rows that differ by float rounding), and the
+    assistant prefix (the last 9 rows of ``prompt_embeds``, updated in place) and the
+    trailing text are made from them.
+
+    Args:
+        talker: the talker whose ``text_projection`` built ``prompt``.
+        config: top-level ``Qwen3OmniMoeConfig``.
+        prompt: the prompt so far; its ``prompt_embeds`` and ``growth`` are updated.
+        sequence_ids: ``[T_seq]`` the grown output's prompt and generated ids (any integer
+            dtype; only the generated ones are read).
+        new_embed: ``[T_seq - 1 - growth.fed, H_thinker]`` the thinker's ``hidden_states[0]``
+            of the positions fed since ``prompt`` was built, in the talker's device and
+            dtype.
+
+    Returns:
+        ``prompt`` with the new ``trailing_text_hidden`` and prefix rows; its ``growth``
+        holds the new rows.
+
+    Raises:
+        ValueError: ``prompt`` was not built growable, the output shrank, or the number of
+            new rows differs from what the ids say.
+    """
+    growth = prompt.growth
+    if growth is None:
+        raise ValueError("the talker prompt was not built to grow (growable=False)")
+    seq = sequence_ids.reshape(-1)
+    t_fed = int(seq.shape[0]) - 1
+    if t_fed < growth.fed or new_embed.shape[0] != t_fed - growth.fed:
+        raise ValueError(
+            f"the thinker output grew from {growth.fed} to {t_fed} fed rows, but "
+            f"{new_embed.shape[0]} new rows came")
+    begin, end = growth.fed - growth.assistant_start, t_fed - growth.assistant_start
+    rows = growth.assistant_rows
+    if end > rows.shape[0]:
+        grown = rows.new_empty((_capacity(end), rows.shape[1]))
+        grown[:begin] = rows[:begin]
+        growth.assistant_rows = rows = grown
+    rows[begin:end] = new_embed
+    growth.fed = t_fed
+    assistant_embeds, trailing = _assistant_part(
+        talker, config, rows[None, :end], growth.tts, growth.assistant_codec,
+        seq[growth.prompt_len:].to(torch.long), growth.thinker_eos_token_id)
+    prompt.prompt_embeds[-ASSISTANT_PREFIX_LEN:] = assistant_embeds[0]
+    return replace(prompt, trailing_text_hidden=trailing[0])
 
 
 def talker_mrope_positions(thinker_positions: torch.Tensor, user_index: torch.Tensor,
