@@ -17,6 +17,9 @@ import zmq
 
 #: Seconds: upper bound for anything that should happen "soon".
 WAIT = 5.0
+#: Seconds: the bound of a wait that a loaded host (2 cores, ``pytest -n 2``) may stretch
+#: far beyond its usual milliseconds; reaching it means the awaited thing never came.
+LONG_WAIT = 30.0
 
 
 def wait_until(pred: Callable[[], bool], timeout: float = WAIT, interval: float = 0.01) -> bool:
@@ -29,15 +32,17 @@ def wait_until(pred: Callable[[], bool], timeout: float = WAIT, interval: float 
     return pred()
 
 
-async def until(pred: Callable[[], bool], timeout: float = WAIT, interval: float = 0.01) -> None:
+async def until(pred: Callable[[], bool], timeout: float = WAIT, interval: float = 0.01,
+                what: str = "condition") -> None:
     """Return once ``pred()`` holds, yielding to the event loop meanwhile.
 
     Raises:
-        AssertionError: it did not hold within ``timeout`` seconds.
+        AssertionError: it did not hold within ``timeout`` seconds (the message names
+            ``what``).
     """
     deadline = time.monotonic() + timeout
     while not pred():
-        assert time.monotonic() < deadline, "condition not reached"
+        assert time.monotonic() < deadline, f"{what} not reached within {timeout:g} s"
         await asyncio.sleep(interval)
 
 

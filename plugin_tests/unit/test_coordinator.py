@@ -1,8 +1,10 @@
 """OmniCoordinator, its stage/hub clients and the load balancers.
 
-Real ZMQ sockets on 127.0.0.1 and real threads; nothing is mocked. Timeouts are
-short (0.3-0.5 s) so the whole file runs in a few seconds; waits are generous
-(several seconds) because the CI machines are small and shared.
+Real ZMQ sockets on 127.0.0.1 and real threads; nothing is mocked but, in the
+heartbeat-timeout and purge tests, the coordinator's monotonic clock, which those tests
+set themselves (:class:`CoordinatorClock`): a timeout there is decided by the time the
+test chose, not by how late a loaded host ran a thread. Waits are for a condition, with
+generous bounds (``LONG_WAIT``), because the CI machines are small and shared.
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 
 import msgspec
 import pytest
 import zmq
 
-from plugin_tests.helpers import WAIT, wait_until
+from plugin_tests.helpers import LONG_WAIT, WAIT, wait_until
 from vllm_omni_plugin.coordinator import (
     CLUSTER_TOKEN_ENV,
     PROTOCOL_VERSION,
@@ -37,6 +40,7 @@ from vllm_omni_plugin.coordinator import (
     RoundRobinBalancer,
     build_load_balancer_factory,
     cluster_token_from_env,
+    omni_coordinator,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -45,7 +49,7 @@ LOCAL = "tcp://127.0.0.1:0"
 
 
 def hub_wait(hub: OmniCoordClientForHub, pred: Callable[[ReplicaList], bool]) -> bool:
-    return hub.wait_for_update(pred, timeout=WAIT)
+    return hub.wait_for_update(pred, timeout=LONG_WAIT)
 
 
 @pytest.fixture(autouse=True)
@@ -183,28 +187,88 @@ def test_update_info_is_sent_immediately_and_validated(stack):
 # ----------------------------------------------------------------- liveness
 
 
-def test_heartbeat_timeout_marks_error_and_heartbeat_recovers(stack):
-    coord = make_coordinator(stack, heartbeat_timeout=0.3, liveness_check_interval=0.05)
+class CoordinatorClock:
+    """The coordinator's monotonic clock, set by the test (its wall clock stays real).
+
+    Heartbeat timeouts and purges then happen at the times the test sets, however late
+    the host runs the coordinator's thread: a heartbeat the test waited for is never
+    late, and a check the test waited for has run. The clock only ever moves by more than
+    the liveness check interval, so that :meth:`advance_to` can tell the check at the new
+    time from an earlier one.
+    """
+
+    def __init__(self, monkeypatch) -> None:
+        self.now = 1000.0
+        monkeypatch.setattr(omni_coordinator, "time",
+                            SimpleNamespace(monotonic=lambda: self.now, time=time.time))
+
+    def advance_to(self, coord: OmniCoordinator, now: float) -> None:
+        """Set the clock to ``now``; return once the coordinator has run its liveness check
+        (timeouts, purges) at ``now``."""
+        assert now - self.now > coord._check_interval
+        self.now = now
+        # The poller loop sets its next check to (the time of this check) + interval.
+        assert wait_until(lambda: coord._next_check > now, LONG_WAIT), \
+            f"no liveness check at t={now} within {LONG_WAIT:g} s"
+
+
+def info_of(coord: OmniCoordinator, name: str) -> ReplicaInfo:
+    (info,) = [r for r in coord.get_all_replicas().replicas
+               if r.input_addr == f"ipc:///tmp/{name}-in"]
+    return info
+
+
+def seen_since(coord: OmniCoordinator, name: str, wall: float) -> None:
+    """Wait until the coordinator has applied an event of ``name`` that came after the
+    wall-clock time ``wall`` (its ``last_heartbeat`` is the wall time it was applied)."""
+    assert wait_until(lambda: info_of(coord, name).last_heartbeat > wall, LONG_WAIT), \
+        f"no event from replica {name!r} applied within {LONG_WAIT:g} s"
+
+
+def published(coord: OmniCoordinator, hub: OmniCoordClientForHub,
+              pred: Callable[[], bool]) -> bool:
+    """Publish the list until the hub shows ``pred`` (a test clock holds the timed
+    publishes back)."""
+    return wait_until(lambda: coord.publish_replica_list_update() and pred(), LONG_WAIT)
+
+
+def test_heartbeat_timeout_marks_error_and_heartbeat_recovers(stack, monkeypatch):
+    """Heartbeats keep a replica UP past the timeout; silence of the timeout, and not
+    less, marks it ERROR; a heartbeat brings it back. Coordinator time is the test's
+    (:class:`CoordinatorClock`), so lag on the host cannot move a heartbeat past the
+    timeout or a check before it."""
+    clock = CoordinatorClock(monkeypatch)
+    coord = make_coordinator(stack, heartbeat_timeout=10.0, liveness_check_interval=0.05)
     hub = make_hub(stack, coord)
     manual = make_stage(stack, coord, "m", 0)  # heartbeats only when we call heartbeat()
     threaded = make_stage(stack, coord, "t", 0, heartbeat_interval=0.05)
     threaded.queue_length_provider = lambda: 3  # settable after construction
-    assert hub_wait(hub, lambda rl: len(rl.replicas) == 2)
+    assert published(coord, hub, lambda: len(hub.get_replica_list().replicas) == 2)
 
-    for _ in range(8):  # 0.4 s of manual heartbeats: stays UP past the timeout
+    def advance_to(now: float) -> None:
+        """The clock to ``now`` (its liveness check run); then a heartbeat of the manual
+        replica and one of the threaded replica's own, both applied at ``now``."""
+        clock.advance_to(coord, now)
+        wall = time.time()
         manual.heartbeat()
-        time.sleep(0.05)
-    assert status_of(coord, "m") is ReplicaStatus.UP
+        seen_since(coord, "m", wall)
+        seen_since(coord, "t", wall)
 
-    t0 = time.monotonic()  # heartbeats stop
-    assert wait_until(lambda: status_of(coord, "m") is ReplicaStatus.ERROR)
-    assert time.monotonic() - t0 >= 0.25  # not before the timeout
-    assert wait_until(lambda: hub_queue(hub, "m") is None)  # ERROR leaves the active list
+    for now in (1004.0, 1008.0, 1012.0, 1016.0):  # 16 s of heartbeats every 4 s
+        advance_to(now)
+        assert status_of(coord, "m") is ReplicaStatus.UP, f"t={now}"  # past the timeout
+    # Heartbeats stop (the last one applied at 1016).
+    clock.advance_to(coord, 1025.0)  # silent 9 s: not yet
+    assert status_of(coord, "m") is ReplicaStatus.UP
+    seen_since(coord, "t", time.time())  # the threaded replica's heartbeats go on
+    clock.advance_to(coord, 1027.0)  # silent 11 s
+    assert status_of(coord, "m") is ReplicaStatus.ERROR
+    assert published(coord, hub, lambda: hub_queue(hub, "m") is None)  # leaves the list
     assert coord.stats["replicas_timed_out"] == 1
 
     manual.heartbeat()  # comes back
-    assert wait_until(lambda: status_of(coord, "m") is ReplicaStatus.UP)
-    assert wait_until(lambda: hub_queue(hub, "m") == 0)
+    assert wait_until(lambda: status_of(coord, "m") is ReplicaStatus.UP, LONG_WAIT)
+    assert published(coord, hub, lambda: hub_queue(hub, "m") == 0)
     assert coord.stats["replicas_recovered"] == 1
     # The background heartbeat thread kept the other replica UP the whole time.
     assert status_of(coord, "t") is ReplicaStatus.UP
@@ -220,28 +284,47 @@ def test_graceful_close_marks_down_and_leaves_active_list(stack):
     assert hub_wait(hub, lambda rl: len(rl.replicas) == 2)
     leave.close()
     leave.close()  # idempotent
-    assert wait_until(lambda: status_of(coord, "leave") is ReplicaStatus.DOWN)
+    assert wait_until(lambda: status_of(coord, "leave") is ReplicaStatus.DOWN, LONG_WAIT)
     assert hub_wait(hub, lambda rl: [r.input_addr for r in rl.replicas] == ["ipc:///tmp/stay-in"])
     assert [r.input_addr for r in coord.get_active_replicas().replicas] == ["ipc:///tmp/stay-in"]
     with pytest.raises(RuntimeError):
         leave.update_info(queue_length=1)
     with pytest.raises(RuntimeError):
         leave.heartbeat()
-    time.sleep(0.2)  # no late heartbeat from the closed client resurrects it
+    # No late heartbeat from the closed client resurrects it: its heartbeat thread ended
+    # with close(), and it sends (or tries to send) nothing more while the coordinator
+    # goes on applying the other replica's heartbeats, sent after the close.
+    assert leave._thread is not None and not leave._thread.is_alive()
+    tries = leave.stats["events_sent"] + leave.stats["events_dropped"]
+    for _ in range(3):
+        seen_since(coord, "stay", time.time())
+    assert leave.stats["events_sent"] + leave.stats["events_dropped"] == tries
     assert status_of(coord, "leave") is ReplicaStatus.DOWN
     assert stay.status is ReplicaStatus.UP
 
 
-def test_down_and_error_replicas_are_purged(stack):
+def test_down_and_error_replicas_are_purged(stack, monkeypatch):
+    """A silent replica turns ERROR after the heartbeat timeout; DOWN and ERROR replicas
+    are forgotten once silent for ``purge_after``, not before (coordinator time is the
+    test's: :class:`CoordinatorClock`)."""
+    clock = CoordinatorClock(monkeypatch)
     coord = make_coordinator(
-        stack, heartbeat_timeout=0.2, liveness_check_interval=0.05, purge_after=0.3
+        stack, heartbeat_timeout=10.0, liveness_check_interval=0.05, purge_after=20.0
     )
     gone = make_stage(stack, coord, "gone", 0)
     make_stage(stack, coord, "silent", 0)
-    assert wait_until(lambda: status_of(coord, "gone") is ReplicaStatus.UP)
-    gone.close()
-    assert wait_until(lambda: status_of(coord, "silent") is ReplicaStatus.ERROR)
-    assert wait_until(lambda: coord.get_all_replicas().replicas == [])
+    assert wait_until(lambda: status_of(coord, "gone") is ReplicaStatus.UP, LONG_WAIT)
+    assert wait_until(lambda: status_of(coord, "silent") is ReplicaStatus.UP, LONG_WAIT)
+    gone.close()  # DOWN at t=1000
+    assert wait_until(lambda: status_of(coord, "gone") is ReplicaStatus.DOWN, LONG_WAIT)
+    clock.advance_to(coord, 1011.0)
+    assert status_of(coord, "silent") is ReplicaStatus.ERROR
+    clock.advance_to(coord, 1019.0)  # both silent 19 s: still known
+    assert (status_of(coord, "gone"), status_of(coord, "silent")) == (
+        ReplicaStatus.DOWN, ReplicaStatus.ERROR)
+    assert coord.stats["replicas_purged"] == 0
+    clock.advance_to(coord, 1021.0)
+    assert coord.get_all_replicas().replicas == []
     assert coord.stats["replicas_purged"] == 2
 
 
@@ -340,7 +423,7 @@ def test_runtime_binds_given_host_and_closes_cleanly():
     router, pub = rt.router_address, rt.pub_address
     rt.close()
     rt.close()  # idempotent
-    assert wait_until(lambda: threading.active_count() <= threads_before, timeout=2.0)
+    assert wait_until(lambda: threading.active_count() <= threads_before, LONG_WAIT)
     # The ports are free again: sockets were really closed.
     again = OmniCoordinator(router, pub, heartbeat_timeout=1.0)
     assert (again.router_zmq_addr, again.pub_zmq_addr) == (router, pub)

@@ -11,14 +11,14 @@ from __future__ import annotations
 import os
 import pickle
 import random
-import time
 from collections.abc import Iterator
 
 import msgspec
 import pytest
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-from plugin_tests.helpers import dealer, wait_until
+from plugin_tests.helpers import LONG_WAIT, dealer, wait_until
 from vllm_omni_plugin.coordinator import (
     MAX_EVENT_FRAME_BYTES,
     MAX_LIST_FRAME_BYTES,
@@ -162,11 +162,19 @@ def test_random_mutations_are_accounted_and_survived(coord, zctx):
 
 def test_frame_over_hard_cap_is_dropped_by_zmq_and_coordinator_survives(coord, zctx):
     big = dealer(zctx, coord.router_zmq_addr)
-    big.send(b"\x81" + b"\x00" * (ROUTER_HARD_MAX_BYTES + 1024))
-    time.sleep(0.2)
+    monitor = big.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    try:
+        big.send(b"\x81" + b"\x00" * (ROUTER_HARD_MAX_BYTES + 1024))
+        # libzmq drops the connection of a peer sending over MAXMSGSIZE, frame unread.
+        assert monitor.poll(LONG_WAIT * 1000), "the oversized frame's connection was not dropped"
+        assert recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
+    finally:
+        big.disable_monitor()
+        monitor.close(linger=0)
     sock = dealer(zctx, coord.router_zmq_addr)
     sock.send(event_bytes(addr="tcp://fine:1"))
-    assert wait_until(lambda: registered(coord, "tcp://fine:1"))
+    assert wait_until(lambda: registered(coord, "tcp://fine:1"), LONG_WAIT)
+    assert coord.stats["frames_received"] == 1  # the big frame never reached the coordinator
     assert coord.stats["events_accepted"] == 1
     assert coord.stats["internal_errors"] == 0
 
@@ -211,8 +219,12 @@ def test_hub_client_rejects_bad_broadcasts(zctx):
 
         # PUB drops until the subscription arrives: repeat the first list until seen.
         assert wait_until(lambda: pub.send(valid("tcp://first:1", 1)) or
-                          bool(hub.get_replica_list().replicas))
-        time.sleep(0.2)  # let repeats still in flight arrive before taking the baseline
+                          bool(hub.get_replica_list().replicas), LONG_WAIT)
+        # Repeats may still be in flight: a marker list sent after them arrives after them
+        # (one PUB-SUB connection keeps its order), so once it is in, the baseline is exact.
+        pub.send(valid("tcp://marker:1", 2))
+        assert wait_until(lambda: [r.input_addr for r in hub.get_replica_list().replicas]
+                          == ["tcp://marker:1"], LONG_WAIT), hub.stats
         base = hub.stats["frames_received"]
         rng = random.Random(11)
         expected: dict[str, int] = {}
@@ -237,7 +249,7 @@ def test_hub_client_rejects_bad_broadcasts(zctx):
         send([good, b"x", b"y"], RejectReason.BAD_ENVELOPE)
         pub.send(valid("tcp://last:1", 3))
         assert wait_until(lambda: [r.input_addr for r in hub.get_replica_list().replicas]
-                          == ["tcp://last:1"]), hub.stats
+                          == ["tcp://last:1"], LONG_WAIT), hub.stats
         stats = hub.stats
         assert rejected(stats) == expected
         assert stats["frames_received"] - base == sum(expected.values()) + 1

@@ -20,13 +20,14 @@ import asyncio
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from types import SimpleNamespace
 
 import psutil
 import pytest
 
-from plugin_tests.helpers import until
+from plugin_tests.helpers import LONG_WAIT, until
 from vllm_omni_plugin.coordinator import ReplicaStatus, RoundRobinBalancer
 from vllm_omni_plugin.replicas.liveness import DEFAULT_STALL_TIMEOUT_S, stall_timeout_of
 from vllm_omni_plugin.replicas.pool import NoReplicaAvailable, StagePool
@@ -34,6 +35,11 @@ from vllm_omni_plugin.replicas.replica import LocalReplica
 from vllm_omni_plugin.replicas.server import ReplicaServer
 from vllm_omni_plugin.replicas.supervisor import LocalReplicaSupervisor
 from vllm_omni_plugin.replicas.task import ReplicaLost, StageTask
+
+#: The stall timeout of the stall tests, seconds: a probe of an engine that runs is
+#: answered in milliseconds, so only seconds of lag on a loaded host could count as a
+#: stall, and a stopped engine is still seen within a test's time.
+STALL_S = 10.0
 
 
 def _engine_core_with_a_worker() -> None:
@@ -105,10 +111,10 @@ class Starter:
 
 
 def _supervised(tmp_path, starter, max_restarts, backoff_s=0.01, stall_timeout=0.0,
-                first=None):
+                first=None, wait_timeout=0.2):
     first = first or ProcessEngine()
     replica = LocalReplica(1, 0, first, str(tmp_path))
-    pool = StagePool(1, RoundRobinBalancer(), wait_timeout=0.2)
+    pool = StagePool(1, RoundRobinBalancer(), wait_timeout=wait_timeout)
     pool.add(replica)
     up = asyncio.Event()
 
@@ -127,7 +133,7 @@ def test_killed_engine_is_seen_and_replaced(tmp_path):
         starter = Starter()
         first, replica, pool, supervisor, up = _supervised(tmp_path, starter, max_restarts=3)
         first.kill()
-        await asyncio.wait_for(up.wait(), 10)
+        await asyncio.wait_for(up.wait(), LONG_WAIT)
         try:
             return first, replica, supervisor, starter
         finally:
@@ -146,7 +152,10 @@ def test_failed_restarts_back_off_then_succeed(tmp_path):
         first, replica, pool, supervisor, up = _supervised(tmp_path, starter, max_restarts=3)
         statuses = []
         first.kill()
+        deadline = time.monotonic() + LONG_WAIT
         while not up.is_set():
+            assert time.monotonic() < deadline, \
+                f"not up again within {LONG_WAIT:g} s; statuses so far: {statuses}"
             if not statuses or statuses[-1] != replica.status:
                 statuses.append(replica.status)
             await asyncio.sleep(0.001)
@@ -162,21 +171,20 @@ def test_failed_restarts_back_off_then_succeed(tmp_path):
 def test_gives_up_after_max_restarts_and_the_pool_fails_at_once(tmp_path):
     async def scenario():
         starter = Starter(failures=10)
-        first, replica, pool, supervisor, up = _supervised(tmp_path, starter, max_restarts=2)
+        # A pool that waited for a replica would wait 600 s: the wait_for below ends it.
+        first, replica, pool, supervisor, up = _supervised(tmp_path, starter, max_restarts=2,
+                                                           wait_timeout=600.0)
         first.kill()
-        await until(lambda: replica.status == "down")
-        start = time.monotonic()
+        await until(lambda: replica.status == "down", LONG_WAIT, what="replica down")
         with pytest.raises(NoReplicaAvailable, match="none is up or starting") as info:
-            await pool.run(StageTask("req", [1], {}))
-        waited = time.monotonic() - start
+            await asyncio.wait_for(pool.run(StageTask("req", [1], {})), LONG_WAIT)
         replica.close()
         replica.release()
-        return starter, info.value, waited, pool
+        return starter, info.value
 
-    starter, error, waited, pool = asyncio.run(scenario())
+    starter, error = asyncio.run(scenario())
     assert starter.calls == 2
     assert error.status == 503 and error.retry_after >= 1
-    assert waited < pool.wait_timeout  # failed without waiting for a replica
 
 
 def test_no_restart_when_disabled_or_closed(tmp_path):
@@ -184,13 +192,19 @@ def test_no_restart_when_disabled_or_closed(tmp_path):
         disabled = Starter()
         first, replica, _, _, _ = _supervised(tmp_path / "a", disabled, max_restarts=0)
         first.kill()
-        await until(lambda: replica.status == "down")
+        await until(lambda: replica.status == "down", LONG_WAIT, what="replica down")
         closed = Starter()
+        before = set(threading.enumerate())
         second, other, _, _, _ = _supervised(tmp_path / "b", closed, max_restarts=3)
+        (watcher,) = [t for t in set(threading.enumerate()) - before
+                      if t.name.startswith("omni-supervise-")]
         other.close()
         other.release()  # shuts its engine down: the exit must not trigger a restart
-        await until(lambda: not second.proc.is_alive())
-        await asyncio.sleep(0.2)
+        await until(lambda: not second.proc.is_alive(), LONG_WAIT, what="engine exited")
+        # Its watcher thread saw the exit and ended; an exit it reported would be a
+        # callback on this loop, run by the next iteration, that sets "starting" at once.
+        await until(lambda: not watcher.is_alive(), LONG_WAIT, what="watcher thread ended")
+        await asyncio.sleep(0)
         return disabled, closed, other
 
     disabled, closed, other = asyncio.run(scenario())
@@ -202,11 +216,11 @@ def test_task_on_an_engine_that_dies_fails_over_instead_of_hanging(tmp_path):
         starter = Starter()
         first, replica, pool, supervisor, up = _supervised(tmp_path, starter, max_restarts=3)
         running = asyncio.create_task(replica.run(StageTask("req", [1], {})))
-        await until(lambda: "req" in replica.running)
+        await until(lambda: "req" in replica.running, LONG_WAIT, what="task running")
         first.kill()
         with pytest.raises(ReplicaLost) as info:
-            await asyncio.wait_for(running, 10)
-        await asyncio.wait_for(up.wait(), 10)
+            await asyncio.wait_for(running, LONG_WAIT)
+        await asyncio.wait_for(up.wait(), LONG_WAIT)
         replica.close()
         replica.release()
         return info.value
@@ -222,15 +236,18 @@ def test_stalled_engine_is_killed_and_restarted_and_its_task_fails_over(tmp_path
     async def scenario():
         starter = Starter()
         first, replica, pool, supervisor, up = _supervised(
-            tmp_path, starter, max_restarts=3, stall_timeout=0.5)
+            tmp_path, starter, max_restarts=3, stall_timeout=STALL_S)
         running = asyncio.create_task(replica.run(StageTask("req", [1], {})))
-        await until(lambda: "req" in replica.running and first.probes_answered)
+        await until(lambda: "req" in replica.running and first.probes_answered, LONG_WAIT,
+                    what="task running and a probe answered")
+        assert replica.stalls == 0 and replica.generation == 0
         os.kill(first.proc.pid, signal.SIGSTOP)
         with pytest.raises(ReplicaLost) as info:
-            await asyncio.wait_for(running, 10)
-        await asyncio.wait_for(up.wait(), 10)
+            await asyncio.wait_for(running, STALL_S + LONG_WAIT)
+        await asyncio.wait_for(up.wait(), LONG_WAIT)
         second = starter.engines[0]
-        await until(lambda: second.probes_answered >= 2)
+        await until(lambda: second.probes_answered >= 2, LONG_WAIT,
+                    what="two probes of the new engine answered")
         replica.close()
         replica.release()
         return first, replica, supervisor, info.value
@@ -238,19 +255,20 @@ def test_stalled_engine_is_killed_and_restarted_and_its_task_fails_over(tmp_path
     first, replica, supervisor, error = asyncio.run(scenario())
     assert first.proc.exitcode == -signal.SIGKILL
     assert not error.produced_output
-    assert "stalled: its EngineCore answered no liveness probe for 0.5 s" in str(error)
+    assert "stalled: its EngineCore answered no liveness probe for 10 s" in str(error)
     assert "with 1 request(s) in flight" in str(error)
     assert replica.stalls == 1 and supervisor.restarts == 1
 
 
 def test_a_long_step_is_not_a_stall(tmp_path):
-    """Probes answered after most of the stall timeout (one long engine step each) never
-    count as a stall."""
+    """Probes answered after most of the stall timeout (one long engine step each: 6 s of
+    10, so 4 s of lag on the host cannot make one late) never count as a stall."""
     async def scenario():
-        slow = ProcessEngine(step_s=0.3)
+        slow = ProcessEngine(step_s=0.6 * STALL_S)
         _, replica, _, supervisor, _ = _supervised(tmp_path, Starter(), max_restarts=3,
-                                                   stall_timeout=0.5, first=slow)
-        await until(lambda: slow.probes_answered >= 4, timeout=30)
+                                                   stall_timeout=STALL_S, first=slow)
+        await until(lambda: slow.probes_answered >= 2 or replica.stalls,
+                    2 * STALL_S + LONG_WAIT, what="two slow probes answered (or a stall)")
         alive = slow.proc.is_alive()
         replica.close()
         replica.release()
@@ -263,11 +281,12 @@ def test_a_long_step_is_not_a_stall(tmp_path):
 def test_a_resubmission_with_no_replica_left_names_the_stall(tmp_path):
     async def scenario():
         first, replica, pool, supervisor, up = _supervised(
-            tmp_path, Starter(), max_restarts=0, stall_timeout=0.5)
-        await until(lambda: first.probes_answered)
+            tmp_path, Starter(), max_restarts=0, stall_timeout=STALL_S)
+        await until(lambda: first.probes_answered, LONG_WAIT, what="a probe answered")
+        assert replica.stalls == 0
         os.kill(first.proc.pid, signal.SIGSTOP)
         with pytest.raises(NoReplicaAvailable) as info:
-            await asyncio.wait_for(pool.run(StageTask("req", [1], {})), 10)
+            await asyncio.wait_for(pool.run(StageTask("req", [1], {})), STALL_S + LONG_WAIT)
         replica.close()
         replica.release()
         return str(info.value)
@@ -307,22 +326,24 @@ def test_a_headless_replica_kills_its_stalled_engine_core_and_worker_and_stops(t
     async def scenario():
         engine = ProcessEngine(with_worker=True)
         core = psutil.Process(engine.proc.pid)
-        await until(lambda: len(core.children()) == 1)
+        await until(lambda: len(core.children()) == 1, LONG_WAIT, what="the worker started")
         (worker,) = core.children()
         server = ReplicaServer(1, 0, engine, str(tmp_path / "run"), "tcp://127.0.0.1:*",
-                               "tcp://127.0.0.1:9", 0, stall_timeout=0.5)
+                               "tcp://127.0.0.1:9", 0, stall_timeout=STALL_S)
         serving = asyncio.ensure_future(server.serve())
         try:
-            await until(lambda: engine.probes_answered)
+            await until(lambda: engine.probes_answered, LONG_WAIT, what="a probe answered")
+            assert not serving.done()
             os.kill(engine.proc.pid, signal.SIGSTOP)
             with pytest.raises(ReplicaLost) as info:
-                await asyncio.wait_for(serving, 10)
-            await until(lambda: _gone(core) and _gone(worker), timeout=10)
+                await asyncio.wait_for(serving, STALL_S + LONG_WAIT)
+            await until(lambda: _gone(core) and _gone(worker), LONG_WAIT,
+                        what="EngineCore and worker gone")
             return info.value, server.coord.status
         finally:
             serving.cancel()
             server.close()
 
     error, status = asyncio.run(scenario())
-    assert "stalled: its EngineCore answered no liveness probe for 0.5 s" in str(error)
+    assert "stalled: its EngineCore answered no liveness probe for 10 s" in str(error)
     assert not error.produced_output and status == ReplicaStatus.ERROR
