@@ -20,6 +20,7 @@ import pytest
 import torch
 from vllm.sampling_params import RequestOutputKind
 
+from plugin_tests.helpers import LONG_WAIT, until
 from vllm_omni_plugin import extra_args as xargs
 from vllm_omni_plugin.config.loader import parse_pipeline_config
 from vllm_omni_plugin.config.schema import StreamingConfig
@@ -281,10 +282,9 @@ def test_abort_reaches_the_stage_and_ends_the_request_without_result(tmp_path):
         orchestrator, _ = _orchestrator(tmp_path, outcomes={1: "block"})
         request = _audio()
         running = asyncio.create_task(_run(orchestrator, request))
-        while not orchestrator.pools[1].tasks:
-            await asyncio.sleep(0)
+        await until(lambda: orchestrator.pools[1].tasks, LONG_WAIT, what="stage 1's task")
         await orchestrator.abort("req-1")
-        outputs = await running
+        outputs = await asyncio.wait_for(running, LONG_WAIT)
         return orchestrator, request, outputs
 
     orchestrator, request, outputs = asyncio.run(scenario())
@@ -306,12 +306,12 @@ def test_full_stage_refuses_with_429_before_the_entry_stage_runs(tmp_path):
         orchestrator, _ = _orchestrator(tmp_path, outcomes={1: "block"}, bounds=1,
                                         admission_timeout=0.01)
         first = asyncio.create_task(_run(orchestrator, _audio(), request_id="first"))
-        while not orchestrator.pools[1].tasks:
-            await asyncio.sleep(0)
+        await until(lambda: orchestrator.pools[1].tasks, LONG_WAIT, what="stage 1's task")
         refused = _audio()
-        outputs = await _run(orchestrator, refused, request_id="second")
+        outputs = await asyncio.wait_for(_run(orchestrator, refused, request_id="second"),
+                                         LONG_WAIT)
         await orchestrator.abort("first")
-        await first
+        await asyncio.wait_for(first, LONG_WAIT)
         return orchestrator, refused, outputs
 
     orchestrator, refused, outputs = asyncio.run(scenario())
@@ -496,10 +496,9 @@ def test_pd_abort_during_prefill_ends_the_request(tmp_path):
     async def scenario():
         orchestrator, _ = _pd_orchestrator(tmp_path, prefill_outcome="block")
         running = asyncio.create_task(_run(orchestrator, OmniRequest()))
-        while not orchestrator.pools[3].tasks:
-            await asyncio.sleep(0)
+        await until(lambda: orchestrator.pools[3].tasks, LONG_WAIT, what="the prefill task")
         await orchestrator.abort("req-1")
-        return orchestrator, await running
+        return orchestrator, await asyncio.wait_for(running, LONG_WAIT)
 
     orchestrator, outputs = asyncio.run(scenario())
     assert outputs == [] and orchestrator.pools[3].aborted == ["req-1-s3"]
