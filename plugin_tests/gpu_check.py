@@ -668,7 +668,8 @@ def main(argv: list[str] | None = None) -> int:
                              "on the GPU with --plan, one request, each engine's KV cache "
                              "against the plan")
     parser.add_argument("--plan", help="with --released: the plan (a shipped plan's name or "
-                                       "a YAML path; default: the one the plan lookup picks)")
+                                       "a YAML path; default: the one --stage-configs-path "
+                                       "auto serves on these GPUs)")
     parser.add_argument("--json", type=Path, help="also write the results here as JSON")
     parser.add_argument("--out", type=Path,
                         help="keep each case's pipeline YAML, engine logs and answers here "

@@ -1,7 +1,8 @@
 """``gpu_check --released DIR``: a released checkpoint (Qwen3-Omni-30B-A3B-Instruct or
 BAGEL-7B-MoT, downloaded to ``DIR``) served on this host's GPUs with a memory plan (a
 shipped ``stage_configs/*_1xh200.yaml``-like plan or a plan tool YAML: ``--plan``,
-default: :func:`pick_plan` for the visible GPUs), one request answered, and each
+default: the one ``--stage-configs-path auto`` serves on the visible GPUs,
+:func:`resolve_plan`), one request answered, and each
 engine's KV cache as vLLM sized it against what the plan tool planned for it.
 
 Three child processes, one after the other: the plan tool's plan for ``DIR`` (the
@@ -66,71 +67,24 @@ def plan_header(path: str) -> tuple[list[str], tuple[int, float] | None, int | N
     return args, fits, max_model_len
 
 
-def shipped_plans(model_type: str) -> dict[str, tuple[int, float]]:
-    """The shipped GPU plans for ``model_type``: name -> (GPU count, GiB each)."""
-    import yaml
-
-    from vllm_omni_plugin.config.pipelines import builtin_pipelines
-
-    plans = {}
-    for name, path in builtin_pipelines().items():
-        try:
-            _, fits, _ = plan_header(path)
-        except ValueError:
-            continue
-        with open(path) as f:
-            if fits is not None and yaml.safe_load(f).get("model_type") == model_type:
-                plans[name] = fits
-    return plans
-
-
-def pick_plan(model_type: str, gpus: list[float]) -> str:
-    """The shipped plan for ``model_type`` that the GPUs (GiB each, as visible) hold: as
-    many GPUs or fewer, each at least as large; of those the one planned for the largest
-    GPUs (the shares are fractions of a device: planned for its size), then for the most
-    GPUs (the most memory), then by name (an unquantized plan sorts before its ``_fp8``
-    twin).
+def resolve_plan(plan: str | None, model_dir: Path, host) -> str:
+    """The plan YAML's path: ``plan`` (a file or a shipped name), or what ``vllm serve
+    DIR --stage-configs-path auto`` serves on ``host`` (a ``config.placement.Host``; the
+    plan lookup of ``config/auto_plan.py``: the shipped plan that fits its GPUs).
 
     Raises:
-        LookupError: none fits (the message gives the plan tool command to write one).
+        StageConfigError: no plan fits (names the plan tool command for these GPUs).
+        ValueError: the checkpoint has no config.json, or the YAML is not a plan (the
+            lookup kept the pipeline: the checkpoint fits its shares).
     """
-    fitting = [(-gib, -count, name) for name, (count, gib) in shipped_plans(model_type).items()
-               if count <= len(gpus) and gpus and gib <= min(gpus[:count]) + 0.05]
-    if not fitting:
-        devices = f"{len(gpus)}x{min(gpus):g}" if gpus else "COUNTxGIB"
-        raise LookupError(
-            f"no shipped plan for {model_type} fits {len(gpus)} GPU(s) of "
-            f"{', '.join(f'{g:g}' for g in gpus) or '-'} GiB (shipped: "
-            f"{', '.join(sorted(shipped_plans(model_type))) or 'none'}); write one: python -m "
-            f"vllm_omni_plugin.tools.plan DIR --devices {devices} --write plan.yaml, then "
-            "--plan plan.yaml")
-    return sorted(fitting)[0][2]
+    from vllm_omni_plugin.config.auto_plan import choose
+    from vllm_omni_plugin.config.pipelines import AUTO, resolve_stage_configs
 
-
-def visible_gpus() -> list[float]:
-    """GiB of each visible CUDA device."""
-    import torch
-
-    return [torch.cuda.get_device_properties(i).total_memory / GIB
-            for i in range(torch.cuda.device_count())]
-
-
-def resolve_plan(plan: str | None, model_dir: Path, gpus: list[float]) -> str:
-    """The plan YAML's path: ``plan`` (a file or a shipped name), or :func:`pick_plan` for
-    the checkpoint's ``model_type`` on ``gpus``.
-
-    Raises:
-        LookupError, ValueError: no plan fits; the checkpoint has no config.json, or the
-            named YAML is not a plan.
-    """
-    from vllm_omni_plugin.config.pipelines import resolve_stage_configs
-
-    config = model_dir / "config.json"
-    if not config.is_file():
+    if not (model_dir / "config.json").is_file():
         raise ValueError(f"{model_dir} has no config.json: not a checkpoint directory")
+    path = resolve_stage_configs(plan or AUTO, str(model_dir))
     if plan is None:
-        plan = pick_plan(json.loads(config.read_text())["model_type"], gpus)
-    path = resolve_stage_configs(plan, str(model_dir))
+        path = choose(Path(path).stem, path, str(model_dir), None, host, None, auto=True)
     plan_header(path)  # a plan, with the command that made it
     return path
 
@@ -270,13 +224,16 @@ def main(args, parser) -> int:
 
     if args.cpu:
         parser.error("--released serves a released checkpoint on GPUs: drop --cpu")
+    from vllm_omni_plugin.config.placement import Host
+    from vllm_omni_plugin.config.schema import StageConfigError
+
     model_dir = args.released.expanduser().resolve()
-    gpus = visible_gpus()
-    if not gpus:
+    host = Host.current(device_memory=True)
+    if host.is_cpu or not host.devices:
         parser.error("--released needs a visible CUDA device")
     try:
-        plan_path = resolve_plan(args.plan, model_dir, gpus)
-    except (LookupError, ValueError) as exc:
+        plan_path = resolve_plan(args.plan, model_dir, host)
+    except (StageConfigError, ValueError) as exc:
         parser.error(str(exc))
     print(f"[gpu_check] {model_dir} with the plan {plan_path} ...", file=sys.stderr, flush=True)
     plan = _child(["plan", plan_path, str(model_dir)])
@@ -284,7 +241,7 @@ def main(args, parser) -> int:
     served["eager"] = pipeline_eager(plan_path)
     lines, problems = verdict(served, plan)
     print("\n".join([f"gpu_check --released {model_dir}: plan {plan_path} on "
-                     f"{len(gpus)} GPU(s) of {min(gpus):.1f} GiB", *lines,
+                     f"{len(host.devices)} GPU(s) of {host.memory_bytes / GIB:.1f} GiB", *lines,
                      *(f"  {p}" for p in problems), "ok" if not problems else "FAILED"]))
     if args.json:
         args.json.write_text(json.dumps({"plan": plan, "served": served,

@@ -6,6 +6,7 @@ prerequisites. The engines' dry run is ``plugin_tests/engine/test_gpu_check.py``
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import subprocess
@@ -224,12 +225,9 @@ def test_setup_env_installs_pd_prerequisites_only_when_asked(tmp_path, pd):
 
 
 # -- --released ---------------------------------------------------------------------------
-def test_every_shipped_plan_names_its_command_and_devices():
-    from plugin_tests.gpu_check_released import plan_header, shipped_plans
+def test_a_plan_header_names_its_command_devices_and_length():
+    from plugin_tests.gpu_check_released import plan_header
 
-    plans = {**shipped_plans("qwen3_omni_moe"), **shipped_plans("bagel")}
-    assert plans == {"qwen3_omni_moe_1xh200": (1, 140.0), "qwen3_omni_moe_2xh100": (2, 79.6),
-                     "qwen3_omni_moe_fp8_1xh100": (1, 79.6), "bagel_1xh100": (1, 79.6)}
     stage_configs = Path(REPO) / "vllm_omni_plugin" / "stage_configs"
     args, fits, max_model_len = plan_header(str(stage_configs / "qwen3_omni_moe_1xh200.yaml"))
     assert args[:4] == ["--pipeline", "qwen3_omni_moe", "--devices", "1x140"]
@@ -238,30 +236,53 @@ def test_every_shipped_plan_names_its_command_and_devices():
         plan_header(str(stage_configs / "qwen3_omni_moe.yaml"))
 
 
+def _released_dir(tmp_path: Path, model_type: str, gib: float) -> Path:
+    """A checkpoint directory as the plan lookup reads it: config.json's model_type and
+    the safetensors index's total size."""
+    folder = tmp_path / model_type
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": model_type}))
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": int(gib * 2**30)}, "weight_map": {}}))
+    return folder
+
+
+#: what nvidia-smi reports as an H100 80GB's and an H200's memory, MiB
+H100, H200 = 81559, 143771
+
+
 @pytest.mark.parametrize("model_type,gpus,plan", [
-    ("qwen3_omni_moe", [140.0], "qwen3_omni_moe_1xh200"),   # an H200
-    ("qwen3_omni_moe", [79.6], "qwen3_omni_moe_fp8_1xh100"),  # an H100: the FP8 plan
-    ("qwen3_omni_moe", [79.6, 79.6], "qwen3_omni_moe_2xh100"),
-    ("qwen3_omni_moe", [140.0, 140.0], "qwen3_omni_moe_1xh200"),
-    ("bagel", [140.0], "bagel_1xh100"),
+    ("qwen3_omni_moe", (1, H200), "qwen3_omni_moe_1xh200"),
+    ("qwen3_omni_moe", (1, H100), "qwen3_omni_moe_fp8_1xh100"),  # one H100: the FP8 plan
+    ("qwen3_omni_moe", (2, H100), "qwen3_omni_moe_2xh100"),
+    ("bagel", (1, H100), "bagel_1xh100"),
 ])
-def test_the_plan_lookup_picks_the_plan_the_gpus_hold(model_type, gpus, plan):
-    from plugin_tests.gpu_check_released import pick_plan
+def test_released_without_plan_serves_what_auto_serves(tmp_path, model_type, gpus, plan):
+    """No --plan: the plan ``--stage-configs-path auto`` serves on these GPUs (the
+    released checkpoints' weights, about 66 and 29 GiB: more than the default
+    pipelines' shares hold)."""
+    from plugin_tests.gpu_check_released import resolve_plan
+    from vllm_omni_plugin.config.placement import Host
 
-    assert pick_plan(model_type, gpus) == plan
+    host = Host("gpu", tuple(range(gpus[0])), "CUDA_VISIBLE_DEVICES", gpus[1] * 2**20)
+    folder = _released_dir(tmp_path, model_type, 66.0 if model_type != "bagel" else 29.0)
+    assert Path(resolve_plan(None, folder, host)).stem == plan
+    assert Path(resolve_plan("bagel_1xh100", folder, host)).stem == "bagel_1xh100"
 
 
-def test_no_plan_for_small_gpus_names_the_plan_tool(tmp_path):
-    from plugin_tests.gpu_check_released import pick_plan, resolve_plan
+def test_released_plan_errors(tmp_path):
+    from plugin_tests.gpu_check_released import resolve_plan
+    from vllm_omni_plugin.config.placement import Host
+    from vllm_omni_plugin.config.schema import StageConfigError
 
-    with pytest.raises(LookupError, match=r"plan DIR --devices 1x24 --write plan.yaml"):
-        pick_plan("qwen3_omni_moe", [24.0])
+    host = Host("gpu", (0,), "CUDA_VISIBLE_DEVICES", 24 * 2**30)
     with pytest.raises(ValueError, match="no config.json"):
-        resolve_plan(None, tmp_path, [140.0])
-    (tmp_path / "config.json").write_text('{"model_type": "qwen3_omni_moe"}')
-    assert resolve_plan(None, tmp_path, [140.0]).endswith("qwen3_omni_moe_1xh200.yaml")
+        resolve_plan(None, tmp_path, host)
+    folder = _released_dir(tmp_path, "qwen3_omni_moe", 66.0)
+    with pytest.raises(StageConfigError, match="--devices 1x24"):
+        resolve_plan(None, folder, host)
     with pytest.raises(ValueError, match="is not a plan"):
-        resolve_plan("qwen3_omni_moe", tmp_path, [140.0])
+        resolve_plan("qwen3_omni_moe", folder, host)
 
 
 def test_released_kv_cache_against_the_plan():
