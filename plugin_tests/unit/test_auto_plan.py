@@ -133,6 +133,7 @@ def test_the_tiny_checkpoints_and_the_cpu_build_keep_the_pipeline(
     cpu = Host("cpu", (0, 1), CPU_BIND_ENV, 24 * GIB)
     assert _auto(released["qwen3_omni"], cpu) == QWEN
     assert _auto(tiny_qwen3_omni, cpu) == QWEN
+    assert _auto(released["qwen3_omni"], gpus(1, 0)) == QWEN  # memory not reported
 
 
 def test_the_pipeline_named_outright_stays_with_a_warning(released, caplog):

@@ -10,7 +10,8 @@ it plans (``--pipeline``), its devices (``--devices``), the entry stage's
 
 The decision (:func:`choose`), for ``auto`` resolved to a built-in pipeline:
 
-* vLLM's CPU build, or a pipeline no shipped plan was written for: the pipeline.
+* vLLM's CPU build, a pipeline no shipped plan was written for, or GPUs whose memory
+  the platform does not report: the pipeline.
 * The default pipeline holds the checkpoint when every stage the head runs could hold
   all of its weights in its share of the smallest GPU (``gpu_memory_utilization`` x the
   device's total memory; the weights: the checkpoint's safetensors index ``total_size``,
@@ -212,6 +213,9 @@ def choose(name: str, path: str, model: str, revision: str | None, host: Host,
     """
     plans = shipped_plans(name)
     if host.is_cpu or not plans or not host.devices:
+        return path
+    if not host.memory_bytes:
+        logger.warning("%s: the GPUs' memory is unknown; serving %s as it is", name, name)
         return path
     weights = checkpoint_bytes(model, revision)
     names = ", ".join(f"{p.name} ({p.devices.count} x {p.devices.gib:g} GiB)" for p in plans)
