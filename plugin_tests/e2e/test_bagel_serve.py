@@ -255,10 +255,62 @@ def test_bad_image_chats_are_400s_naming_the_field(server, extra, field):
     assert r.json()["error"]["param"] == field
 
 
+def _stalls(server) -> float:
+    """``vllm_omni:replica_stalls_total`` summed over the replicas of stage 1 (the DiT)."""
+    return sum(value for (name, labels), value in server.metrics().items()
+               if name == "vllm_omni:replica_stalls_total" and ("stage", "1") in labels)
+
+
+def test_eight_concurrent_images_under_the_dit_cap_equal_serial_ones(server):
+    """Eight image requests at once against the shipped pipeline's DiT cap of two images
+    a step (``max_num_seqs: 2``, ``dit.MAX_IMAGES_PER_STEP``; review 2, N4): the head's
+    admission bound at the DiT is 2 (``/metrics``), every request is answered 200, no
+    replica stalls, and each image is the bytes the same request gives alone. The run's
+    wall time and latencies go to ``eight_requests.json`` beside the server log (for
+    the record; no timing is asserted)."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import requests
+
+    from vllm_omni_plugin.models.bagel.dit import MAX_IMAGES_PER_STEP
+
+    assert server.metrics()[("vllm_omni:stage_admission_bound",
+                             frozenset({("stage", "1")}))] == MAX_IMAGES_PER_STEP == 2
+    stalls = _stalls(server)
+
+    def post(i: int) -> tuple[int, bytes, float]:
+        start = time.monotonic()
+        r = requests.post(f"{server.url}/v1/images/generations", timeout=300,
+                          headers=server.headers, json={
+            "model": server.model, "prompt": f"A lighthouse, number {i}.", "size": "64x48",
+            "seed": 100 + i, "num_inference_steps": 4})
+        took = time.monotonic() - start
+        data = base64.b64decode(r.json()["data"][0]["b64_json"]) if r.ok else r.content
+        return r.status_code, data, took
+
+    start = time.monotonic()
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(post, range(8)))
+    wall = time.monotonic() - start
+    alone = [post(i) for i in range(8)]
+    figures = {"concurrent_wall_s": round(wall, 2),
+               "concurrent_latency_s": [round(t, 2) for _, _, t in together],
+               "serial_latency_s": [round(t, 2) for _, _, t in alone]}
+    (Path(server.log_path).parent / "eight_requests.json").write_text(json.dumps(figures))
+    print(f"eight concurrent image requests: {figures}")
+    assert [code for code, _, _ in together] == [200] * 8, together
+    assert [code for code, _, _ in alone] == [200] * 8, alone
+    for i, ((_, got, _), (_, want, _)) in enumerate(zip(together, alone, strict=True)):
+        assert got == want, f"request {i}: the concurrent image differs from the one alone"
+    assert len({data for _, data, _ in alone}) == 8  # eight seeds, eight images
+    assert _stalls(server) == stalls
+
+
 def test_a_stalled_dit_is_restarted_and_its_request_answered(server):
     """SIGSTOP of the DiT's EngineCore with an image request in it: see
     :func:`check_stall_recovery`; ``--omni-stall-timeout`` wins over the pipeline's own
-    600 s for the DiT. The module's last test (it restarts the DiT)."""
+    420 s for the DiT. The module's last test (it restarts the DiT)."""
     import requests
 
     def image():
