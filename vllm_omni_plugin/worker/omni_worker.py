@@ -48,7 +48,6 @@ from vllm_omni_plugin.worker.stage_io import StageIO, StageStep
 
 logger = init_logger(__name__)
 
-QUALNAME = "vllm_omni_plugin.worker.omni_worker.OmniWorker"
 GIB = 1 << 30
 
 

@@ -279,8 +279,8 @@ def attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     attention takes no mask, memory-efficient attention no GQA), so SDPA would fall back
     to its math kernel, which materialises float32 ``[B, heads, n, L + n]`` scores
     (GiBs per layer at 1024x1024); repeated heads with a mask run memory-efficient
-    attention. The repeat costs ``B * heads * (L + n) * head_dim`` elements, a
-    ``head_dim / (L + n)`` fraction of those scores.
+    attention. The repeat costs ``B * heads * (L + n) * head_dim`` elements each for
+    keys and values, a ``head_dim / n`` fraction of those scores.
     """
     if mask is None:
         return F.scaled_dot_product_attention(queries, keys, values, enable_gqa=True)
