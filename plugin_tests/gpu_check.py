@@ -267,27 +267,6 @@ def _count(result: dict, name: str, got) -> None:
         result["problems"].append(f"{name}: {got.problem}")
 
 
-def hf_media_inputs(ckpt: str, media_dir: Path, kind: str) -> dict:
-    """HF's processor on the engine script's ``kind`` (``image``/``audio``) file and
-    ``MEDIA_TEXT``, as ``hf_media_reference`` builds them: the model's inputs."""
-    import soundfile as sf
-    from PIL import Image
-    from transformers import AutoProcessor
-
-    from plugin_tests.engine.scripts.omni_pipeline import MEDIA_TEXT
-
-    processor = AutoProcessor.from_pretrained(ckpt)
-    text = processor.apply_chat_template(
-        [{"role": "user", "content": [{"type": kind, kind: "-"},
-                                      {"type": "text", "text": MEDIA_TEXT}]}],
-        add_generation_prompt=True, tokenize=False)
-    if kind == "image":
-        media = {"images": [Image.open(media_dir / "image.png").convert("RGB")]}
-    else:
-        media = {"audio": [sf.read(media_dir / "audio.wav", dtype="float32")[0]]}
-    return dict(processor(text=[text], return_tensors="pt", **media))
-
-
 def _on(inputs: dict, model) -> dict:
     """``inputs`` on the model's device, floating tensors in its dtype."""
     import torch
@@ -362,6 +341,7 @@ def check_case(case: Case, ckpt: str, root: Path, device: str, scenarios: list[s
 
     from plugin_tests.engine.pipeline_reference import (
         agreement,
+        hf_media_inputs,
         hf_model,
         hf_speak,
         run_script,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -257,6 +258,28 @@ class HFReference:
                        lambda: hf_media_reference(self.ckpt, self.media_dir, *self._model))
 
 
+def hf_media_inputs(ckpt, media_dir: Path, kind: str) -> dict:
+    """HF's processor on the engine script's ``kind`` (``image``/``audio``) file in
+    ``media_dir`` and its ``MEDIA_TEXT``: the model's inputs (``input_ids``, pixel or
+    audio features, ...), torch tensors."""
+    import soundfile as sf
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from plugin_tests.engine.scripts.omni_pipeline import MEDIA_TEXT
+
+    processor = AutoProcessor.from_pretrained(ckpt)
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": kind, kind: "-"},
+                                      {"type": "text", "text": MEDIA_TEXT}]}],
+        add_generation_prompt=True, tokenize=False)
+    if kind == "image":
+        media = {"images": [Image.open(media_dir / "image.png").convert("RGB")]}
+    else:
+        media = {"audio": [sf.read(media_dir / "audio.wav", dtype="float32")[0]]}
+    return dict(processor(text=[text], return_tensors="pt", **media))
+
+
 def hf_media_reference(ckpt, media_dir, model, eos):
     """HF (``model``, ``eos``: see :func:`_hf_model`) on the same files through HF's own
     processor: ``{kind: (prompt ids, thinker tokens, codes [T, 16] or None, waveform or
@@ -264,25 +287,11 @@ def hf_media_reference(ckpt, media_dir, model, eos):
     HF's talker cannot take an audio-input prompt (its ``get_rope_index`` reads an
     ``audio_config`` the talker config lacks, transformers 5.19), so audio gets the
     thinker's tokens only."""
-    import soundfile as sf
     import torch
-    from PIL import Image
-    from transformers import AutoProcessor
 
-    from plugin_tests.engine.scripts.omni_pipeline import MEDIA_TEXT
-
-    processor = AutoProcessor.from_pretrained(ckpt)
     out = {}
     for kind in ("image", "audio"):
-        text = processor.apply_chat_template(
-            [{"role": "user", "content": [{"type": kind, kind: "-"},
-                                          {"type": "text", "text": MEDIA_TEXT}]}],
-            add_generation_prompt=True, tokenize=False)
-        if kind == "image":
-            media = {"images": [Image.open(media_dir / "image.png").convert("RGB")]}
-        else:
-            media = {"audio": [sf.read(media_dir / "audio.wav", dtype="float32")[0]]}
-        inputs = processor(text=[text], return_tensors="pt", **media)
+        inputs = hf_media_inputs(ckpt, media_dir, kind)
         prompt = inputs["input_ids"][0].tolist()
         if kind == "image":
             speech = hf_speak(model, eos, **inputs)
