@@ -144,10 +144,15 @@ def pytest_configure(config):
 #: runs a whole Qwen3-Omni pipeline (3-4 EngineCores), and side by side on two workers
 #: they took 150-210 s each where alone, beside lighter files, they took about 110 s
 #: (`.ci/run`, vLLM 0.30 and 0.31: their engine processes' own threads are not bound
-#: to the worker's core and crowd both cores).
+#: to the worker's core and crowd both cores). The two replica modules start a head and
+#: two or three headless processes each (up to seven `vllm serve` processes, 20+
+#: EngineCores and workers together): side by side they filled the 24 GiB host, and a
+#: head waited 7 minutes for its engines, so they run one after the other.
 WORK_UNITS = {
     "plugin_tests/engine/test_pipeline_engine.py": "plugin_tests/engine/pipelines",
     "plugin_tests/engine/test_pipeline_pd_engine.py": "plugin_tests/engine/pipelines",
+    "plugin_tests/e2e/test_replicas_netns.py": "plugin_tests/e2e/replicas",
+    "plugin_tests/e2e/test_replicas_serve.py": "plugin_tests/e2e/replicas",
 }
 
 
