@@ -33,13 +33,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from vllm_omni_plugin.config.placement import GIB
+
 #: the least share of its planned KV cache (tokens) a stage may get: the plan estimates
 #: activation peaks and overheads from the CPU build's scheduler limits (review 2, N6),
 #: so a GPU engine may get less; under this the plan is too optimistic to rely on
 KV_FLOOR = 0.8
 #: Seconds: bound on each child process (the released thinker loads 59 GiB of weights)
 TIMEOUT_S = 3600
-GIB = 1 << 30
 #: the plan tool's command as a plan YAML's first line names it
 _WRITTEN_BY = re.compile(r"^# Written by: python -m vllm_omni_plugin\.tools\.plan MODEL (.*)$")
 #: what the plan tool's summary line says a plan fits on (GPU plans)

@@ -41,14 +41,13 @@ from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 
 from vllm_omni_plugin.compat.internals import model_runner_of, profile_device_memory
 from vllm_omni_plugin.compat.model_runner import batch_req_ids, watch_step
+from vllm_omni_plugin.config.placement import GIB
 from vllm_omni_plugin.config.settings import OmniSettings
 from vllm_omni_plugin.logger import init_logger
 from vllm_omni_plugin.payload_store import PayloadStore
 from vllm_omni_plugin.worker.stage_io import StageIO, StageStep
 
 logger = init_logger(__name__)
-
-GIB = 1 << 30
 
 
 class StageMemoryProfile(NamedTuple):
