@@ -38,6 +38,8 @@ from collections import Counter, defaultdict
 
 #: what vLLM's EngineCore logs once when it starts (vllm/v1/engine/core.py, 0.30-0.32)
 ENGINE_CORE_LINE = b"Initializing a V1 LLM engine"
+#: the names of the engine and server logs the tests write (serve.log, engines.out, ...)
+LOG_SUFFIXES = (".log", ".out")
 #: what plugin_tests/conftest.py says of a test that did not start for lack of time
 NOT_STARTED = "not started: the run's time budget is spent"
 SLOWEST = 25
@@ -46,10 +48,13 @@ EXPECTABLE = {"skipped": "skip", "xfailed": "xfail"}
 
 
 def engine_cores(tmp_dir: str) -> int:
-    """Occurrences of :data:`ENGINE_CORE_LINE` in the files under ``tmp_dir``."""
+    """Occurrences of :data:`ENGINE_CORE_LINE` in the logs (:data:`LOG_SUFFIXES`) under
+    ``tmp_dir``; other files there are checkpoints, some of them tens of GB (sparse)."""
     count = 0
     for root, _, files in os.walk(tmp_dir):
         for name in files:
+            if not name.endswith(LOG_SUFFIXES):
+                continue
             path = os.path.join(root, name)
             try:
                 with open(path, "rb") as f:

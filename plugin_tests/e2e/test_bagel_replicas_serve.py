@@ -56,9 +56,6 @@ def cluster(tiny_bagel, tmp_path_factory):
             proc.stop()
 
 
-
-
-
 def _running(head) -> dict[int, float]:
     return head.replica_metric("vllm_omni:replica_requests_running", 1)
 

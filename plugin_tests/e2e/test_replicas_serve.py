@@ -72,9 +72,6 @@ def cluster(tiny_qwen3_omni, tmp_path_factory):
             proc.stop()
 
 
-
-
-
 def _audio_body(head, content: str, **extra) -> dict:
     return {"model": head_model(head), "messages": [{"role": "user", "content": content}],
             "max_tokens": 6, "temperature": 0, "modalities": ["text", "audio"], **extra}
@@ -105,6 +102,18 @@ def test_requests_spread_over_headless_replicas_round_robin(cluster):
                 if name == "vllm_omni:replica_requests_total"
                 and ("stage", "2") in labels and ("location", "local") in labels}
     assert code2wav == {"0": 2, "1": 2}
+
+
+def test_each_replica_binds_its_task_endpoint_before_its_engine_starts(cluster):
+    """The port the master assigned is held from registration on: a second head on this
+    host allocates from the same range while the engine starts (a minute here)."""
+    head, _ = cluster
+    for i in range(2):
+        with open(os.path.join(os.path.dirname(head.log_path), f"headless{i}.log")) as f:
+            log = f.read()
+        bound = re.search(r"stage 1 replica \d+: task endpoint tcp://\S+ bound", log)
+        ready = re.search(r"stage 1 \(talker\) engine ready", log)
+        assert bound and ready and bound.start() < ready.start(), log[-2000:]
 
 
 def test_streamed_chat_on_headless_talkers_equals_the_unstreamed_answer(cluster):

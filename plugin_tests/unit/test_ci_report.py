@@ -119,3 +119,15 @@ def test_the_committed_list_parses_and_names_matrix_rows():
                   if line.startswith("MATRIX="))
     rows = set(matrix.split("=", 1)[1].strip('"').split())
     assert expected and set(expected) <= rows, set(expected) - rows
+
+
+def test_engine_cores_are_counted_in_the_logs_only(tmp_path):
+    """The count reads the tests' logs, not the checkpoints beside them: a released
+    checkpoint's sparse 29 GB weights file once ran the report out of memory."""
+    line = _ci_report().ENGINE_CORE_LINE
+    (tmp_path / "serve.log").write_bytes(line + b"\n" + line)
+    (tmp_path / "engines.out").write_bytes(line)
+    with open(tmp_path / "ema.safetensors", "wb") as f:
+        f.write(line)
+        f.truncate(64 << 30)    # sparse: no disk, but reading it whole would need 64 GiB
+    assert _ci_report().engine_cores(str(tmp_path)) == 3

@@ -313,10 +313,21 @@ def quant_method_name(module) -> str | None:
 # -- vLLM's scheduler defaults ------------------------------------------------------------
 class _PlannedGpu:
     """A stand-in for ``current_platform`` answering what ``EngineArgs.get_batch_defaults``
-    asks of a GPU: its total memory (bytes) and name."""
+    asks of a GPU: its total memory (bytes), name and compute capability (a planned GPU is
+    a data-centre one: never GB10's 12.1, which vLLM 0.33 keeps on the small tier).
+    Anything else it is asked is recorded in :attr:`unknown` (vLLM catches the error and
+    falls back to its small tier, which must not pass unnoticed)."""
 
     def __init__(self, memory_bytes: int, name: str):
         self.memory_bytes, self.name = memory_bytes, name
+        self.unknown: list[str] = []
+
+    def __getattr__(self, name: str):
+        self.unknown.append(name)
+        raise AttributeError(name)
+
+    def is_device_capability(self, capability, device_id: int = 0) -> bool:
+        return False
 
     def get_device_total_memory(self, device_id: int = 0) -> int:
         return self.memory_bytes
@@ -342,7 +353,7 @@ def gpu_batch_defaults(memory_bytes: int, world_size: int = 1,
     from 160 GiB, 2,048 / 256 below.
 
     Raises:
-        AttributeError: vLLM moved it.
+        AttributeError: vLLM moved it, or it asks the platform something new.
     """
     from vllm.engine import arg_utils
     from vllm.usage.usage_lib import UsageContext
@@ -351,11 +362,16 @@ def gpu_batch_defaults(memory_bytes: int, world_size: int = 1,
     if get is None or not hasattr(arg_utils, "current_platform"):
         raise _missing("EngineArgs.get_batch_defaults over arg_utils.current_platform")
     platform = arg_utils.current_platform
-    arg_utils.current_platform = _PlannedGpu(memory_bytes, device_name)
+    planned = arg_utils.current_platform = _PlannedGpu(memory_bytes, device_name)
     try:
         tokens, seqs = get(world_size)
     finally:
         arg_utils.current_platform = platform
+    if planned.unknown:
+        raise AttributeError(
+            "vLLM's EngineArgs.get_batch_defaults asks current_platform for "
+            f"{', '.join(sorted(set(planned.unknown)))}, which _PlannedGpu in "
+            "vllm_omni_plugin/compat/internals.py does not answer yet")
     context = UsageContext.OPENAI_API_SERVER
     return int(tokens[context]), int(seqs[context])
 

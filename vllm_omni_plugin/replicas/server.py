@@ -48,6 +48,24 @@ from .task import InputGrowth, ReplicaLost, StageTask, TaskAborted, TaskError, r
 logger = init_logger(__name__)
 
 
+def task_socket(address: str) -> zmq.asyncio.Socket:
+    """A ROUTER socket bound to ``address`` (``tcp://host:port``) for a replica's task
+    endpoint.
+
+    Raises:
+        zmq.ZMQError: ``address`` cannot be bound (e.g. another process holds the port).
+    """
+    sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_TASK_FRAME_BYTES + 4096)
+    try:
+        bind(sock, address)
+    except zmq.ZMQError:
+        sock.close(linger=0)
+        raise
+    return sock
+
+
 class ReplicaServer:
     """Serves one replica's task endpoint on top of its stage engine.
 
@@ -55,16 +73,18 @@ class ReplicaServer:
         stage_id, replica_id: Identity (from the master).
         engine: The replica's ``AsyncLLM``.
         payload_dir: The replica's payload store directory (its engine's).
-        address: Task endpoint to bind, ``tcp://host:port``.
+        address: Task endpoint, ``tcp://host:port``.
         coordinator: The head coordinator's ROUTER address.
         heartbeat_interval: Seconds between heartbeats.
         stall_timeout: Seconds the engine may leave a liveness probe unanswered before
             it counts as stalled; 0: not probed.
+        socket: The task endpoint already bound to ``address`` (:func:`task_socket`);
+            None: bound here.
     """
 
     def __init__(self, stage_id: int, replica_id: int, engine, payload_dir: str,
                  address: str, coordinator: str, heartbeat_interval: float,
-                 stall_timeout: float = 0.0) -> None:
+                 stall_timeout: float = 0.0, socket: zmq.asyncio.Socket | None = None) -> None:
         self.stage_id, self.replica_id, self.engine = stage_id, replica_id, engine
         self.stall_timeout = stall_timeout
         self.address = address
@@ -78,10 +98,7 @@ class ReplicaServer:
         self.rejected_frames = 0
         self._reject_log = RejectLog(
             logger, f"stage {stage_id} replica {replica_id} dropped a task-channel frame")
-        self.socket = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_TASK_FRAME_BYTES + 4096)
-        bind(self.socket, address)
+        self.socket = socket if socket is not None else task_socket(address)
         self.coord = OmniCoordClientForStage(
             coordinator, address, address, stage_id,
             heartbeat_interval=heartbeat_interval,
@@ -295,6 +312,21 @@ async def _serve(plan, assignments, info: dict) -> None:
                                     ).engine
         return assignment, engine, payload_dir
 
+    # Each task endpoint is bound before its engine starts (a minute or more): the master
+    # handed out ports it found free, which another process on this host could take
+    # meanwhile (a second head allocates from the same range).
+    sockets: dict[int, zmq.asyncio.Socket] = {}
+    for a in assignments:
+        try:
+            sockets[a.replica_id] = task_socket(a.endpoint(TASK_ENDPOINT))
+            logger.info("stage %d replica %d: task endpoint %s bound", a.stage_id,
+                        a.replica_id, a.endpoint(TASK_ENDPOINT))
+        except zmq.ZMQError as exc:
+            for sock in sockets.values():
+                sock.close(linger=0)
+            raise SystemExit(
+                f"stage {a.stage_id} replica {a.replica_id}: cannot bind its task endpoint "
+                f"{a.endpoint(TASK_ENDPOINT)} that the omni master assigned ({exc})") from exc
     started = await asyncio.gather(*(asyncio.to_thread(start, a) for a in assignments),
                                    return_exceptions=True)
     errors = [s for s in started if isinstance(s, BaseException)]
@@ -307,8 +339,11 @@ async def _serve(plan, assignments, info: dict) -> None:
             servers.append(ReplicaServer(
                 a.stage_id, a.replica_id, engine, payload_dir, a.endpoint(TASK_ENDPOINT),
                 info[INFO_COORDINATOR], heartbeat_interval=max(0.1, timeout / 6.0),
-                stall_timeout=stall_timeout_of(plan.stage, plan.settings)))
+                stall_timeout=stall_timeout_of(plan.stage, plan.settings),
+                socket=sockets.pop(a.replica_id)))
     if errors:
+        for sock in sockets.values():
+            sock.close(linger=0)
         raise SystemExit(str(errors[0]))
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
