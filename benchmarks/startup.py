@@ -27,7 +27,7 @@ On vLLM's CPU build every server gets ``--gpu-memory-utilization 0.3`` and
 ``VLLM_CPU_KVCACHE_SPACE=1`` (unless set).
 
 The talker's codec-frame budget comes from the YAML (2048 in
-``vllm_omni_plugin/stage_configs/qwen3_omni_moe.yaml``; on CPU that makes the first request
+``stage_configs/qwen3_omni_moe.yaml``; on CPU that makes the first request
 take minutes), so by default the script serves a temporary copy of the YAML
 with stage 1 ``default_sampling_params.max_tokens`` set to
 ``--talker-max-tokens`` (16).

@@ -6,7 +6,7 @@ its dry run on vLLM's CPU build (CI runs it: ``plugin_tests/engine/test_gpu_chec
 
 Each Qwen3-Omni case is one run of the engine script
 ``plugin_tests/engine/scripts/omni_pipeline.py`` (the shipped
-``vllm_omni_plugin/stage_configs/qwen3_omni_moe.yaml``, three EngineCores, the tiny
+``stage_configs/qwen3_omni_moe.yaml``, three EngineCores, the tiny
 checkpoint; the talker at :data:`~plugin_tests.engine.pipeline_reference.TALKER_FRAMES`
 frames) with nothing set that vLLM's defaults decide. Cases (:data:`CASES`):
 
@@ -228,8 +228,9 @@ def case_yaml(case: Case, root: Path, device: str) -> str:
     from plugin_tests.engine.pipeline_reference import TALKER_MAX_TOKENS
 
     if case.pipeline == "bagel":
-        return str(Path(__file__).resolve().parents[1] / "vllm_omni_plugin" / "stage_configs"
-                   / "bagel.yaml")
+        from vllm_omni_plugin.config.pipelines import builtin_pipeline
+
+        return builtin_pipeline("bagel")
     with open(QWEN3_OMNI_YAML) as f:
         pipeline = yaml.safe_load(f)
     pipeline["stages"][1]["default_sampling_params"]["max_tokens"] = TALKER_MAX_TOKENS

@@ -164,7 +164,7 @@ def served_bagel_config(checkpoint: str):
 
 
 #: what building the wheel reads from the checkout
-WHEEL_SOURCES = ("pyproject.toml", "setup.cfg", "README.md", "vllm_omni_plugin")
+WHEEL_SOURCES = ("pyproject.toml", "setup.cfg", "README.md", "vllm_omni_plugin", "stage_configs")
 
 
 def installed_wheel(root, timeout: float = 300) -> Path:

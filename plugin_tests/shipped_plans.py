@@ -1,4 +1,4 @@
-"""The memory plans shipped as built-in pipelines (``vllm_omni_plugin/stage_configs/``,
+"""The memory plans shipped as built-in pipelines (``stage_configs/``,
 ``*_1xh100.yaml`` and the like), as ``python -m vllm_omni_plugin.tools.plan`` writes them
 for the released checkpoints (their configs derived from the vendored listing and facts:
 :mod:`plugin_tests.released_checkpoints`).

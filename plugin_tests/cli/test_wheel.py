@@ -1,4 +1,4 @@
-"""The wheel carries the pipelines: the checkout's wheel (``pip wheel``), installed, not
+"""The wheel carries every module and the pipelines: the checkout's wheel (``pip wheel``), installed, not
 editable, into a directory of its own, names every built-in pipeline from a directory
 outside the checkout and loads it, from its own files."""
 
@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import zipfile
+from pathlib import Path
 
 import pytest
 
 from plugin_tests.cli.children import run_command
-from plugin_tests.conftest import PYTHON
+from plugin_tests.conftest import PYTHON, REPO
 from plugin_tests.helpers import installed_wheel
 from vllm_omni_plugin.config.pipelines import builtin_pipelines
 
@@ -31,8 +32,12 @@ def test_the_wheel_ships_every_pipeline_and_names_them_when_installed(tmp_path):
     site = installed_wheel(tmp_path)
     (wheel,) = (tmp_path / "wheels").glob("vllm_omni_plugin-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
+    assert builtin_pipelines()
     assert {f"vllm_omni_plugin/stage_configs/{name}.yaml" for name in builtin_pipelines()} \
         <= names
+    # setup.cfg lists the packages (the pipelines' folder is mapped in): none left out
+    checkout = {str(p.relative_to(REPO)) for p in Path(REPO, "vllm_omni_plugin").rglob("*.py")}
+    assert checkout <= names, sorted(checkout - names)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     out = run_command(["bash", "-c", f"cd {elsewhere} && exec {PYTHON} -c '{_RESOLVE}'"],

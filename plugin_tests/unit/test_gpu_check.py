@@ -17,6 +17,7 @@ import pytest
 from plugin_tests import gpu_check
 from plugin_tests.conftest import REPO
 from plugin_tests.gpu_check import EXPECTED_MODES, case_status, exit_status, mode_problems
+from vllm_omni_plugin.config.pipelines import builtin_pipeline
 
 V2 = "vllm.v1.worker.gpu.model_runner.GPUModelRunner"
 V1 = "vllm.v1.worker.gpu_model_runner.GPUModelRunner"
@@ -120,9 +121,8 @@ def test_the_report_shows_the_modes_required_and_each_problem():
 def test_graph_expectation_follows_the_shipped_yamls():
     """The stages the check expects without graphs are the eager ones of the YAMLs it
     serves: Qwen3-Omni's talker and code2wav, both BAGEL stages."""
-    stage_configs = Path(REPO) / "vllm_omni_plugin" / "stage_configs"
-    assert gpu_check.pipeline_eager(str(stage_configs / "qwen3_omni_moe.yaml")) == EAGER
-    assert gpu_check.pipeline_eager(str(stage_configs / "bagel.yaml")) == {0: True, 1: True}
+    assert gpu_check.pipeline_eager(builtin_pipeline("qwen3_omni_moe")) == EAGER
+    assert gpu_check.pipeline_eager(builtin_pipeline("bagel")) == {0: True, 1: True}
 
 
 def test_arguments(capsys):
@@ -228,12 +228,11 @@ def test_setup_env_installs_pd_prerequisites_only_when_asked(tmp_path, pd):
 def test_a_plan_header_names_its_command_devices_and_length():
     from plugin_tests.gpu_check_released import plan_header
 
-    stage_configs = Path(REPO) / "vllm_omni_plugin" / "stage_configs"
-    args, fits, max_model_len = plan_header(str(stage_configs / "qwen3_omni_moe_1xh200.yaml"))
+    args, fits, max_model_len = plan_header(builtin_pipeline("qwen3_omni_moe_1xh200"))
     assert args[:4] == ["--pipeline", "qwen3_omni_moe", "--devices", "1x140"]
     assert fits == (1, 140.0) and max_model_len == 32768
     with pytest.raises(ValueError, match="is not a plan"):
-        plan_header(str(stage_configs / "qwen3_omni_moe.yaml"))
+        plan_header(builtin_pipeline("qwen3_omni_moe"))
 
 
 def _released_dir(tmp_path: Path, model_type: str, gib: float) -> Path:

@@ -2,7 +2,7 @@
 hold: the shipped memory plan that fits the devices this host sees, or a refusal at
 start-up naming the plan tool command that computes one for them.
 
-The shipped plans (``vllm_omni_plugin/stage_configs/*_1xh200.yaml`` and the like) are
+The shipped plans (``stage_configs/*_1xh200.yaml`` and the like) are
 ``python -m vllm_omni_plugin.tools.plan`` output for the released checkpoints; each one's
 first line is the command that wrote it (:data:`WRITTEN_BY`), read here for the pipeline
 it plans (``--pipeline``), its devices (``--devices``), the entry stage's

@@ -1,4 +1,5 @@
-"""The pipelines shipped in the package (``vllm_omni_plugin/stage_configs/*.yaml``) and
+"""The pipelines shipped with the package (the checkout's ``stage_configs/*.yaml``,
+installed as ``vllm_omni_plugin/stage_configs/``) and
 what ``--stage-configs-path`` may name: a YAML file, a built-in pipeline by name (the
 file's stem: ``qwen3_omni_moe``), or ``auto``, the built-in pipeline of the served
 checkpoint's architecture (its ``config.json`` ``model_type``: the pipeline named after
@@ -10,8 +11,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-#: where the package keeps its pipelines
-BUILTIN_DIR = Path(__file__).resolve().parent.parent / "stage_configs"
+_PACKAGE = Path(__file__).resolve().parents[1]
+#: where the pipelines are: in an installed wheel, the package's ``stage_configs/``
+#: (setup.cfg maps the checkout's there); in a source checkout (an editable install), the
+#: checkout's top-level ``stage_configs/`` beside the package
+BUILTIN_DIR = next((d for d in (_PACKAGE / "stage_configs", _PACKAGE.parent / "stage_configs")
+                    if d.is_dir()), _PACKAGE / "stage_configs")
 #: ``--stage-configs-path auto``: the built-in pipeline of the checkpoint's ``model_type``
 AUTO = "auto"
 FLAG = "--stage-configs-path"

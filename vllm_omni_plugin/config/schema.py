@@ -1,4 +1,4 @@
-"""Pydantic models of a multi-stage pipeline config (``vllm_omni_plugin/stage_configs/*.yaml``).
+"""Pydantic models of a multi-stage pipeline config (``stage_configs/*.yaml``).
 
 Stages form a DAG: ``inputs`` lists the stage ids whose outputs feed a stage.
 Per-stage checks run in :class:`StageConfig`; cross-stage checks (ids, graph)
