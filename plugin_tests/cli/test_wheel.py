@@ -1,6 +1,6 @@
-"""The wheel carries every module and the pipelines: the checkout's wheel (``pip wheel``), installed, not
-editable, into a directory of its own, names every built-in pipeline from a directory
-outside the checkout and loads it, from its own files."""
+"""The wheel carries every module and the pipelines: the checkout's wheel (``pip
+wheel``), installed, not editable, into a directory of its own, names every built-in
+pipeline from a directory outside the checkout and loads it, from its own files."""
 
 from __future__ import annotations
 
