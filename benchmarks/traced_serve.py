@@ -24,7 +24,7 @@ like). Each sample, against the baseline:
   of the top five come from;
 * object counts by type that grew most;
 * the sizes of dicts, sets, lists and deques held as attributes by vLLM's and the
-  plugin's objects that were there at the baseline (``_inflight``, ``_aborted``, the
+  plugin's objects that were there at the baseline (the orchestrator's ``_runs``, the
   pools' affinity, vLLM's request states...) that grew. The probe keeps those objects
   alive, so that a new object cannot take the id of one of them.
 

@@ -210,7 +210,7 @@ def test_a_stage_left_nothing_to_do_does_not_run_and_its_output_goes_on(tmp_path
     assert result.error is None and result.sample_rate == 24000
     assert result.payload["waveform"].shape == (0,)
     assert orchestrator.store.keys() == [] and orchestrator.admission.in_flight == {1: 0, 2: 0}
-    assert orchestrator._inflight == {}
+    assert orchestrator.runs == {}
 
 
 def test_fan_out_feeds_each_stage_its_listed_inputs_in_order(tmp_path):
@@ -419,7 +419,7 @@ def test_pd_prefills_on_the_prefill_stage_then_pulls_on_the_entry(tmp_path):
     hidden = upstream[0][0]["hidden"]
     assert hidden[:, 0].tolist() == [2.0] * len(PROMPT) + [3.0]
     assert upstream[0][0]["once"].shape == (3,)
-    assert orchestrator.store.keys() == [] and orchestrator._inflight == {}
+    assert orchestrator.store.keys() == [] and orchestrator.runs == {}
 
 
 def test_pd_text_only_request_prefills_without_publishing(tmp_path):
@@ -434,7 +434,7 @@ def test_pd_text_only_request_prefills_without_publishing(tmp_path):
         task.sampling["extra_args"]["kv_transfer_params"]["transfer_id"])
     assert set(seen[xargs.PAYLOAD]) == {"err"}
     assert not orchestrator.pools[1].tasks
-    assert orchestrator.store.keys() == [] and orchestrator._inflight == {}
+    assert orchestrator.store.keys() == [] and orchestrator.runs == {}
 
 
 def test_pd_transfer_ids_are_fresh_per_request(tmp_path):
@@ -469,7 +469,7 @@ def test_pd_prefill_failure_fails_the_request_naming_the_prefill_stage(
         asyncio.run(_run(orchestrator, text, request_id="req-2"))
     assert text.result.error.startswith(error)
     assert orchestrator.entry_generate.seen_extra_args == []  # the entry never ran
-    assert orchestrator.store.keys() == [] and orchestrator._inflight == {}
+    assert orchestrator.store.keys() == [] and orchestrator.runs == {}
 
 
 def test_pd_failed_kv_load_fails_the_request_naming_the_prefill_engine(tmp_path):
@@ -489,7 +489,7 @@ def test_pd_failed_kv_load_fails_the_request_naming_the_prefill_engine(tmp_path)
         asyncio.run(_run(orchestrator, text, request_id="req-2"))
     assert info.value.status == 503 and text.result.status == 503
     assert re.match(want, text.result.error)
-    assert orchestrator.store.keys() == [] and orchestrator._inflight == {}
+    assert orchestrator.store.keys() == [] and orchestrator.runs == {}
 
 
 def test_pd_abort_during_prefill_ends_the_request(tmp_path):
@@ -503,8 +503,7 @@ def test_pd_abort_during_prefill_ends_the_request(tmp_path):
     orchestrator, outputs = asyncio.run(scenario())
     assert outputs == [] and orchestrator.pools[3].aborted == ["req-1-s3"]
     assert orchestrator.entry_generate.seen_extra_args == []
-    assert orchestrator.store.keys() == [] and orchestrator._inflight == {}
-    assert orchestrator._aborted == set()
+    assert orchestrator.store.keys() == [] and orchestrator.runs == {}
 
 
 @pytest.mark.parametrize("prompt", [
@@ -643,7 +642,7 @@ def test_streamed_request_decodes_chunks_while_the_talker_runs(tmp_path):
     assert result.error is None and result.sample_rate == 24000
     assert result.payload["waveform"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert orchestrator.store.keys() == [] and orchestrator.admission.in_flight == {1: 0, 2: 0}
-    assert orchestrator._inflight == {}
+    assert orchestrator.runs == {}
 
 
 @pytest.mark.parametrize("live", [True, False], ids=["local", "remote"])
@@ -698,7 +697,7 @@ def test_failed_chunk_stops_the_talker_and_fails_the_request_naming_code2wav(tmp
     assert request.result.error == "stage 2 (code2wav): decoder broke"
     assert talker.cancelled  # its task was stopped mid-way
     assert orchestrator.store.keys() == [] and orchestrator.admission.in_flight == {1: 0, 2: 0}
-    assert orchestrator._inflight == {}
+    assert orchestrator.runs == {}
 
 
 # -- a stage fed while the entry stage runs (stream_input) ------------------------------
@@ -785,7 +784,7 @@ def test_stream_input_stage_starts_once_ready_and_gets_only_new_rows(tmp_path):
                                                if "rows" in m.payload])
     assert rows[:, 0].tolist() == [0, 1, 2, 11, 12, 13]
     assert orchestrator.store.keys() == [] and orchestrator.admission.in_flight == {1: 0, 2: 0}
-    assert orchestrator._inflight == {}
+    assert orchestrator.runs == {}
 
 
 def test_request_not_streamed_gives_a_stream_input_stage_its_whole_input(tmp_path):
@@ -827,7 +826,7 @@ def test_a_fed_stage_failing_while_the_entry_runs_fails_the_request(tmp_path):
     asyncio.run(asyncio.wait_for(_run(orchestrator, request), 30))
     assert request.result.error == "stage 1 (talker): worker failed: boom"
     assert orchestrator.store.keys() == [] and orchestrator.admission.in_flight == {1: 0, 2: 0}
-    assert orchestrator._inflight == {}
+    assert orchestrator.runs == {}
 
 
 class EntryReplica(Replica):
@@ -958,7 +957,7 @@ def test_a_request_past_the_request_timeout_is_stopped_everywhere_and_fails_504(
     assert orchestrator.pools[1].aborted == ["req-1-s1"] and not orchestrator.pools[2].tasks
     assert entry_aborted == ["req-1"]
     assert orchestrator.store.keys() == [] and orchestrator.admission.in_flight == {1: 0, 2: 0}
-    assert orchestrator._expired == set() and orchestrator._inflight == {}
+    assert orchestrator.runs == {}
 
 
 def test_a_text_request_past_the_request_timeout_raises_504_naming_the_entry_stage(tmp_path):

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Mapping
+from types import MappingProxyType
 
 from vllm.sampling_params import RequestOutputKind
 
@@ -49,6 +51,7 @@ from vllm_omni_plugin.engine.omni_request import (
     current_omni_request,
 )
 from vllm_omni_plugin.engine.pd import ABORTED, RemotePrefill, decode_extra
+from vllm_omni_plugin.engine.pipeline_run import PipelineRun
 from vllm_omni_plugin.engine.streaming import InputStream, StageStreams, join_rows
 from vllm_omni_plugin.kv_transfer import KV_TRANSFER_PARAMS
 from vllm_omni_plugin.logger import init_logger
@@ -120,14 +123,18 @@ class Orchestrator:
         if self._entry_pool is not None and tokenize is None:
             raise ValueError(f"stage {self.entry.stage_id} ({self.entry.name}): a stage "
                              "pool but no tokenizer")
-        self._inflight: dict[str, set[tuple[int, str]]] = {}
-        self._stage_of: dict[str, int] = {}  # pipeline request -> the stage it is at
-        self._aborted: set[str] = set()
-        self._expired: set[str] = set()  # requests past the request timeout
+        #: the requests with parts on stage replicas (what :meth:`abort` finds), by id
+        self._runs: dict[str, PipelineRun] = {}
         self._expiring: set[asyncio.Task] = set()
         self._pd = None if self.prefill is None else RemotePrefill(
-            self.prefill, self.entry, self._run_task, self._aborted)
-        self._streams = StageStreams(self._stage_input, self._run_stage, pools, self._aborted)
+            self.prefill, self.entry, self._run_task)
+        self._streams = StageStreams(self._stage_input, self._run_stage, pools)
+
+    @property
+    def runs(self) -> Mapping[str, PipelineRun]:
+        """The requests with parts on stage replicas (what :meth:`abort` finds), by id; a
+        read-only view."""
+        return MappingProxyType(self._runs)
 
     # -- request flow ---------------------------------------------------------
     async def generate(self, prompt, sampling_params, request_id, *args, **kwargs):
@@ -138,143 +145,175 @@ class Orchestrator:
         Raises:
             StageError: a text-only request failed in the entry stage's worker.
         """
-        request = current_omni_request() or OmniRequest()
+        run = PipelineRun(request_id, current_omni_request() or OmniRequest(),
+                          self.entry.stage_id)
         timer = None if self.request_timeout is None else asyncio.get_running_loop(
-            ).call_later(self.request_timeout, self._expire, request, request_id)
+            ).call_later(self.request_timeout, self._expire, run)
         try:
-            async for out in self._generate(request, prompt, sampling_params, request_id,
-                                            *args, **kwargs):
+            async for out in self._generate(run, prompt, sampling_params, *args, **kwargs):
                 yield out
         finally:
             if timer is not None:
                 timer.cancel()
-            self._expired.discard(request_id)
+            await self._close(run)
+        if run.final is not None and not run.expired:
+            yield run.final
 
-    async def _generate(self, request: OmniRequest, prompt, sampling_params, request_id,
-                        *args, **kwargs):
+    async def _generate(self, run: PipelineRun, prompt, sampling_params, *args, **kwargs):
+        """The request's outputs: a text request's as its entry stage gives them; a
+        pipeline request's but the final one, which goes into ``run.final`` once the
+        downstream stages ran (or one failed): admission, the entry stage (a task on one
+        of its replicas, or the head's engine), companions, the downstream stages."""
         extra = xargs.without_reserved(sampling_params.extra_args)
         extra.pop(KV_TRANSFER_PARAMS, None)  # the orchestrator pairs prefill and decode
         params = sampling_params.clone()
-        if request.text_only:
-            async for out in self._generate_text(request, prompt, params, extra, request_id,
-                                                 *args, **kwargs):
+        if run.request.text_only:
+            async for out in self._generate_text(run, prompt, params, extra, *args, **kwargs):
                 yield out
             return
-
-        try:
-            admission = await self.admission.admit()
-        except AdmissionRefused as exc:
-            logger.warning("request %s refused: %s", request_id, exc)
-            request.result = StageResult.failure(str(exc), exc.status, exc.retry_after)
+        if not await self._admit(run):
             return
-        if request_id in self._expired:  # the request timeout passed while it waited
-            admission.release_all()
-            return
-        base = safe_key(f"{request_id}.{uuid.uuid4().hex[:6]}")
-        entry_out_key = f"{base}.s{self.entry.stage_id}.out"
-        token_ids = self._entry_task_ids(request, prompt, params, request_id)
+        base = safe_key(f"{run.request_id}.{uuid.uuid4().hex[:6]}")
+        run.payload_key = f"{base}.s{self.entry.stage_id}.out"
+        token_ids = self._entry_task_ids(run, prompt, params)
         if token_ids is None:  # the head's engine publishes the entry stage's rows here
-            self.store.create(entry_out_key)
-        self._inflight[request_id] = set()
+            self.store.create(run.payload_key)
+        self._runs[run.request_id] = run
         final = None
         # the input stream of the stage with streaming input: for requests the client streams
-        stream = InputStream(self.store, entry_out_key, self.entry.stage_id) \
-            if self._stream_input_stage is not None and request.partials is not None else None
-        downstream = None
+        stream = InputStream(self.store, run.payload_key, self.entry.stage_id) \
+            if self._stream_input_stage is not None and run.request.partials is not None \
+            else None
         outputs: dict = {}
         try:
             if token_ids is not None:
-                final = await self._run_entry_task(request_id, token_ids, params, outputs)
-                if final is None:
-                    return
+                final = await self._run_entry_task(run, token_ids, params, outputs)
             else:
-                prefilled = await self._prefill(request_id, prompt, params, publish=True)
-                if prefilled is ABORTED:
-                    return
-                params.extra_args = {**extra, **decode_extra(prefilled),
-                                     xargs.PAYLOAD: {"out": entry_out_key,
-                                                     **({"prefilled": True} if prefilled else {})}}
-                self._stage_of[request_id] = self.entry.stage_id
-                # streamed requests get only each step's new tokens (RequestOutputKind.DELTA)
-                deltas = [] if params.output_kind == RequestOutputKind.DELTA else None
-                async for out in self.entry_generate(prompt, params, request_id, *args, **kwargs):
-                    if deltas is not None and out.outputs:
-                        deltas.extend(out.outputs[0].token_ids)
-                    if stream is not None and out.outputs:
-                        stream.update(out.prompt_token_ids,
-                                    deltas if deltas is not None else out.outputs[0].token_ids)
-                        if downstream is None:
-                            downstream = asyncio.ensure_future(self._run_downstream(
-                                request, request_id, outputs, extra, admission, stream))
+                async for out in self._run_entry_on_head(run, prompt, params, extra, outputs,
+                                                         stream, *args, **kwargs):
                     if out.finished:
                         final = out
                     else:
                         yield out
-                if final is None or request_id in self._aborted:
-                    return
-                if prefilled:
-                    self._pd.check_kv_loaded(prefilled, final)
-                payload = await self._payload(self.entry, entry_out_key)
-                if prefilled:
-                    payload = join_rows(prefilled.payload, payload)
-                outputs[self.entry.stage_id] = _stage_output(self.entry.stage_id, final, payload,
-                                                             deltas)
-            if request.companions:
-                companions = await self._run_companions(request, request_id)
+            if self.entry.stage_id not in outputs:  # aborted, or no final output
+                return
+            if run.request.companions:
+                companions = await self._run_companions(run)
                 if companions is None:
                     return
                 extra = {**extra, "companions": companions}
-            if downstream is None:
-                result = await self._run_downstream(request, request_id, outputs, extra,
-                                                    admission)
+            if run.downstream is None:
+                result = await self._run_downstream(run, outputs, extra)
             else:
                 stream.finish(outputs[self.entry.stage_id])
-                result = await downstream
+                result = await run.downstream
             if result is None:  # aborted between stages
                 return
-            request.result = result
+            run.request.result = result
         except asyncio.CancelledError:
-            self._log_stopped(request_id, "cancelled (client disconnected)")
+            self._log_stopped(run, "cancelled (client disconnected)")
             raise
         except StageError as exc:
-            if request_id not in self._expired:  # else the timeout is the request's error
-                record_failure(request, request_id, exc)
-        finally:
-            if downstream is not None:
-                downstream.cancel()  # a no-op once it is done
-            admission.release_all()
-            self._inflight.pop(request_id, None)
-            self._stage_of.pop(request_id, None)
-            self._aborted.discard(request_id)
+            if not run.expired:  # else the timeout is the request's error
+                record_failure(run.request, run.request_id, exc)
+        run.final = final
+
+    async def _admit(self, run: PipelineRun) -> bool:
+        """Reserve the request's slots of the downstream stages (``run.admission``);
+        False when the gate refused (the request's result says why: HTTP 429) or the
+        request timeout passed while it waited."""
+        try:
+            run.admission = await self.admission.admit()
+        except AdmissionRefused as exc:
+            logger.warning("request %s refused: %s", run.request_id, exc)
+            run.request.result = StageResult.failure(str(exc), exc.status, exc.retry_after)
+            return False
+        return not run.expired
+
+    async def _run_entry_on_head(self, run: PipelineRun, prompt, params, extra, outputs: dict,
+                                 stream: InputStream | None, *args, **kwargs):
+        """Run the request's entry-stage part on the head's engine (after its prefill
+        stage, if any), yielding each of its outputs; once it finished, its output goes
+        into ``outputs``. With ``stream``, the downstream stages start at its first output
+        (``run.downstream``). Yields nothing when aborted during the prefill.
+
+        Raises:
+            StageError: the prefill stage failed, or the engine could not load its KV
+                cache.
+        """
+        prefilled = await self._prefill(run, prompt, params, publish=True)
+        if prefilled is ABORTED:
+            return
+        params.extra_args = {**extra, **decode_extra(prefilled),
+                             xargs.PAYLOAD: {"out": run.payload_key,
+                                             **({"prefilled": True} if prefilled else {})}}
+        run.stage_id = self.entry.stage_id
+        # streamed requests get only each step's new tokens (RequestOutputKind.DELTA)
+        deltas = [] if params.output_kind == RequestOutputKind.DELTA else None
+        final = None
+        async for out in self.entry_generate(prompt, params, run.request_id, *args, **kwargs):
+            if deltas is not None and out.outputs:
+                deltas.extend(out.outputs[0].token_ids)
+            if stream is not None and out.outputs:
+                stream.update(out.prompt_token_ids,
+                              deltas if deltas is not None else out.outputs[0].token_ids)
+                if run.downstream is None:
+                    run.downstream = asyncio.ensure_future(
+                        self._run_downstream(run, outputs, extra, stream))
+            if out.finished:
+                final = out
+            yield out
+        if final is None or run.aborted:
+            return
+        if prefilled:
+            self._pd.check_kv_loaded(prefilled, final)
+        payload = await self._payload(self.entry, run.payload_key)
+        if prefilled:
+            payload = join_rows(prefilled.payload, payload)
+        outputs[self.entry.stage_id] = _stage_output(self.entry.stage_id, final, payload, deltas)
+
+    async def _close(self, run: PipelineRun) -> None:
+        """Give back what the request holds, once: its downstream task (stopped), its
+        admission's slots, its place in :attr:`_runs`, its companions' replica affinity
+        and its payload slots."""
+        if run.closed:
+            return
+        run.closed = True
+        if run.downstream is not None:
+            run.downstream.cancel()  # a no-op once it is done
+        if run.admission is not None:
+            run.admission.release_all()
+        self._runs.pop(run.request_id, None)
+        if run.error_key is not None:
+            self.store.delete(run.error_key)
+        if run.payload_key is not None:
             if self._entry_pool is not None:
-                self._entry_pool.forget(request_id)  # its companions' affinity
+                self._entry_pool.forget(run.request_id)  # its companions' affinity
             # shielded: a client that goes away can cancel this generator again while it
             # cleans up, and a deletion not started yet would then never run
             await asyncio.shield(asyncio.ensure_future(
-                asyncio.to_thread(self.store.delete, entry_out_key)))
-            if downstream is not None:
-                await asyncio.wait({downstream})
-        if final is not None and request_id not in self._expired:
-            yield final
+                asyncio.to_thread(self.store.delete, run.payload_key)))
+        if run.downstream is not None:
+            await asyncio.wait({run.downstream})
 
-    def _entry_task_ids(self, request: OmniRequest, prompt, params, request_id):
+    def _entry_task_ids(self, run: PipelineRun, prompt, params):
         """The prompt's token ids when the request's entry-stage part runs as a task on
         one of the entry stage's replicas, else None (it runs on the head's engine).
 
         It does when the entry stage has a pool (no PD) and the client reads nothing of
         the entry stage's output: no text asked for (an image request), not streamed,
         ``n`` 1, and a prompt of plain token ids (multimodal data stays on the head)."""
-        if self._entry_pool is None or TEXT in request.modalities \
-                or request.partials is not None or getattr(params, "n", 1) != 1:
+        if self._entry_pool is None or TEXT in run.request.modalities \
+                or run.request.partials is not None or getattr(params, "n", 1) != 1:
             return None
         token_ids = prompt_token_ids_of(prompt)
         if token_ids is None:
             logger.info("request %s: stage %d (%s) runs on the head's engine (the prompt is "
-                        "not plain token ids)", request_id, self.entry.stage_id,
+                        "not plain token ids)", run.request_id, self.entry.stage_id,
                         self.entry.name)
         return token_ids
 
-    async def _run_entry_task(self, request_id, token_ids: list[int], params,
+    async def _run_entry_task(self, run: PipelineRun, token_ids: list[int], params,
                               outputs: dict):
         """Run the request's entry-stage part as a task on a replica of the entry stage
         (its companions follow it there: ``parent_request_id``); its output goes into
@@ -285,16 +324,16 @@ class Orchestrator:
             StageError: the task failed (names the entry stage).
         """
         stage = self.entry
-        task = StageTask(request_id=f"{request_id}-s{stage.stage_id}",
+        task = StageTask(request_id=f"{run.request_id}-s{stage.stage_id}",
                          prompt_token_ids=token_ids, sampling=_task_sampling(params),
-                         parent_request_id=request_id)
-        run = await self._run_task(request_id, stage, task)
-        if run is None or request_id in self._aborted:
+                         parent_request_id=run.request_id)
+        stage_run = await self._run_task(run, stage, task)
+        if stage_run is None or run.aborted:
             return None
-        outputs[stage.stage_id] = _run_output(stage.stage_id, run)
-        return _request_output(request_id, run)
+        outputs[stage.stage_id] = _run_output(stage.stage_id, stage_run)
+        return _request_output(run.request_id, stage_run)
 
-    async def _run_companions(self, request: OmniRequest, request_id) -> dict | None:
+    async def _run_companions(self, run: PipelineRun) -> dict | None:
         """Run the request's companion prompts (:attr:`OmniRequest.companions`) as tasks
         of the entry stage, one after another, on the replica the request's own task ran
         on while it is up (``parent_request_id``); their :class:`UpstreamOutput` by name,
@@ -309,74 +348,65 @@ class Orchestrator:
             raise StageError(stage.stage_id, stage.name, "companion prompts need the entry "
                              "stage to run tasks, which it does not as a decode stage (pd)")
         outputs = {}
-        for name, text in request.companions.items():
-            task = StageTask(request_id=f"{request_id}-{safe_key(name)}",
+        for name, text in run.request.companions.items():
+            task = StageTask(request_id=f"{run.request_id}-{safe_key(name)}",
                              prompt_token_ids=list(self.tokenize(text)),
                              sampling={"max_tokens": 1, "temperature": 0.0},
-                             parent_request_id=request_id)
+                             parent_request_id=run.request_id)
             try:
-                run = await self._run_task(request_id, stage, task)
+                stage_run = await self._run_task(run, stage, task)
             except StageError as exc:
                 raise StageError(stage.stage_id, stage.name, f"companion {name!r}: "
                                  f"{exc.detail}", exc.status, exc.retry_after) from exc
-            if run is None or request_id in self._aborted:
+            if stage_run is None or run.aborted:
                 return None
-            outputs[name] = _run_output(stage.stage_id, run)
+            outputs[name] = _run_output(stage.stage_id, stage_run)
         return outputs
 
-    async def _generate_text(self, request: OmniRequest, prompt, params, extra, request_id,
-                             *args, **kwargs):
+    async def _generate_text(self, run: PipelineRun, prompt, params, extra, *args, **kwargs):
         """Plain vLLM generation on the entry stage (after its prefill stage, if any),
         with an error slot: a failure of the worker for this request fails it with a
         :class:`StageError` naming the stage instead of the engine."""
-        err_key = f"{safe_key(request_id)}.{uuid.uuid4().hex[:6]}.err"
-        self.store.create(err_key)
+        run.error_key = f"{safe_key(run.request_id)}.{uuid.uuid4().hex[:6]}.err"
+        self.store.create(run.error_key)
         prefilled = None
-        try:
-            if self.prefill is not None:
-                self._inflight[request_id] = set()
+        if self.prefill is not None:
+            self._runs[run.request_id] = run
+            try:
+                prefilled = await self._prefill(run, prompt, params, publish=False)
+            except StageError as exc:
+                record_failure(run.request, run.request_id, exc)
+                raise
+            if prefilled is ABORTED:
+                if run.expired:
+                    raise self._timed_out(run)
+                return
+            extra = {**extra, **decode_extra(prefilled)}
+        params.extra_args = {**extra, xargs.PAYLOAD: {"err": run.error_key}}
+        async for out in self.entry_generate(prompt, params, run.request_id, *args, **kwargs):
+            if run.expired:  # recorded by _expire
+                raise self._timed_out(run)
+            if out.finished:
+                error = self.store.error(run.error_key)
                 try:
-                    prefilled = await self._prefill(request_id, prompt, params,
-                                                    publish=False)
+                    if error is not None:
+                        raise StageError(self.entry.stage_id, self.entry.name, error)
+                    if prefilled:
+                        self._pd.check_kv_loaded(prefilled, out)
                 except StageError as exc:
-                    record_failure(request, request_id, exc)
+                    record_failure(run.request, run.request_id, exc)
                     raise
-                if prefilled is ABORTED:
-                    if request_id in self._expired:
-                        raise self._timed_out(request_id)
-                    return
-                extra = {**extra, **decode_extra(prefilled)}
-            params.extra_args = {**extra, xargs.PAYLOAD: {"err": err_key}}
-            async for out in self.entry_generate(prompt, params, request_id, *args, **kwargs):
-                if request_id in self._expired:  # recorded by _expire
-                    raise self._timed_out(request_id)
-                if out.finished:
-                    error = self.store.error(err_key)
-                    try:
-                        if error is not None:
-                            raise StageError(self.entry.stage_id, self.entry.name, error)
-                        if prefilled:
-                            self._pd.check_kv_loaded(prefilled, out)
-                    except StageError as exc:
-                        record_failure(request, request_id, exc)
-                        raise
-                yield out
-        finally:
-            self.store.delete(err_key)
-            self._inflight.pop(request_id, None)
-            self._stage_of.pop(request_id, None)
-            self._aborted.discard(request_id)
+            yield out
 
-    async def _prefill(self, request_id, prompt, params, publish: bool):
+    async def _prefill(self, run: PipelineRun, prompt, params, publish: bool):
         """The request's prompt prefilled on the entry stage's prefill stage
         (:meth:`.pd.RemotePrefill.run`); None when the entry stage has no prefill stage."""
         if self._pd is None:
             return None
-        return await self._pd.run(request_id, prompt_token_ids_of(prompt), params, publish)
+        return await self._pd.run(run, prompt_token_ids_of(prompt), params, publish)
 
-    async def _run_downstream(self, request: OmniRequest, request_id, outputs, extra,
-                              admission, stream: InputStream | None = None
-                              ) -> StageResult | None:
+    async def _run_downstream(self, run: PipelineRun, outputs, extra,
+                              stream: InputStream | None = None) -> StageResult | None:
         """Run every downstream stage, giving its admission slot back as the
         request leaves it; None when the request was aborted meanwhile. A stage with
         ``streaming`` runs on chunks of its input stage's output while that stage runs,
@@ -386,6 +416,7 @@ class Orchestrator:
         output otherwise waits for it to finish."""
 
         last = None
+        request, admission = run.request, run.admission
         extras = {**extra, xargs.SPEAKER: request.voice, "hf_config": self.hf_config,
                   **request.options}
         for stage in self._downstream:
@@ -395,8 +426,8 @@ class Orchestrator:
                 continue
             if stream is not None and stage is self._stream_input_stage:
                 def produce(on_rows, stage=stage):
-                    return self._streams.run_streaming_input(request_id, stage, stream,
-                                                             extras, on_rows)
+                    return self._streams.run_streaming_input(run, stage, stream, extras,
+                                                             on_rows)
             else:
                 if stream is not None and self.entry.stage_id in stage.inputs:
                     await stream.complete()
@@ -404,21 +435,21 @@ class Orchestrator:
                                                 extras)
 
                 def produce(on_rows, stage=stage, stage_input=stage_input):
-                    return self._run_stage(request_id, stage, stage_input, on_rows=on_rows)
-            if request_id in self._aborted:
+                    return self._run_stage(run, stage, stage_input, on_rows=on_rows)
+            if run.aborted:
                 return None
             streamed = self._streamed_from(stage) if request.partials is not None else None
             try:
                 if streamed is None:
-                    run = await produce(None)
+                    stage_run = await produce(None)
                 else:
-                    run = await self._streams.run_chunked(request, request_id, stage, produce,
-                                                          streamed, outputs, extras)
+                    stage_run = await self._streams.run_chunked(run, stage, produce, streamed,
+                                                                outputs, extras)
             finally:
                 admission.release(stage.stage_id)
-            if run is None or request_id in self._aborted:
+            if stage_run is None or run.aborted:
                 return None
-            outputs[stage.stage_id] = _run_output(stage.stage_id, run)
+            outputs[stage.stage_id] = _run_output(stage.stage_id, stage_run)
             last = stage
         if last is None or not last.final_output:
             raise StageError(self.entry.stage_id, self.entry.name,
@@ -451,7 +482,7 @@ class Orchestrator:
         return next((s for s in self._downstream
                      if s.streaming is not None and s.inputs == [stage.stage_id]), None)
 
-    async def _run_stage(self, request_id, stage, stage_input, on_rows=None,
+    async def _run_stage(self, run: PipelineRun, stage, stage_input, on_rows=None,
                          part: int | None = None, growth=None, parent: str | None = None):
         """Run ``stage`` for the request on one of its replicas; None when aborted.
         ``part``: the index of a chunk of a streamed request (its own sub-request);
@@ -459,25 +490,27 @@ class Orchestrator:
         ``parent``: ``StageTask.parent_request_id``."""
         if stage_input.output is not None:
             logger.info("request %s: stage %d (%s) has nothing to do (%s); its output is "
-                        "empty", request_id, stage.stage_id, stage.name, stage_input.reason)
+                        "empty", run.request_id, stage.stage_id, stage.name,
+                        stage_input.reason)
             return StageRun(prompt_token_ids=[], output_token_ids=[],
                             payload=dict(stage_input.output))
         suffix = "" if part is None else f"-c{part}"
         task = StageTask(
-            request_id=f"{request_id}-s{stage.stage_id}{suffix}",
+            request_id=f"{run.request_id}-s{stage.stage_id}{suffix}",
             prompt_token_ids=list(stage_input.prompt_token_ids),
             sampling={**stage.default_sampling_params, **stage_input.sampling_overrides},
             payload=stage_input.payload, parent_request_id=parent, ready=stage_input.ready,
             growth=growth)
-        return await self._run_task(request_id, stage, task, on_rows)
+        return await self._run_task(run, stage, task, on_rows)
 
-    async def _run_task(self, request_id, stage, task, on_rows=None):
+    async def _run_task(self, run: PipelineRun, stage, task, on_rows=None):
         """Run ``task`` (a ``StageTask``) on one of ``stage``'s replicas; None when
         aborted. ``on_rows``: see ``StagePool.run``."""
         sub_id = task.request_id
         pool = self.pools[stage.stage_id]
-        self._inflight.setdefault(request_id, set()).add((stage.stage_id, sub_id))
-        self._stage_of[request_id] = stage.stage_id
+        self._runs.setdefault(run.request_id, run)
+        run.tasks.add((stage.stage_id, sub_id))
+        run.stage_id = stage.stage_id
         try:
             return await pool.run(task, on_rows)
         except asyncio.CancelledError:
@@ -485,16 +518,16 @@ class Orchestrator:
         except TaskAborted:
             return None
         except (NoReplicaAvailable, ReplicaFailed, TaskError) as exc:
-            if request_id in self._aborted:
+            if run.aborted:
                 return None
             raise StageError(stage.stage_id, stage.name, str(exc), status=exc.status,
                              retry_after=getattr(exc, "retry_after", None)) from exc
         except Exception as exc:
-            if request_id in self._aborted:
+            if run.aborted:
                 return None
             raise StageError(stage.stage_id, stage.name, f"{type(exc).__name__}: {exc}") from exc
         finally:
-            self._inflight.get(request_id, set()).discard((stage.stage_id, sub_id))
+            run.tasks.discard((stage.stage_id, sub_id))
             pool.forget(sub_id)
 
     # Payload I/O runs in a thread: tensors can be large and the API server's
@@ -516,26 +549,27 @@ class Orchestrator:
         """
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
-            if rid not in self._inflight:
+            run = self._runs.get(rid)
+            if run is None:
                 continue
-            self._aborted.add(rid)
-            self._log_stopped(rid, "aborted")
-            for stage_id, sub_id in list(self._inflight.get(rid, ())):
+            run.aborted = True
+            self._log_stopped(run, "aborted")
+            for stage_id, sub_id in list(run.tasks):
                 await self.pools[stage_id].abort(sub_id)
 
-    def _timed_out(self, request_id: str) -> StageError:
+    def _timed_out(self, run: PipelineRun) -> StageError:
         """The error of a request past ``request_timeout`` (HTTP 504), naming the stage
         it was at."""
-        stage = self.pipeline.stage(self._stage_of.get(request_id, self.entry.stage_id))
+        stage = self.pipeline.stage(run.stage_id)
         return StageError(stage.stage_id, stage.name,
                           f"the request did not finish within {self.request_timeout:g} s "
                           "(--omni-request-timeout)", status=504)
 
-    def _expire(self, request: OmniRequest, request_id: str) -> None:
+    def _expire(self, run: PipelineRun) -> None:
         """``request_timeout`` passed: fail the request and abort it at every stage."""
-        record_failure(request, request_id, self._timed_out(request_id))
-        self._expired.add(request_id)
-        task = asyncio.ensure_future(self._abort_everywhere(request_id))
+        record_failure(run.request, run.request_id, self._timed_out(run))
+        run.expired = True
+        task = asyncio.ensure_future(self._abort_everywhere(run.request_id))
         self._expiring.add(task)
         task.add_done_callback(self._expiring.discard)
 
@@ -543,10 +577,9 @@ class Orchestrator:
         await self.abort(request_id)  # the downstream stages and the prefill stage
         await self.entry_abort(request_id)
 
-    def _log_stopped(self, request_id: str, how: str) -> None:
-        stage_id = self._stage_of.get(request_id, self.entry.stage_id)
-        logger.info("request %s %s while at stage %d (%s)", request_id, how, stage_id,
-                    self.pipeline.stage(stage_id).name)
+    def _log_stopped(self, run: PipelineRun, how: str) -> None:
+        logger.info("request %s %s while at stage %d (%s)", run.request_id, how, run.stage_id,
+                    self.pipeline.stage(run.stage_id).name)
 
 
 #: ``SamplingParams`` fields an entry-stage task takes from the client's request

@@ -15,6 +15,7 @@ from __future__ import annotations
 import uuid
 
 from vllm_omni_plugin.engine.errors import StageError
+from vllm_omni_plugin.engine.pipeline_run import PipelineRun
 from vllm_omni_plugin.kv_transfer import (
     KV_TRANSFER_PARAMS,
     decode_request_params,
@@ -50,18 +51,16 @@ class RemotePrefill:
     Args:
         prefill: the prefill stage's ``StageConfig``.
         decode: the entry stage's ``StageConfig``.
-        run_task: ``(request_id, stage, StageTask)`` -> its ``StageRun``, None when
+        run_task: ``(PipelineRun, stage, StageTask)`` -> its ``StageRun``, None when
             aborted (raises ``StageError``).
-        aborted: the ids of the pipeline requests aborted meanwhile (read, never changed).
     """
 
-    def __init__(self, prefill, decode, run_task, aborted: set[str]) -> None:
+    def __init__(self, prefill, decode, run_task) -> None:
         self.prefill = prefill
         self._decode = decode
         self._run_task = run_task
-        self._aborted = aborted
 
-    async def run(self, request_id, token_ids: list[int] | None, params, publish: bool):
+    async def run(self, run: PipelineRun, token_ids: list[int] | None, params, publish: bool):
         """Run the request's prompt (``token_ids``) on the prefill stage; ``publish``: the
         prefill stage publishes the prompt's rows (a pipeline request).
 
@@ -74,26 +73,27 @@ class RemotePrefill:
             StageError: the prefill stage failed, or did not keep the KV cache.
         """
         if token_ids is None or getattr(params, "n", 1) != 1:
-            logger.info("request %s: prefilled by stage %d itself (%s)", request_id,
+            logger.info("request %s: prefilled by stage %d itself (%s)", run.request_id,
                         self._decode.stage_id, "n > 1" if token_ids else
                         "the prompt is not plain token ids")
             return None
         stage = self.prefill
         transfer_id = uuid.uuid4().hex
         task = StageTask(
-            request_id=f"{request_id}-s{stage.stage_id}", prompt_token_ids=token_ids,
+            request_id=f"{run.request_id}-s{stage.stage_id}", prompt_token_ids=token_ids,
             sampling={"max_tokens": 1, "min_tokens": 0, "ignore_eos": True,
                       "temperature": 0.0, "extra_args": {
                           KV_TRANSFER_PARAMS: prefill_request_params(transfer_id)}},
             publish=publish)
-        run = await self._run_task(request_id, stage, task)
-        if run is None or request_id in self._aborted:
+        stage_run = await self._run_task(run, stage, task)
+        if stage_run is None or run.aborted:
             return ABORTED
-        if run.finish_reason != "length" or not run.prefill_engine:
+        if stage_run.finish_reason != "length" or not stage_run.prefill_engine:
             raise StageError(stage.stage_id, stage.name, "the prefill engine did not keep "
-                             f"the KV cache (finish reason {run.finish_reason!r}, engine "
-                             f"{run.prefill_engine})")
-        return Prefilled(decode_request_params(transfer_id, run.prefill_engine), run.payload)
+                             f"the KV cache (finish reason {stage_run.finish_reason!r}, "
+                             f"engine {stage_run.prefill_engine})")
+        return Prefilled(decode_request_params(transfer_id, stage_run.prefill_engine),
+                         stage_run.payload)
 
     def check_kv_loaded(self, prefilled: Prefilled | None, final) -> None:
         """Raise when the decode engine ended a prefilled request with finish reason

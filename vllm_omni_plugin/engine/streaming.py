@@ -41,6 +41,7 @@ import dataclasses
 
 import torch
 
+from vllm_omni_plugin.engine.pipeline_run import PipelineRun
 from vllm_omni_plugin.logger import init_logger
 from vllm_omni_plugin.payload_store import GrowingPayload, PayloadStore
 from vllm_omni_plugin.processors.hookspecs import StreamChunk, UpstreamOutput
@@ -55,33 +56,30 @@ class StageStreams:
     Args:
         stage_input: ``(stage, upstream outputs, extras)`` -> the stage's ``StageInput``
             (its input processor; raises ``StageError``).
-        run_stage: ``(request_id, stage, stage_input, on_rows=, part=, growth=,
+        run_stage: ``(PipelineRun, stage, stage_input, on_rows=, part=, growth=,
             parent=)`` -> the stage's ``StageRun``, None when aborted (raises
             ``StageError``).
         pools: stage id -> ``StagePool`` (a finished stream's affinity is forgotten).
-        aborted: the ids of the pipeline requests aborted meanwhile (read, never changed).
     """
 
-    def __init__(self, stage_input, run_stage, pools: dict, aborted: set[str]) -> None:
+    def __init__(self, stage_input, run_stage, pools: dict) -> None:
         self._stage_input = stage_input
         self._run_stage = run_stage
         self._pools = pools
-        self._aborted = aborted
 
-    async def run_chunked(self, request, request_id, stage, produce, consumer, outputs,
-                          extras):
+    async def run_chunked(self, run: PipelineRun, stage, produce, consumer, outputs, extras):
         """Run ``stage`` (``produce(on_rows)``: its run) and, while it runs, ``consumer``
         (its ``streaming`` stage) on each chunk of its output (sizes: see
         ``StreamingConfig``), each after up to ``left_context`` rows of context, one
         consumer task per chunk, in order; each chunk's output goes into
-        :attr:`OmniRequest.partials`, and their rows joined into ``outputs`` as the
+        ``run.request.partials``, and their rows joined into ``outputs`` as the
         consumer's. Returns ``stage``'s run; None when aborted.
 
         Raises:
             StageError: either stage failed (the other's task is stopped).
         """
         config = consumer.streaming
-        stream_id = f"{request_id}-s{consumer.stage_id}"
+        stream_id = f"{run.request_id}-s{consumer.stage_id}"
         rows = OutputRows()
         producer = asyncio.ensure_future(produce(rows))
         pieces: list[dict] = []
@@ -90,10 +88,10 @@ class StageStreams:
             while True:
                 finished = producer.done()
                 if finished:
-                    run = producer.result()
-                    if run is None:
+                    stage_run = producer.result()
+                    if stage_run is None:
                         return None
-                    rows.replace(run.payload)  # a remote replica reports its rows here
+                    rows.replace(stage_run.payload)  # a remote replica reports its rows here
                 available = rows.count - start
                 size = config.chunk_rows(previous)
                 if available < size and not (finished and available > 0):
@@ -111,12 +109,12 @@ class StageStreams:
                     payload=rows.slice(start - context, end), context_rows=context,
                     chunk=StreamChunk(stream_id, start, finished and end == rows.count))
                 chunk_input = self._stage_input(consumer, [upstream], extras)
-                piece = await self._run_stage(request_id, consumer, chunk_input,
-                                              part=len(pieces), parent=stream_id)
-                if piece is None or request_id in self._aborted:
+                piece = await self._run_stage(run, consumer, chunk_input, part=len(pieces),
+                                              parent=stream_id)
+                if piece is None or run.aborted:
                     return None
                 pieces.append(piece.payload)
-                request.partials.put_nowait(piece.payload)
+                run.request.partials.put_nowait(piece.payload)
                 start, previous = end, end - start
         finally:
             self._pools[consumer.stage_id].forget(stream_id)
@@ -127,9 +125,9 @@ class StageStreams:
             outputs[consumer.stage_id] = UpstreamOutput(
                 stage_id=consumer.stage_id, prompt_token_ids=[], output_token_ids=[],
                 payload=join_rows(*pieces))
-        return run
+        return stage_run
 
-    async def run_streaming_input(self, request_id, stage, stream: InputStream, extras,
+    async def run_streaming_input(self, run: PipelineRun, stage, stream: InputStream, extras,
                                   on_rows=None):
         """Run ``stage`` (``stream_input``) on its input stream: once its input processor
         finds the output so far enough (``ready`` > 0, or the entry stage finished), the
@@ -147,7 +145,7 @@ class StageStreams:
             first = self._stage_input(stage, [upstream], extras)
         if first.ready is not None:
             logger.info("request %s: stage %d (%s) starts after %d tokens of stage %d, "
-                        "fed the rest as they come", request_id, stage.stage_id, stage.name,
+                        "fed the rest as they come", run.request_id, stage.stage_id, stage.name,
                         len(upstream.output_token_ids), upstream.stage_id)
         sent = {name: t.shape[0] for name, t in first.payload.items()}
 
@@ -163,7 +161,7 @@ class StageStreams:
                 ready = more.ready
                 yield InputGrowth(rows, ready)
 
-        return await self._run_stage(request_id, stage, first, on_rows,
+        return await self._run_stage(run, stage, first, on_rows,
                                      growth=None if first.ready is None else growth())
 
 

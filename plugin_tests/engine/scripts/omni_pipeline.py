@@ -247,8 +247,8 @@ async def main(ckpt, yaml_path, out_dir, scenarios, dtype="float32",
             task = asyncio.create_task(run(scenario))
             # stopped while the talker stage runs it and the talker engine holds it
             # unfinished: both still hold when the cancel or abort below is issued
-            in_talker = await _wait_for(lambda scenario=scenario: any(
-                s == 1 for s, _ in orchestrator._inflight.get(scenario, ()))
+            in_talker = await _wait_for(lambda scenario=scenario: scenario in orchestrator.runs
+                and any(s == 1 for s, _ in orchestrator.runs[scenario].tasks)
                 and talker.output_processor.get_num_unfinished_requests() > 0)
             if scenario == "cancel":
                 task.cancel()
@@ -263,7 +263,7 @@ async def main(ckpt, yaml_path, out_dir, scenarios, dtype="float32",
                 return {
                     "talker_unfinished": talker.output_processor.get_num_unfinished_requests(),
                     "payload_dirs_left": sorted(os.listdir(orchestrator.store.root)),
-                    "inflight_left": scenario in orchestrator._inflight,
+                    "inflight_left": scenario in orchestrator.runs,
                 }
 
             await _wait_for(lambda: left() == {"talker_unfinished": 0, "payload_dirs_left": [],
