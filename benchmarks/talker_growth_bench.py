@@ -19,7 +19,10 @@ no engine starts. The code measured is this checkout's (``after``) and, with
 ``--before REV``, a ``git worktree`` of ``REV`` (``before``); each trial runs both in
 child processes, order alternating, and prints ms per growth (median over the
 ``--tokens`` growths of one chat) for a ``--long`` and a ``--short`` user turn: CPU time
-of the child (one torch thread), so other work on a shared host does not count.
+of the child (one torch thread), so other work on a shared host does not count. The
+child is this file, so ``REV`` must have its API (``StageStreams`` taking a
+``PipelineRun`` and processors a ``StageRequest``: from the commit that added them on;
+the figures of the change before that are in benchmarks/README.md).
 
     .venv/bin/python benchmarks/talker_growth_bench.py --before 852ab6b
     .venv/bin/python benchmarks/talker_growth_bench.py --before 852ab6b --thinker-width 2048 \\
@@ -164,10 +167,12 @@ def _api_server_ms(config, user_tokens: int, tokens: int, width: int) -> float:
 
     import torch
 
+    from vllm_omni_plugin.engine.omni_request import OmniRequest
+    from vllm_omni_plugin.engine.pipeline_run import PipelineRun
     from vllm_omni_plugin.engine.streaming import InputStream, StageStreams
     from vllm_omni_plugin.models.qwen3_omni.processors import thinker2talker
     from vllm_omni_plugin.payload_store import PayloadStore
-    from vllm_omni_plugin.processors.hookspecs import UpstreamOutput
+    from vllm_omni_plugin.processors.hookspecs import StageRequest, UpstreamOutput
 
     prompt = _prompt(config, user_tokens)
     p = len(prompt)
@@ -187,7 +192,7 @@ def _api_server_ms(config, user_tokens: int, tokens: int, width: int) -> float:
                 store.append(key, rows(1))
             stream.update(prompt, generated)
 
-        async def run_stage(request_id, stage, first, on_rows, growth=None):
+        async def run_stage(run, stage, first, on_rows, growth=None):
             while len(generated) < tokens:
                 publish()
                 start = _clock()
@@ -201,10 +206,11 @@ def _api_server_ms(config, user_tokens: int, tokens: int, width: int) -> float:
 
         store.append(key, {**rows(p), "tts_embed": torch.randn(3, width)})
         publish(), publish()  # the talker starts at 2 generated
-        streams = StageStreams(lambda stage, upstream, extras: thinker2talker(
-            upstream, stage, extras), run_stage, {}, set())
+        streams = StageStreams(lambda stage, upstream, request: thinker2talker(
+            upstream, stage, request), run_stage, {})
         talker = SimpleNamespace(stage_id=1, name="talker")
-        await streams.run_streaming_input("r", talker, stream, {"hf_config": config})
+        await streams.run_streaming_input(PipelineRun("r", OmniRequest(), 0), talker, stream,
+                                          StageRequest(config))
         return times
 
     with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) \

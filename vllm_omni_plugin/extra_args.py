@@ -29,8 +29,6 @@ RESERVED_PREFIX = "omni_plugin_"
 #: prompt's rows; ``input_grows``: the orchestrator appends rows to the input payload
 #: while the request runs (a resumable request fed in chunks).
 PAYLOAD = "omni_plugin_payload"
-#: Voice (talker speaker name) in the ``extras`` a stage input processor receives.
-SPEAKER = "omni_plugin_speaker"
 
 _SLOTS = ("in", "out", "err")
 _PREFILLED = "prefilled"

@@ -19,6 +19,7 @@ from vllm_omni_plugin.models.bagel.dit import BRANCHES, Guidance
 from vllm_omni_plugin.processors import (
     ImageRequest,
     RequestError,
+    StageRequest,
     UpstreamOutput,
     get_processor,
     plan_image,
@@ -134,7 +135,8 @@ def test_ar2dit_builds_the_three_cfg_contexts(config):
     v = torch.randn(tokens + 1, layers, heads, dim)
     ar = UpstreamOutput(stage_id=0, prompt_token_ids=list(range(tokens)),
                         output_token_ids=[1], payload={"k": k, "v": v})
-    out = get_processor("bagel_ar2dit")([ar], None, {"image": options, "hf_config": config})
+    out = get_processor("bagel_ar2dit")([ar], None,
+                                        StageRequest(config, options={"image": options}))
     assert out.prompt_token_ids == [0] and out.sampling_overrides == {"max_tokens": 1}
     p = out.payload
     assert p["cond.k"].equal(k[:tokens].transpose(0, 1))
@@ -147,13 +149,13 @@ def test_ar2dit_builds_the_three_cfg_contexts(config):
     nk, nv = torch.randn(3, layers, heads, dim), torch.randn(3, layers, heads, dim)
     negative = UpstreamOutput(stage_id=0, prompt_token_ids=[7, 8, 9], output_token_ids=[1],
                               payload={"k": nk, "v": nv})
-    out = get_processor("bagel_ar2dit")([ar], None, {"image": options, "hf_config": config,
-                                                     "companions": {bp.NEGATIVE: negative}})
+    out = get_processor("bagel_ar2dit")([ar], None, StageRequest(
+        config, options={"image": options}, companions={bp.NEGATIVE: negative}))
     assert out.payload["text_uncond.k"].equal(nk.transpose(0, 1))
     assert int(out.payload["text_uncond.rope"]) == 3
     assert out.payload["cond.k"].equal(k[:tokens].transpose(0, 1))
     with pytest.raises(ValueError, match="image request"):
-        get_processor("bagel_ar2dit")([ar], None, {"hf_config": config})
+        get_processor("bagel_ar2dit")([ar], None, StageRequest(config))
     with pytest.raises(ValueError, match="keys and values"):
         get_processor("bagel_ar2dit")([UpstreamOutput(0, [1], [1])], None,
-                                      {"image": options, "hf_config": config})
+                                      StageRequest(config, options={"image": options}))

@@ -114,8 +114,8 @@ class Pool:
 
 
 def _recording_processor(calls: list):
-    def processor(upstream, stage, extras):
-        calls.append((stage.stage_id, [u.stage_id for u in upstream], extras.get(xargs.SPEAKER)))
+    def processor(upstream, stage, request):
+        calls.append((stage.stage_id, [u.stage_id for u in upstream], request.voice))
         return StageInput(prompt_token_ids=[1, 2], payload={"x": torch.zeros(1)})
 
     return processor
@@ -172,7 +172,7 @@ def test_downstream_stages_see_every_generated_token_streamed_or_not(tmp_path, k
     orchestrator, _ = _orchestrator(tmp_path)
     seen = []
 
-    def processor(upstream, stage, extras):
+    def processor(upstream, stage, request):
         seen.append(list(upstream[0].output_token_ids))
         return StageInput(prompt_token_ids=[1, 2])
 
@@ -189,11 +189,11 @@ def test_a_stage_left_nothing_to_do_does_not_run_and_its_output_goes_on(tmp_path
     orchestrator, _ = _orchestrator(tmp_path)
     seen = []
 
-    def to_talker(upstream, stage, extras):
+    def to_talker(upstream, stage, request):
         return StageInput.nothing_to_do({"codes": torch.zeros(0, 16, dtype=torch.long)},
                                         "nothing to say")
 
-    def to_code2wav(upstream, stage, extras):
+    def to_code2wav(upstream, stage, request):
         seen.append(upstream[0].payload["codes"].shape)
         return StageInput.nothing_to_do(
             {"waveform": torch.zeros(0), "sample_rate": torch.tensor([24000])}, "no frames")
@@ -254,7 +254,7 @@ def test_stage_failure_fails_the_request_naming_the_stage(tmp_path):
 def test_processor_rejecting_the_request_is_a_400_naming_stage_and_processor(tmp_path):
     orchestrator, _ = _orchestrator(tmp_path)
 
-    def reject(upstream, stage, extras):
+    def reject(upstream, stage, request):
         raise ValueError("unknown voice 'nobody'")
 
     orchestrator.processors[1] = reject
@@ -390,7 +390,7 @@ def _pd_orchestrator(tmp_path, prefill_outcome="ok", finish="length", pulled_fin
     pools = {1: Pool(1), 2: Pool(2), 3: PrefillPool(prefill_outcome, finish)}
     upstream_payloads: list = []
 
-    def processor(upstream, stage, extras):
+    def processor(upstream, stage, request):
         upstream_payloads.append({u.stage_id: dict(u.payload) for u in upstream})
         return StageInput(prompt_token_ids=[1, 2], payload={"x": torch.zeros(1)})
 
@@ -540,7 +540,7 @@ def _streaming_orchestrator(tmp_path, talker, code2wav, first_chunk_size=None):
                                                   first_chunk_size=first_chunk_size)
     store = PayloadStore(str(tmp_path / "run"))
 
-    def to_code2wav(upstream, stage, extras):
+    def to_code2wav(upstream, stage, request):
         (up,) = upstream
         payload = {"codes": up.payload["codes"], "context": torch.tensor([up.context_rows])}
         if up.chunk is not None:
@@ -728,7 +728,7 @@ class GrowingEntry:
             SimpleNamespace(token_ids=list(tokens), finish_reason="length")])
 
 
-def _fed_processor(upstream, stage, extras):
+def _fed_processor(upstream, stage, request):
     """Ready for one output token per generated row (none before the first); a tensor
     given once (``once``) and the rows so far."""
     (up,) = upstream
@@ -870,8 +870,8 @@ def test_a_request_asking_no_text_runs_its_entry_part_and_companions_on_one_repl
     orchestrator, calls = _image_orchestrator(tmp_path, replicas)
     seen = []
 
-    def processor(upstream, stage, extras):
-        seen.append((stage.stage_id, extras.get("companions")))
+    def processor(upstream, stage, request):
+        seen.append((stage.stage_id, dict(request.companions) or None))
         return StageInput(prompt_token_ids=[1, 2])
 
     orchestrator.processors = dict.fromkeys(orchestrator.processors, processor)

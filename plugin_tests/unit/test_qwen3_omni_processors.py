@@ -11,7 +11,7 @@ import torch
 
 from vllm_omni_plugin.models.qwen3_omni.code2wav import stream_key
 from vllm_omni_plugin.models.qwen3_omni.processors import talker2code2wav, thinker2talker
-from vllm_omni_plugin.processors.hookspecs import StreamChunk, UpstreamOutput
+from vllm_omni_plugin.processors.hookspecs import StageRequest, StreamChunk, UpstreamOutput
 
 IM_START, ASSISTANT, USER = 1, 2, 3
 #: ``<|im_start|>user x <|im_start|>assistant \\n``: 6 prompt ids
@@ -22,6 +22,7 @@ CONFIG = SimpleNamespace(
                                   speaker_id={"ethan": 7}),
     code2wav_config=SimpleNamespace(num_quantizers=2, codebook_size=8,
                                     output_sample_rate=16000))
+REQUEST = StageRequest(CONFIG)
 
 
 def _thinker(rows: int, tokens: int, finished: bool = False) -> UpstreamOutput:
@@ -34,7 +35,7 @@ def _thinker(rows: int, tokens: int, finished: bool = False) -> UpstreamOutput:
 
 
 def _ready(rows: int, tokens: int) -> tuple[int | None, int]:
-    stage_input = thinker2talker([_thinker(rows, tokens)], None, {"hf_config": CONFIG})
+    stage_input = thinker2talker([_thinker(rows, tokens)], None, REQUEST)
     return stage_input.ready, len(stage_input.payload["sequence_ids"])
 
 
@@ -56,44 +57,44 @@ def test_rows_published_ahead_of_the_tokens_seen_count_only_as_far_as_the_tokens
 def test_a_finished_thinker_output_is_the_whole_input():
     p = len(PROMPT)
     stage_input = thinker2talker([_thinker(p + 4, 5, finished=True)], None,
-                                 {"hf_config": CONFIG})
+                                 REQUEST)
     assert stage_input.ready is None and len(stage_input.payload["sequence_ids"]) == p + 5
     # the prompt stays as it was for the growing input
     assert stage_input.prompt_token_ids == thinker2talker(
-        [_thinker(p + 1, 2)], None, {"hf_config": CONFIG}).prompt_token_ids
+        [_thinker(p + 1, 2)], None, REQUEST).prompt_token_ids
 
 
 def test_a_finished_reply_too_short_to_speak_leaves_the_talker_nothing_to_do():
     """One generated token: HF's talker prompt needs the row of generated token 0, which
     only a second token's step feeds (the talker's prompt build raised, a 500)."""
     p = len(PROMPT)
-    stage_input = thinker2talker([_thinker(p, 1, finished=True)], None, {"hf_config": CONFIG})
+    stage_input = thinker2talker([_thinker(p, 1, finished=True)], None, REQUEST)
     assert stage_input.output is not None and "1 token(s)" in stage_input.reason
     assert stage_input.output["codes"].shape == (0, 2)
     assert stage_input.output["codes"].dtype == torch.long
     # two tokens are enough; a reply still growing waits instead
     assert thinker2talker([_thinker(p + 1, 2, finished=True)], None,
-                          {"hf_config": CONFIG}).output is None
-    assert thinker2talker([_thinker(p, 1)], None, {"hf_config": CONFIG}).output is None
+                          REQUEST).output is None
+    assert thinker2talker([_thinker(p, 1)], None, REQUEST).output is None
 
 
 def test_a_talker_without_frames_leaves_code2wav_nothing_to_do():
     empty = UpstreamOutput(stage_id=1, prompt_token_ids=[], output_token_ids=[],
                            payload={"codes": torch.zeros(0, 2, dtype=torch.long)})
-    stage_input = talker2code2wav([empty], None, {"hf_config": CONFIG})
+    stage_input = talker2code2wav([empty], None, REQUEST)
     assert stage_input.output["waveform"].shape == (0,)
     assert stage_input.output["waveform"].dtype == torch.float32
     assert stage_input.output["sample_rate"].tolist() == [16000]
     # nothing published at all (code 0 of the first frame was codec_eos) is the same
     empty.payload = {}
-    assert talker2code2wav([empty], None, {"hf_config": CONFIG}).output is not None
+    assert talker2code2wav([empty], None, REQUEST).output is not None
 
 
 def _code2wav_input(chunk: StreamChunk | None, context: int):
     codes = torch.tensor([[1, 2], [3, 4], [5, 6]])
     talker = UpstreamOutput(stage_id=1, prompt_token_ids=[], output_token_ids=[],
                             payload={"codes": codes}, context_rows=context, chunk=chunk)
-    return talker2code2wav([talker], None, {"hf_config": CONFIG})
+    return talker2code2wav([talker], None, REQUEST)
 
 
 def test_a_chunk_tells_code2wav_its_context_and_place_in_the_stream():
@@ -140,7 +141,7 @@ def test_each_growth_of_a_long_prompt_costs_only_the_tokens_it_added(tmp_path):
     from vllm_omni_plugin.payload_store import PayloadStore
 
     prompt = _ReadCounted([IM_START, USER, *[9] * 4000, IM_START, ASSISTANT, 4])
-    p, extras = len(prompt), {"hf_config": CONFIG}
+    p = len(prompt)
     store, key = PayloadStore(str(tmp_path)), "thinker.out"
     store.create(key)
 
@@ -163,23 +164,23 @@ def test_each_growth_of_a_long_prompt_costs_only_the_tokens_it_added(tmp_path):
             assert out.prompt_token_ids is first.prompt_token_ids and out.state is first.state
             out = dataclasses.replace(out, prompt_token_ids=prompt)  # reads counted
             before = prompt.reads
-            got = thinker2talker([out], None, extras)
+            got = thinker2talker([out], None, REQUEST)
             reads.append(prompt.reads - before)
             fresh = UpstreamOutput(stage_id=0, prompt_token_ids=list(prompt),
                                    output_token_ids=list(tokens), payload=out.payload,
                                    finished=False)
-            _assert_same_input(got, thinker2talker([fresh], None, extras))
+            _assert_same_input(got, thinker2talker([fresh], None, REQUEST))
         stream.finish(UpstreamOutput(stage_id=0, prompt_token_ids=prompt,
                                      output_token_ids=list(tokens), payload=out.payload))
         out = await stream.next()
         assert out.finished and out.state is first.state
         before = prompt.reads
-        got = thinker2talker([out], None, extras)
+        got = thinker2talker([out], None, REQUEST)
         reads.append(prompt.reads - before)
         assert got.ready is None and len(got.payload["sequence_ids"]) == p + 8
         _assert_same_input(got, thinker2talker(
             [UpstreamOutput(stage_id=0, prompt_token_ids=list(prompt),
-                            output_token_ids=list(tokens), payload=out.payload)], None, extras))
+                            output_token_ids=list(tokens), payload=out.payload)], None, REQUEST))
         return reads
 
     reads = asyncio.run(feed())

@@ -72,13 +72,13 @@ class OmniRequest:
         modalities: output modalities, ``("text",)``, ``("text", "audio")`` or
             ``("image",)``.
         voice: talker speaker name, None for the checkpoint's default.
-        options: more per-request data for the stage input processors, merged into
-            their ``request_extras`` (an image request's ``{"image": ...}``, what the
+        options: more per-request data for the stage input processors, their
+            ``StageRequest.options`` (an image request's ``{"image": ...}``, what the
             model's ``omni_plan_image`` planned).
         companions: prompts (text) the entry stage also runs for this request, by name,
             after the request itself and on the same engine, publishing their rows like
             it (one output token each); their outputs reach the stage input processors
-            as ``request_extras["companions"][name]`` (e.g. a CFG branch's context).
+            as ``StageRequest.companions[name]`` (e.g. a CFG branch's context).
         result: set by the orchestrator: the pipeline's output, or a failure
             (also set for a text-only request whose stage failed).
         partials: set by the API layer for a request it streams to the client: the

@@ -56,7 +56,7 @@ from vllm_omni_plugin.engine.streaming import InputStream, StageStreams, join_ro
 from vllm_omni_plugin.kv_transfer import KV_TRANSFER_PARAMS
 from vllm_omni_plugin.logger import init_logger
 from vllm_omni_plugin.payload_store import PayloadError, PayloadStore, safe_key
-from vllm_omni_plugin.processors.hookspecs import UpstreamOutput
+from vllm_omni_plugin.processors.hookspecs import StageRequest, UpstreamOutput
 from vllm_omni_plugin.replicas.pool import NoReplicaAvailable, ReplicaFailed
 from vllm_omni_plugin.replicas.task import StageRun, StageTask, TaskAborted, TaskError
 
@@ -197,13 +197,13 @@ class Orchestrator:
                         yield out
             if self.entry.stage_id not in outputs:  # aborted, or no final output
                 return
+            companions = {}
             if run.request.companions:
                 companions = await self._run_companions(run)
                 if companions is None:
                     return
-                extra = {**extra, "companions": companions}
             if run.downstream is None:
-                result = await self._run_downstream(run, outputs, extra)
+                result = await self._run_downstream(run, outputs, extra, companions)
             else:
                 stream.finish(outputs[self.entry.stage_id])
                 result = await run.downstream
@@ -259,7 +259,7 @@ class Orchestrator:
                               deltas if deltas is not None else out.outputs[0].token_ids)
                 if run.downstream is None:
                     run.downstream = asyncio.ensure_future(
-                        self._run_downstream(run, outputs, extra, stream))
+                        self._run_downstream(run, outputs, extra, stream=stream))
             if out.finished:
                 final = out
             yield out
@@ -405,10 +405,12 @@ class Orchestrator:
             return None
         return await self._pd.run(run, prompt_token_ids_of(prompt), params, publish)
 
-    async def _run_downstream(self, run: PipelineRun, outputs, extra,
+    async def _run_downstream(self, run: PipelineRun, outputs, extra, companions=None,
                               stream: InputStream | None = None) -> StageResult | None:
         """Run every downstream stage, giving its admission slot back as the
-        request leaves it; None when the request was aborted meanwhile. A stage with
+        request leaves it; None when the request was aborted meanwhile. Their input
+        processors see ``extra`` (the client's ``extra_args``) and ``companions`` (the
+        companion prompts' outputs, by name) in their :class:`StageRequest`. A stage with
         ``streaming`` runs on chunks of its input stage's output while that stage runs,
         for a request the client streams (:attr:`OmniRequest.partials`). With ``stream``
         (the entry stage's :class:`InputStream`) this starts while the entry stage runs:
@@ -417,8 +419,9 @@ class Orchestrator:
 
         last = None
         request, admission = run.request, run.admission
-        extras = {**extra, xargs.SPEAKER: request.voice, "hf_config": self.hf_config,
-                  **request.options}
+        stage_request = StageRequest(hf_config=self.hf_config, voice=request.voice,
+                                     options=request.options, companions=companions or {},
+                                     extra=extra)
         for stage in self._downstream:
             if stage.stage_id in outputs:  # streamed, with its input stage
                 admission.release(stage.stage_id)
@@ -426,13 +429,13 @@ class Orchestrator:
                 continue
             if stream is not None and stage is self._stream_input_stage:
                 def produce(on_rows, stage=stage):
-                    return self._streams.run_streaming_input(run, stage, stream, extras,
-                                                             on_rows)
+                    return self._streams.run_streaming_input(run, stage, stream,
+                                                             stage_request, on_rows)
             else:
                 if stream is not None and self.entry.stage_id in stage.inputs:
                     await stream.complete()
                 stage_input = self._stage_input(stage, [outputs[s] for s in stage.inputs],
-                                                extras)
+                                                stage_request)
 
                 def produce(on_rows, stage=stage, stage_input=stage_input):
                     return self._run_stage(run, stage, stage_input, on_rows=on_rows)
@@ -444,7 +447,7 @@ class Orchestrator:
                     stage_run = await produce(None)
                 else:
                     stage_run = await self._streams.run_chunked(run, stage, produce, streamed,
-                                                                outputs, extras)
+                                                                outputs, stage_request)
             finally:
                 admission.release(stage.stage_id)
             if stage_run is None or run.aborted:
@@ -461,14 +464,14 @@ class Orchestrator:
                            stage_outputs={s: o for s, o in outputs.items()
                                           if s != self.entry.stage_id})
 
-    def _stage_input(self, stage, upstream: list, extras: dict):
+    def _stage_input(self, stage, upstream: list, stage_request: StageRequest):
         """``stage``'s input processor on ``upstream``.
 
         Raises:
             StageError: the processor failed (400 for a ``ValueError``: a bad request).
         """
         try:
-            return self.processors[stage.stage_id](upstream, stage, dict(extras))
+            return self.processors[stage.stage_id](upstream, stage, stage_request)
         except ValueError as exc:  # processors raise ValueError for bad requests
             raise StageError(stage.stage_id, stage.name,
                              f"input processor {stage.input_processor!r}: {exc}",

@@ -54,8 +54,8 @@ class StageStreams:
     """Runs stages on streaming input and on chunked output for the orchestrator.
 
     Args:
-        stage_input: ``(stage, upstream outputs, extras)`` -> the stage's ``StageInput``
-            (its input processor; raises ``StageError``).
+        stage_input: ``(stage, upstream outputs, StageRequest)`` -> the stage's
+            ``StageInput`` (its input processor; raises ``StageError``).
         run_stage: ``(PipelineRun, stage, stage_input, on_rows=, part=, growth=,
             parent=)`` -> the stage's ``StageRun``, None when aborted (raises
             ``StageError``).
@@ -67,7 +67,8 @@ class StageStreams:
         self._run_stage = run_stage
         self._pools = pools
 
-    async def run_chunked(self, run: PipelineRun, stage, produce, consumer, outputs, extras):
+    async def run_chunked(self, run: PipelineRun, stage, produce, consumer, outputs,
+                          stage_request):
         """Run ``stage`` (``produce(on_rows)``: its run) and, while it runs, ``consumer``
         (its ``streaming`` stage) on each chunk of its output (sizes: see
         ``StreamingConfig``), each after up to ``left_context`` rows of context, one
@@ -108,7 +109,7 @@ class StageStreams:
                     stage_id=stage.stage_id, prompt_token_ids=[], output_token_ids=[],
                     payload=rows.slice(start - context, end), context_rows=context,
                     chunk=StreamChunk(stream_id, start, finished and end == rows.count))
-                chunk_input = self._stage_input(consumer, [upstream], extras)
+                chunk_input = self._stage_input(consumer, [upstream], stage_request)
                 piece = await self._run_stage(run, consumer, chunk_input, part=len(pieces),
                                               parent=stream_id)
                 if piece is None or run.aborted:
@@ -127,8 +128,8 @@ class StageStreams:
                 payload=join_rows(*pieces))
         return stage_run
 
-    async def run_streaming_input(self, run: PipelineRun, stage, stream: InputStream, extras,
-                                  on_rows=None):
+    async def run_streaming_input(self, run: PipelineRun, stage, stream: InputStream,
+                                  stage_request, on_rows=None):
         """Run ``stage`` (``stream_input``) on its input stream: once its input processor
         finds the output so far enough (``ready`` > 0, or the entry stage finished), the
         stage's request starts; each time it has generated what its input is ready for,
@@ -139,10 +140,10 @@ class StageStreams:
             StageError: the processor or the stage failed.
         """
         upstream = await stream.next()
-        first = self._stage_input(stage, [upstream], extras)
+        first = self._stage_input(stage, [upstream], stage_request)
         while first.ready == 0:
             upstream = await stream.next()
-            first = self._stage_input(stage, [upstream], extras)
+            first = self._stage_input(stage, [upstream], stage_request)
         if first.ready is not None:
             logger.info("request %s: stage %d (%s) starts after %d tokens of stage %d, "
                         "fed the rest as they come", run.request_id, stage.stage_id, stage.name,
@@ -152,7 +153,7 @@ class StageStreams:
         async def growth():
             ready = first.ready
             while ready is not None:
-                more = self._stage_input(stage, [await stream.next()], extras)
+                more = self._stage_input(stage, [await stream.next()], stage_request)
                 if more.ready is not None and more.ready <= ready:
                     continue
                 rows = {name: t[sent.get(name, 0):] for name, t in more.payload.items()

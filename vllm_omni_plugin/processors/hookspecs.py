@@ -9,7 +9,7 @@ stage YAML's ``input_processor`` field. See ``docs/contributing/processors.md``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -130,10 +130,33 @@ class StageInput:
         return cls(prompt_token_ids=[], output=output, reason=reason)
 
 
+@dataclass(frozen=True)
+class StageRequest:
+    """What a stage input processor knows of the request beyond its upstream outputs.
+
+    Attributes:
+        hf_config: The served checkpoint's HF config.
+        voice: The voice the client asked for, as written (``Voices.resolve`` turns it
+            into one of the checkpoint's), or None for the default.
+        options: The model's per-request data from the API layer, by name (the images
+            API puts its :class:`ImagePlan`'s ``options`` under ``"image"``).
+        companions: The outputs of the request's companion prompts
+            (:attr:`ImagePlan.companions`), by name.
+        extra: The client's own ``extra_args`` (``vllm_xargs``; the plugin's reserved
+            keys removed).
+    """
+
+    hf_config: Any
+    voice: str | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
+    companions: Mapping[str, UpstreamOutput] = field(default_factory=dict)
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
 #: Calling convention of a processor:
-#: ``processor(upstream, stage, request_extras) -> StageInput``.
+#: ``processor(upstream, stage, request) -> StageInput``.
 StageInputProcessor = Callable[
-    [list[UpstreamOutput], "StageConfig", dict[str, Any]], StageInput
+    [list[UpstreamOutput], "StageConfig", StageRequest], StageInput
 ]
 
 
@@ -146,12 +169,13 @@ def omni_register_stage_input_processors() -> dict[str, StageInputProcessor]:
 
         processor(upstream: list[UpstreamOutput],
                   stage: StageConfig,
-                  request_extras: dict[str, Any]) -> StageInput
+                  request: StageRequest) -> StageInput
 
     ``upstream`` holds one entry per id in ``stage.inputs`` (same order);
-    ``stage`` is the *consuming* stage's config; ``request_extras`` carries
-    per-request data from the client request (e.g. the voice). Names must be
-    unique across all plugins (a duplicate raises ``ValueError`` at lookup).
+    ``stage`` is the *consuming* stage's config; ``request`` carries the
+    per-request data of the client request (:class:`StageRequest`: the voice, the
+    model's options, companions' outputs). Names must be unique across all plugins
+    (a duplicate raises ``ValueError`` at lookup).
     """
 
 
@@ -219,10 +243,10 @@ class ImagePlan:
         prompt: the entry stage's prompt (text; the model's special tokens allowed).
         width, height: the image's size in pixels.
         options: what the model's stage input processors need, handed to them as
-            ``request_extras["image"]``.
+            ``StageRequest.options["image"]``.
         companions: more prompts the entry stage runs for the request, by name (e.g. a
             negative prompt's context for CFG); their outputs reach the processors as
-            ``request_extras["companions"][name]`` (an :class:`UpstreamOutput`).
+            ``StageRequest.companions[name]`` (an :class:`UpstreamOutput`).
     """
 
     prompt: str

@@ -29,6 +29,7 @@ from vllm_omni_plugin.processors.hookspecs import (
     ImageRequest,
     RequestError,
     StageInput,
+    StageRequest,
     UpstreamOutput,
     hookimpl,
 )
@@ -56,7 +57,7 @@ def ar_prompt(text: str) -> str:
 
 @dataclass(frozen=True)
 class BagelImageOptions:
-    """What ``bagel_ar2dit`` needs from the request (``request_extras["image"]``)."""
+    """What ``bagel_ar2dit`` needs from the request (``StageRequest.options["image"]``)."""
 
     width: int
     height: int
@@ -139,7 +140,7 @@ def _context(output: UpstreamOutput):
     return k[:, :length], v[:, :length], length
 
 
-def bagel_ar2dit(upstream: list[UpstreamOutput], stage, extras: dict[str, Any]) -> StageInput:
+def bagel_ar2dit(upstream: list[UpstreamOutput], stage, request: StageRequest) -> StageInput:
     """AR context -> DiT request: the CFG branches' contexts from the AR stage's
     ``k``/``v`` rows ``[tokens, layers, kv_heads, head_dim]`` (the request's, and its
     negative prompt companion's if any; see the module doc), the seed's noise and the
@@ -149,17 +150,17 @@ def bagel_ar2dit(upstream: list[UpstreamOutput], stage, extras: dict[str, Any]) 
         ValueError: the request has no image options (not an image request), or the AR
             stage published no keys and values.
     """
-    options = extras.get("image")
+    options = request.options.get("image")
     if not isinstance(options, BagelImageOptions):
         raise ValueError("not an image request (POST /v1/images/generations)")
     (ar,) = upstream
     k, v, length = _context(ar)
-    negative = extras.get("companions", {}).get(NEGATIVE)
+    negative = request.companions.get(NEGATIVE)
     if negative is not None:
         text_uncond = _context(negative)
     else:
         text_uncond = (k[:, :0], v[:, :0], 0)
-    hf_config = extras["hf_config"]
+    hf_config = request.hf_config
     noise = initial_noise(options.seed, options.height, options.width, hf_config)
     payload = generation_payload(noise, options.height, options.width, options.guidance, {
         "cond": (k, v, length), "text_uncond": text_uncond, "img_uncond": (k, v, length)})

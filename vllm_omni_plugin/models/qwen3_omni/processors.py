@@ -2,18 +2,16 @@
 
 Processors run in the API server process and never touch model weights: they
 select and arrange upstream tensors; the consuming stage's model does the
-projections on its own weights. ``request_extras`` carries the request's
-``extra_args`` plus ``hf_config`` (the served checkpoint's HF config).
+projections on its own weights. The ``StageRequest`` gives the served checkpoint's HF
+config and the voice asked for.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from vllm_omni_plugin import extra_args as xargs
 from vllm_omni_plugin.models.qwen3_omni.talker_inputs import (
     ASSISTANT_PREFIX_LEN,
     ASSISTANT_ROWS,
@@ -21,7 +19,12 @@ from vllm_omni_plugin.models.qwen3_omni.talker_inputs import (
     voices,
 )
 from vllm_omni_plugin.payload_store import GrowingPayload
-from vllm_omni_plugin.processors.hookspecs import StageInput, UpstreamOutput, hookimpl
+from vllm_omni_plugin.processors.hookspecs import (
+    StageInput,
+    StageRequest,
+    UpstreamOutput,
+    hookimpl,
+)
 
 
 def user_positions(config, prompt_ids: list[int]) -> list[int]:
@@ -91,7 +94,7 @@ class _TalkerFeed:
 _FEED = "thinker2talker"
 
 
-def thinker2talker(upstream: list[UpstreamOutput], stage, extras: dict[str, Any]) -> StageInput:
+def thinker2talker(upstream: list[UpstreamOutput], stage, request: StageRequest) -> StageInput:
     """Thinker hidden states -> talker request.
 
     Payload out: ``sequence_ids`` ``[T_seq]`` int64 (prompt + generated),
@@ -108,7 +111,7 @@ def thinker2talker(upstream: list[UpstreamOutput], stage, extras: dict[str, Any]
         ValueError: missing thinker payload, no assistant turn, unknown voice.
     """
     (thinker,) = upstream
-    config = extras["hf_config"]
+    config = request.hf_config
     for name in ("embed", "hidden", "positions", "tts_embed"):
         if name not in thinker.payload:
             raise ValueError(f"thinker payload lacks {name!r}; was the thinker asked to publish?")
@@ -119,7 +122,7 @@ def thinker2talker(upstream: list[UpstreamOutput], stage, extras: dict[str, Any]
         if not thinker.finished:  # more calls on this output follow
             thinker.state[_FEED] = feed
     talker_config = config.talker_config
-    speaker = resolve_speaker(talker_config, extras.get(xargs.SPEAKER))
+    speaker = resolve_speaker(talker_config, request.voice)
     generated, ready = thinker.output_token_ids, None
     count = len(generated)  # generated tokens in sequence_ids
     fed_rows = len(prompt) + count - 1 - feed.assistant_start  # rows of the assistant turn
@@ -151,7 +154,7 @@ def thinker2talker(upstream: list[UpstreamOutput], stage, extras: dict[str, Any]
     )
 
 
-def talker2code2wav(upstream: list[UpstreamOutput], stage, extras: dict[str, Any]) -> StageInput:
+def talker2code2wav(upstream: list[UpstreamOutput], stage, request: StageRequest) -> StageInput:
     """Talker codes -> code2wav request.
 
     The prompt carries the codes (:func:`.code2wav.code2wav_prompt_ids`: ``16 T`` ids,
@@ -180,7 +183,7 @@ def talker2code2wav(upstream: list[UpstreamOutput], stage, extras: dict[str, Any
     if frames <= 0 and talker.chunk is None:
         return StageInput.nothing_to_do(
             {"waveform": torch.zeros(0, dtype=torch.float32),
-             "sample_rate": torch.tensor([sample_rate(extras["hf_config"])])},
+             "sample_rate": torch.tensor([sample_rate(request.hf_config)])},
             "the talker produced no codec frames")
     if frames <= 0:
         raise ValueError("a chunk of the talker's stream holds no codec frames")
@@ -191,7 +194,7 @@ def talker2code2wav(upstream: list[UpstreamOutput], stage, extras: dict[str, Any
         chunk = talker.chunk
         payload[STREAM_INPUT] = torch.tensor(
             [stream_key(chunk.stream_id), chunk.first_row, int(chunk.last)], dtype=torch.long)
-    return StageInput(prompt_token_ids=code2wav_prompt_ids(codes, extras["hf_config"]),
+    return StageInput(prompt_token_ids=code2wav_prompt_ids(codes, request.hf_config),
                       payload=payload)
 
 
