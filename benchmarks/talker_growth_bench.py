@@ -24,8 +24,8 @@ child is this file, so ``REV`` must have its API (``StageStreams`` taking a
 ``PipelineRun`` and processors a ``StageRequest``: from the commit that added them on;
 the figures of the change before that are in benchmarks/README.md).
 
-    .venv/bin/python benchmarks/talker_growth_bench.py --before 852ab6b
-    .venv/bin/python benchmarks/talker_growth_bench.py --before 852ab6b --thinker-width 2048 \\
+    .venv/bin/python benchmarks/talker_growth_bench.py --before REV
+    .venv/bin/python benchmarks/talker_growth_bench.py --before REV --thinker-width 2048 \\
         --talker-width 1024
 """
 
