@@ -11,6 +11,7 @@ else to ``pkg``.
 from __future__ import annotations
 
 import ast
+import importlib
 from pathlib import Path
 
 PACKAGE = "vllm_omni_plugin"
@@ -100,3 +101,19 @@ def test_detects_a_circle():
 def test_no_import_circle_in_the_package():
     found = cycles(import_graph())
     assert not found, "import circles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_the_names_config_writes_as_strings_import_to_their_objects():
+    """``config/`` names what vLLM loads by qualified name from a higher floor (the API's
+    ``--middleware``, the placing ``distributed_executor_backend``) as a string, not an
+    import: each string imports to the object it names."""
+    from vllm_omni_plugin.config.cli import MIDDLEWARE_QUALNAME
+    from vllm_omni_plugin.config.placement import EXECUTOR_QUALNAME, UNIPROC_EXECUTOR_QUALNAME
+    from vllm_omni_plugin.entrypoints.middleware import OmniApiMiddleware
+    from vllm_omni_plugin.worker.placement import OmniPlacedExecutor, OmniPlacedUniProcExecutor
+
+    for qualname, obj in [(MIDDLEWARE_QUALNAME, OmniApiMiddleware),
+                          (EXECUTOR_QUALNAME, OmniPlacedExecutor),
+                          (UNIPROC_EXECUTOR_QUALNAME, OmniPlacedUniProcExecutor)]:
+        module, _, name = qualname.rpartition(".")
+        assert getattr(importlib.import_module(module), name) is obj, qualname
