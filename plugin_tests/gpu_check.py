@@ -420,7 +420,7 @@ def bagel_checkpoint(root: Path) -> str:
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     weights = load_file(str(out / "ema.safetensors"))
     table = weights["latent_pos_embed.pos_embed"]
-    # as the tiny checkpoint draws it (tiny_checkpoint.py: the fixed table, bf16-rounded)
+    # as the tiny checkpoint draws it (tools/tiny_bagel.py: the fixed table, bf16-rounded)
     weights["latent_pos_embed.pos_embed"] = torch.from_numpy(bagel_sincos_pos_embed(
         table.shape[1], BAGEL_LATENT_SIDE)).to(torch.bfloat16).to(table.dtype).contiguous()
     save_file(weights, str(out / "ema.safetensors"))

@@ -165,7 +165,7 @@ def write_released_config(name: str, folder: str) -> str:
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f)
     if name == "bagel":
-        from vllm_omni_plugin.models.bagel.tiny_checkpoint import BAGEL_SPECIAL_TOKENS
+        from vllm_omni_plugin.tools.tiny_bagel import BAGEL_SPECIAL_TOKENS
         from vllm_omni_plugin.tools.tiny_tokenizer import (
             QWEN25_ADDED_TOKENS,
             build_qwen_tokenizer,

@@ -16,8 +16,9 @@ from argparse import Namespace
 import pytest
 
 from vllm_omni_plugin.compat.api_auth import vllm_auth_middleware
+from vllm_omni_plugin.config.cli import MIDDLEWARE_QUALNAME
 from vllm_omni_plugin.entrypoints.chat_audio import CHAT_PATH
-from vllm_omni_plugin.entrypoints.middleware import MIDDLEWARE_QUALNAME, VOICES_PATH
+from vllm_omni_plugin.entrypoints.middleware import VOICES_PATH
 from vllm_omni_plugin.entrypoints.realtime import REALTIME_PATH
 from vllm_omni_plugin.entrypoints.speech import SPEECH_PATH
 

@@ -19,7 +19,9 @@ from vllm_omni_plugin.config.pipelines import builtin_pipeline, builtin_pipeline
 from vllm_omni_plugin.config.placement import (
     CPU_BIND_ENV,
     CPU_KV_CACHE_ENV,
+    EXECUTOR_QUALNAME,
     GIB,
+    UNIPROC_EXECUTOR_QUALNAME,
     Host,
     apply_cpu_kv_cache,
     default_devices,
@@ -32,8 +34,6 @@ from vllm_omni_plugin.config.placement import (
 from vllm_omni_plugin.config.schema import StageConfig, StageConfigError
 from vllm_omni_plugin.config.settings import OmniSettings
 from vllm_omni_plugin.worker.placement import (
-    QUALNAME,
-    UNIPROC_QUALNAME,
     OmniPlacedExecutor,
     OmniPlacedUniProcExecutor,
     apply_placement,
@@ -89,10 +89,10 @@ def test_bad_devices_are_named(devices, n_ranks, host, message):
 def test_a_placed_engine_runs_the_plugins_executor_and_errors_name_the_field(monkeypatch):
     args = EngineArgs(model="m")
     assert place_engine(_stage("1"), args, "1", gpu(2), "p.yaml") == {CUDA: "1"}
-    assert args.distributed_executor_backend == UNIPROC_QUALNAME  # one rank on a GPU
+    assert args.distributed_executor_backend == UNIPROC_EXECUTOR_QUALNAME  # one rank on a GPU
     tp2 = EngineArgs(model="m", tensor_parallel_size=2)
     assert place_engine(_stage("0,1"), tp2, "0,1", gpu(2), "p.yaml") == {CUDA: "0,1"}
-    assert tp2.distributed_executor_backend == QUALNAME
+    assert tp2.distributed_executor_backend == EXECUTOR_QUALNAME
     untouched = EngineArgs(model="m")
     assert place_engine(_stage(), untouched, None, gpu(2), "p.yaml") is None
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -107,24 +107,26 @@ def test_a_placed_engine_runs_the_plugins_executor_and_errors_name_the_field(mon
 
 
 @pytest.mark.parametrize("n_ranks, host, chosen, expected", [
-    (1, gpu(2), None, UNIPROC_QUALNAME),   # as vLLM runs one rank unplaced
-    (1, gpu(2), "uni", UNIPROC_QUALNAME),
-    (1, gpu(2), "mp", QUALNAME),           # asked for: a worker process of its own
-    (2, gpu(2), None, QUALNAME),           # tensor parallel: one worker process per rank
-    (2, gpu(2), "uni", QUALNAME),          # vLLM itself turns uni into mp for several ranks
-    (1, cpu(4), None, QUALNAME),           # vLLM's CPU build binds OpenMP in worker processes
-    (1, cpu(4), "uni", QUALNAME),
+    (1, gpu(2), None, UNIPROC_EXECUTOR_QUALNAME),  # as vLLM runs one rank unplaced
+    (1, gpu(2), "uni", UNIPROC_EXECUTOR_QUALNAME),
+    (1, gpu(2), "mp", EXECUTOR_QUALNAME),  # asked for: a worker process of its own
+    (2, gpu(2), None, EXECUTOR_QUALNAME),  # tensor parallel: one worker process per rank
+    (2, gpu(2), "uni", EXECUTOR_QUALNAME),  # vLLM itself turns uni into mp for several ranks
+    (1, cpu(4), None, EXECUTOR_QUALNAME),  # vLLM's CPU build binds OpenMP in worker processes
+    (1, cpu(4), "uni", EXECUTOR_QUALNAME),
 ], ids=["gpu-tp1", "gpu-tp1-uni", "gpu-tp1-mp", "gpu-tp2", "gpu-tp2-uni", "cpu", "cpu-uni"])
 def test_the_placing_executor_is_vllms_uniprocess_one_for_one_rank_on_a_gpu(
         n_ranks, host, chosen, expected):
     assert placed_executor(n_ranks, host, chosen) == expected
-    executor = {QUALNAME: OmniPlacedExecutor, UNIPROC_QUALNAME: OmniPlacedUniProcExecutor}
+    executor = {EXECUTOR_QUALNAME: OmniPlacedExecutor,
+                UNIPROC_EXECUTOR_QUALNAME: OmniPlacedUniProcExecutor}
     from vllm.v1.executor.abstract import Executor
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
     from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
     # the qualified name vLLM resolves is the class, a subclass of vLLM's own executor
-    vllm_class = {QUALNAME: MultiprocExecutor, UNIPROC_QUALNAME: UniProcExecutor}[expected]
+    vllm_class = {EXECUTOR_QUALNAME: MultiprocExecutor,
+                  UNIPROC_EXECUTOR_QUALNAME: UniProcExecutor}[expected]
     assert issubclass(executor[expected], vllm_class)
     assert executor[expected].supports_async_scheduling()
     assert Executor.get_class(_executor_config(expected)) is executor[expected]

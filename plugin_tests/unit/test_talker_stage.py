@@ -91,7 +91,7 @@ def _talker_engine_config(tiny_qwen3_omni, tmp_path, yaml_path):
     import vllm_omni_plugin
     from vllm_omni_plugin.config.loader import load_pipeline_config
     from vllm_omni_plugin.config.settings import OmniSettings
-    from vllm_omni_plugin.engine.stages import stage_engine_config
+    from vllm_omni_plugin.replicas.engines import stage_engine_config
 
     vllm_omni_plugin.register()
     with open(f"{tiny_qwen3_omni}/config.json") as f:

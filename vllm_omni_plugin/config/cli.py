@@ -33,6 +33,10 @@ REDACTED = "***"
 INHERITED_FIELDS = ("tokenizer", "dtype", "seed", "trust_remote_code", "revision",
                     "download_dir", "load_format")
 
+#: The omni API's middleware (:mod:`vllm_omni_plugin.entrypoints.middleware`), named as
+#: vLLM's ``--middleware`` takes it: by qualified name (config/ does not import the API)
+MIDDLEWARE_QUALNAME = "vllm_omni_plugin.entrypoints.middleware.OmniApiMiddleware"
+
 GROUP_TITLE = "Omni"
 _CLUSTER = ClusterSettings()  # the defaults of the head's flags
 _REALTIME = RealtimeSettings()
@@ -479,8 +483,6 @@ def apply_omni_args(args: argparse.Namespace, engine_args) -> None:
         engine_args.additional_config if isinstance(engine_args.additional_config, dict)
         else None)
     middleware = list(getattr(args, "middleware", None) or [])
-    from vllm_omni_plugin.entrypoints.middleware import MIDDLEWARE_QUALNAME
-
     if MIDDLEWARE_QUALNAME not in middleware and hasattr(args, "middleware"):
         args.middleware = [*middleware, MIDDLEWARE_QUALNAME]
 

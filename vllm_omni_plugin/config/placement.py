@@ -58,6 +58,11 @@ CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 #: ``kv_cache_memory_bytes``: ``vllm/platforms/cpu.py``, 0.30-0.32)
 CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 GIB = 1 << 30
+#: The executors that place an engine (:mod:`vllm_omni_plugin.worker.placement`), named as
+#: vLLM's ``distributed_executor_backend`` takes a class: by qualified name (config/ does
+#: not import the worker)
+EXECUTOR_QUALNAME = "vllm_omni_plugin.worker.placement.OmniPlacedExecutor"
+UNIPROC_EXECUTOR_QUALNAME = "vllm_omni_plugin.worker.placement.OmniPlacedUniProcExecutor"
 #: ``--omni-placement`` values
 PLACEMENT_MODES = ("auto", "none")
 
@@ -183,14 +188,12 @@ def placed_executor(n_ranks: int, host: Host, chosen: str | None) -> str:
     Raises:
         ValueError: ``chosen`` is an executor that cannot be placed (``ray``, a class).
     """
-    from vllm_omni_plugin.worker.placement import QUALNAME, UNIPROC_QUALNAME
-
-    if chosen not in (None, "mp", "uni", QUALNAME, UNIPROC_QUALNAME):
+    if chosen not in (None, "mp", "uni", EXECUTOR_QUALNAME, UNIPROC_EXECUTOR_QUALNAME):
         raise ValueError("placing a stage needs vLLM's multiprocessing or uniprocess "
                          f"executor; distributed_executor_backend is {chosen!r}")
-    if host.is_cpu or n_ranks > 1 or chosen in ("mp", QUALNAME):
-        return QUALNAME
-    return UNIPROC_QUALNAME
+    if host.is_cpu or n_ranks > 1 or chosen in ("mp", EXECUTOR_QUALNAME):
+        return EXECUTOR_QUALNAME
+    return UNIPROC_EXECUTOR_QUALNAME
 
 
 def place_engine(stage: StageConfig, engine_args: Any, devices: str | None, host: Host,

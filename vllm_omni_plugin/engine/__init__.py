@@ -1,9 +1,8 @@
-"""The head's engine side: the omni engine client, the stage engines and the request flow.
+"""The head's engine side: the omni engine client and the request flow.
 
 * :mod:`.omni_client` -- :class:`~.omni_client.OmniEngineClient`, the entry stage's
   ``AsyncLLM`` that vLLM's API server uses in omni mode;
 * :mod:`.bootstrap` -- the head, built in one place;
-* :mod:`.stages` -- the downstream stage engines;
 * :mod:`.orchestrator` -- request flow between stages;
 * :mod:`.streaming` -- stages that run before their input stage has finished;
 * :mod:`.pd` -- prefill/decode disaggregation of the entry stage;

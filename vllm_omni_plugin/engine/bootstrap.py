@@ -97,10 +97,10 @@ def build_head(entry_client, vllm_config, settings: OmniSettings) -> Head:
     from vllm_omni_plugin.config.loader import load_pipeline_config
     from vllm_omni_plugin.config.placement import Host, start_lanes
     from vllm_omni_plugin.coordinator import build_load_balancer_factory
-    from vllm_omni_plugin.engine.stages import start_stage_engine
     from vllm_omni_plugin.payload_store import PayloadStore, remove_stale_run_dirs
     from vllm_omni_plugin.processors.registry import get_processor
     from vllm_omni_plugin.replicas.cluster import HeadCluster
+    from vllm_omni_plugin.replicas.engines import start_stage_engine
     from vllm_omni_plugin.replicas.liveness import StallWatch, stall_timeout_of
     from vllm_omni_plugin.replicas.metrics import register_collector
     from vllm_omni_plugin.replicas.pool import StagePool

@@ -61,7 +61,6 @@ from vllm_omni_plugin.entrypoints.speech import SPEECH_PATH, parse_speech_reques
 from vllm_omni_plugin.processors import Voices, list_voices
 from vllm_omni_plugin.processors.hookspecs import MAX_VOICE_CHARS
 
-MIDDLEWARE_QUALNAME = "vllm_omni_plugin.entrypoints.middleware.OmniApiMiddleware"
 VOICES_PATH = "/v1/audio/voices"
 MAX_BODY_BYTES = 64 * 1024 * 1024
 _UNSET = object()

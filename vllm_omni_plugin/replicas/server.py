@@ -287,10 +287,10 @@ def run_headless_replicas(args) -> None:
 
 
 async def _serve(plan, assignments, info: dict) -> None:
-    from vllm_omni_plugin.engine.stages import start_stage_engine
     from vllm_omni_plugin.payload_store import default_run_dir, remove_stale_run_dirs
 
     from .cluster import INFO_COORDINATOR, INFO_HEARTBEAT_TIMEOUT
+    from .engines import start_stage_engine
 
     timeout = float(info.get(INFO_HEARTBEAT_TIMEOUT, "30.0"))
     run_dir = default_run_dir()

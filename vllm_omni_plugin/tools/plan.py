@@ -240,7 +240,7 @@ def engine_configs(pipeline, path: str, base: dict, stages=None):
     for the entry stage)."""
     from vllm_omni_plugin.config.placement import local_stages
     from vllm_omni_plugin.config.settings import OmniSettings
-    from vllm_omni_plugin.engine.stages import stage_engine_config
+    from vllm_omni_plugin.replicas.engines import stage_engine_config
 
     settings = OmniSettings(stage_configs_path=path)
     entry = pipeline.entry_stage.stage_id

@@ -6,7 +6,7 @@ Usage::
     python -m vllm_omni_plugin.tools.tiny_checkpoint bagel OUT_DIR [--seed N]
     vllm-omni-tiny-checkpoint qwen3-omni OUT_DIR [--seed N]      # console script
 
-``bagel`` is described in :mod:`vllm_omni_plugin.models.bagel.tiny_checkpoint`.
+``bagel`` is described in :mod:`vllm_omni_plugin.tools.tiny_bagel`.
 
 Nothing is downloaded: the weights come from ``torch.manual_seed(seed)`` plus the
 constructor of the Hugging Face model class, and the tokenizer is built in-process with
@@ -155,7 +155,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_omni_plugin.models.bagel.tiny_checkpoint import build_bagel
+from vllm_omni_plugin.tools.tiny_bagel import build_bagel
 from vllm_omni_plugin.tools.tiny_tokenizer import (
     QWEN25_ADDED_TOKENS,
     build_qwen_tokenizer,

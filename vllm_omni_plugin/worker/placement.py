@@ -45,9 +45,6 @@ from vllm_omni_plugin.logger import init_logger
 
 logger = init_logger(__name__)
 
-QUALNAME = "vllm_omni_plugin.worker.placement.OmniPlacedExecutor"
-UNIPROC_QUALNAME = "vllm_omni_plugin.worker.placement.OmniPlacedUniProcExecutor"
-
 
 def apply_placement(vllm_config, in_process: bool = False, environ=os.environ) -> dict:
     """Set the stage's placement variables (``OmniSettings.placement_env`` of

@@ -151,7 +151,7 @@ def run(model: str, payload_dir: str, spec: dict) -> dict:
     if STEPS is not None:
         STEPS.clear()
     start = time.perf_counter()
-    # what the stage launcher (engine/stages.py) merges into the stage's hf_overrides
+    # what the stage launcher (replicas/engines.py) merges into the stage's hf_overrides
     overrides = Qwen3OmniCode2WavStage.engine_hf_overrides(AutoConfig.from_pretrained(model))
     engine_args = {
         **BASE_ENGINE_ARGS,
