@@ -72,6 +72,59 @@ def test_other_exceptions_reach_vllm_unchanged():
         _call(app)
 
 
+# -- text: vLLM's answer as it comes -----------------------------------------------------
+TEXT_CHAT = b'{"model":"m",  "messages":[{"role":"user","content":"hi"}], "max_tokens":2}'
+
+
+def _text_app(received: list, failure: StageResult | None = None):
+    """vLLM's answer in two body messages (its own headers); ``failure`` is recorded
+    before the answer starts."""
+    async def app(scope, receive, send):
+        received.append((await receive())["body"])
+        if failure is not None:
+            current_omni_request().result = failure
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", b"9")]})
+        await send({"type": "http.response.body", "body": b'{"a":', "more_body": True})
+        await send({"type": "http.response.body", "body": b"1}", "more_body": False})
+    return app
+
+
+def _raw_call(app, path: str, body: bytes) -> list[dict]:
+    sent: list[dict] = []
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": path,
+             "headers": [(b"content-type", b"application/json")]}
+    asyncio.run(OmniAudioMiddleware(app)(scope, receive, send))
+    return sent
+
+
+@pytest.mark.parametrize("path", [CHAT_PATH, COMPLETIONS_PATH])
+def test_a_text_request_reaches_vllm_as_sent_and_its_answer_passes_through(path):
+    """No second encoding of the body, no buffering of the answer: vLLM gets the client's
+    bytes and the client vLLM's messages, one by one, headers untouched."""
+    received: list[bytes] = []
+    sent = _raw_call(_text_app(received), path, TEXT_CHAT)
+    assert received == [TEXT_CHAT]
+    assert [m.get("body") for m in sent] == [None, b'{"a":', b"1}"]
+    assert sent[0]["headers"][1] == (b"content-length", b"9")
+
+
+def test_a_failure_recorded_before_a_text_answer_starts_answers_instead():
+    failure = StageResult.failure("stage 0 (thinker): RuntimeError: model broke", 500)
+    sent = _raw_call(_text_app([], failure), CHAT_PATH, TEXT_CHAT)
+    assert sent[0]["status"] == 500 and len(sent) == 2
+    error = json.loads(sent[1]["body"])["error"]
+    assert error["message"] == "stage 0 (thinker): RuntimeError: model broke"
+
+
 # -- streamed chat with audio ------------------------------------------------------------
 WAVEFORM = torch.linspace(-0.5, 0.5, 480)
 SSE = [(b"content-type", b"text/event-stream; charset=utf-8")]

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from plugin_tests import media
-from vllm_omni_plugin.entrypoints.media_input import MediaLimits, RequestError, check_media
+from vllm_omni_plugin.entrypoints.media_input import (
+    MediaLimits,
+    RequestError,
+    check_media,
+    has_media_parts,
+)
 
 LIMITS = MediaLimits(max_items={"image": 2, "audio": 2, "video": 1}, max_audio_seconds=10.0)
 
@@ -68,3 +73,15 @@ def test_item_limits_count_a_videos_sound_as_audio():
         check_media(_body(VIDEO, AUDIO, AUDIO,
                           mm_processor_kwargs={"use_audio_in_video": True}), LIMITS)
     assert info.value.field == "messages[1].content[2]"
+
+
+def test_media_parts_are_found_without_decoding_anything():
+    """What decides whether a chat's media are checked (in a thread, they decode): any
+    typed part but text, an unknown type included (check_media refuses it)."""
+    def chat(*contents):
+        return {"messages": [{"role": "user", "content": c} for c in contents]}
+
+    assert not has_media_parts(chat("hi", [{"type": "text", "text": "hi"}, {"text": "x"}]))
+    assert not has_media_parts({"messages": "not a list"})
+    assert has_media_parts(chat("hi", [{"type": "image_url", "image_url": {"url": "x"}}]))
+    assert has_media_parts(chat([{"type": "a_new_kind"}]))

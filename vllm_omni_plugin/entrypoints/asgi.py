@@ -104,6 +104,38 @@ class Capture:
             self.body += message.get("body", b"")
 
 
+async def answer_or_failure(app, scope, receive, send, request: OmniRequest) -> None:
+    """vLLM's (``app``'s) answer, sent as it comes, run in ``request``'s scope; but when
+    the pipeline recorded a failure for ``request`` by the time the answer starts (a
+    whole answer starts once generated), or when ``app`` raises before it starts, the
+    failure's own status and error are sent instead (vLLM would make any of them a 500).
+
+    Raises:
+        Exception: what ``app`` raised, when no failure was recorded or the answer had
+            started.
+    """
+    started = dropped = False
+
+    async def gated(message):
+        nonlocal started, dropped
+        if message["type"] == "http.response.start":
+            started = True
+            if request.result is not None and request.result.error:
+                dropped = True
+                return await send_failure(send, request.result)
+        elif dropped and message["type"] == "http.response.body":
+            return
+        await send(message)
+
+    with omni_request_scope(request):
+        try:
+            await app(scope, receive, gated)
+        except Exception:
+            if started or request.result is None or not request.result.error:
+                raise
+            await send_failure(send, request.result)
+
+
 async def captured(app, scope, receive, body: bytes, request: OmniRequest) -> Capture:
     """vLLM's (``app``'s) whole answer to ``body`` at ``scope``, run in ``request``'s
     scope."""

@@ -38,6 +38,7 @@ from vllm_omni_plugin.engine.omni_request import (
     omni_request_scope,
 )
 from vllm_omni_plugin.entrypoints.asgi import (
+    answer_or_failure,
     captured,
     error_body,
     replay,
@@ -146,16 +147,19 @@ def attach_audio(response: dict, result: StageResult, fmt: str) -> dict:
     return response
 
 
-async def serve_chat(app, scope, receive, send, body: dict, asked: AudioRequest | None):
+async def serve_chat(app, scope, receive, send, body: dict, asked: AudioRequest | None,
+                     raw: bytes | None = None):
     """A chat or text completion (``body``, already checked; ``asked``: its parsed audio
-    fields, None for text) through vLLM's handler ``app``; see the module docstring."""
-    forwarded = json.dumps(body).encode()
+    fields, None for text) through vLLM's handler ``app``; see the module docstring.
+    ``raw``: the body's bytes as the client sent them, when ``body`` is unchanged (they
+    are forwarded instead of ``body`` encoded again). A text answer passes through as
+    vLLM sends it (:func:`~.asgi.answer_or_failure`)."""
+    forwarded = raw if raw is not None else json.dumps(body).encode()
     asked = asked or AudioRequest((TEXT,))
     request = OmniRequest(modalities=asked.modalities, voice=asked.voice)
+    if request.text_only:
+        return await answer_or_failure(app, scope, replay(forwarded, receive), send, request)
     if body.get("stream"):
-        if request.text_only:
-            with omni_request_scope(request):
-                return await app(scope, replay(forwarded, receive), send)
         request.partials = asyncio.Queue()
         stream = AudioStream(send, request, asked.format)
         with omni_request_scope(request):

@@ -97,6 +97,21 @@ class MediaLimits:
         return cls(max_items=items, max_audio_seconds=seconds)
 
 
+def has_media_parts(body: dict) -> bool:
+    """Whether a chat request's ``messages`` have a content part :func:`check_media` checks
+    (any typed part but text); cheap: it decodes nothing."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return False
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list) and any(
+                isinstance(part, dict) and part.get("type") not in (None, *TEXT_PARTS)
+                for part in content):
+            return True
+    return False
+
+
 def check_media(body: dict, limits: MediaLimits) -> None:
     """Check every content part of a chat request's ``messages``; see the module docstring.
 

@@ -55,7 +55,12 @@ from vllm_omni_plugin.entrypoints.images import (
     plan_image_request,
     serve_image,
 )
-from vllm_omni_plugin.entrypoints.media_input import MediaLimits, RequestError, check_media
+from vllm_omni_plugin.entrypoints.media_input import (
+    MediaLimits,
+    RequestError,
+    check_media,
+    has_media_parts,
+)
 from vllm_omni_plugin.entrypoints.realtime import REALTIME_PATH, RealtimeEndpoint
 from vllm_omni_plugin.entrypoints.speech import SPEECH_PATH, parse_speech_request, serve_speech
 from vllm_omni_plugin.processors import Voices, list_voices
@@ -176,8 +181,9 @@ class OmniApiMiddleware:
                 elif path == CHAT_PATH:
                     asked = parse_audio_request(body)
                     self.check_voice(scope, asked and asked.voice, "audio.voice")
-                    # decoding inline media takes a while: off the event loop
-                    await asyncio.to_thread(check_media, body, self.media_limits(scope))
+                    if has_media_parts(body):
+                        # decoding inline media takes a while: off the event loop
+                        await asyncio.to_thread(check_media, body, self.media_limits(scope))
                 elif path == SPEECH_PATH:
                     speech = parse_speech_request(body, MAX_VOICE_CHARS)
                     self.check_voice(scope, speech.voice, "voice")
@@ -193,7 +199,9 @@ class OmniApiMiddleware:
         if path not in (CHAT_PATH, COMPLETIONS_PATH) or not isinstance(body, dict):
             forwarded = json.dumps(body).encode() if isinstance(body, dict) else raw
             return await self.app(scope, replay(forwarded, receive), send)
-        await serve_chat(self.app, scope, receive, send, body, asked)
+        # a body the checks left as it came (no audio fields popped) goes on as it came
+        await serve_chat(self.app, scope, receive, send, body, asked,
+                         raw=raw if asked is None else None)
 
 
 def _reads(scope) -> bool:
