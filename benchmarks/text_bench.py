@@ -23,7 +23,8 @@ plain vLLM's, and its lowest trial with plain vLLM's median (targets: 0.97x and
 0.92x). ``--spoken N`` ends each plugin phase with N text + audio chats and prints the
 API server's CPU time per spoken request. ``--profile PY_SPY`` adds a longer trial per
 phase (``--profile-requests``) sampled by py-spy (not a dependency: give its path) in the
-API server and the entry stage's EngineCore, and prints where each spends its samples:
+API server and the entry stage's EngineCore and worker, and prints where each spends its
+samples:
 the share of samples in the plugin's code and its top functions, and the top
 functions overall (the stacks are kept in the log folder).
 
@@ -99,14 +100,14 @@ def _cpu_ms(pid: int) -> float:
     return 1000.0 * (times.user + times.system)
 
 
-def _engine_core(server: Server) -> int:
-    """The pid of the entry stage's EngineCore: the API server's first child titled
-    ``VLLM::EngineCore`` (vLLM's process title; the stages' engines start after it)."""
+def _first_child(pid: int, title: str) -> int:
+    """The pid of process ``pid``'s oldest child whose process title (vLLM sets them)
+    starts with ``title``."""
     import psutil
 
-    cores = [p for p in psutil.Process(server.proc.pid).children()
-             if p.cmdline()[:1] and p.cmdline()[0].startswith("VLLM::EngineCore")]
-    return min(cores, key=lambda p: p.create_time()).pid
+    children = [p for p in psutil.Process(pid).children()
+                if p.cmdline()[:1] and p.cmdline()[0].startswith(title)]
+    return min(children, key=lambda p: p.create_time()).pid
 
 
 def _frame(frame: str) -> str:
@@ -143,9 +144,12 @@ def profile_summary(path: Path, top: int = 12) -> list[str]:
 
 
 def _profiled_trial(server: Server, url: str, model: str, args, out: Path) -> None:
-    """One trial of ``args.profile_requests`` chats with py-spy sampling the API server
-    and the entry stage's EngineCore; prints :func:`profile_summary` of each."""
-    targets = {"API server": server.proc.pid, "EngineCore": _engine_core(server)}
+    """One trial of ``args.profile_requests`` chats with py-spy sampling the API server,
+    the entry stage's EngineCore (the API server's first, the stages' engines start after
+    it) and its worker; prints :func:`profile_summary` of each."""
+    core = _first_child(server.proc.pid, "VLLM::EngineCore")
+    targets = {"API server": server.proc.pid, "EngineCore": core,
+               "worker": _first_child(core, "VLLM::Worker")}
     spies = {}
     for what, pid in targets.items():
         path = out.with_name(f"{out.name}-{what.replace(' ', '-')}.txt")

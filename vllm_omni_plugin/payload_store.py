@@ -245,7 +245,13 @@ class PayloadStore:
         """Open ``key`` for producers. The consumer creates and deletes keys;
         producers only write into keys that exist, so a late write for a
         request whose consumer has gone (aborted, failed) is dropped."""
-        os.makedirs(self._dir(key), exist_ok=True)
+        path = self._dir(key)
+        try:
+            os.mkdir(path)  # one system call: every request creates a key
+        except FileExistsError:
+            pass
+        except FileNotFoundError:  # the store's folder was removed meanwhile
+            os.makedirs(path, exist_ok=True)
 
     def append(self, key: str, tensors: dict[str, torch.Tensor]) -> bool:
         """Publish one more chunk of ``key`` (tensors concatenated on dim 0 by get).
@@ -403,8 +409,16 @@ class PayloadStore:
     def delete(self, key: str) -> None:
         """Remove ``key``, also while a producer still appends to it: the key's directory
         is first renamed away, so a chunk being written lands in the renamed directory
-        (and is removed with it) or fails (and is dropped)."""
+        (and is removed with it) or fails (and is dropped). A key nothing was written to
+        (a text request's error slot, mostly) goes in one system call."""
         self._next.pop(key, None)
+        try:
+            os.rmdir(self._dir(key))  # empty: no producer is writing into it
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            pass  # not empty: renamed away first, as below
         gone = os.path.join(self.root, f"{_DELETED}{uuid.uuid4().hex}")
         try:
             os.rename(self._dir(key), gone)

@@ -293,6 +293,23 @@ def test_abort_reaches_the_stage_and_ends_the_request_without_result(tmp_path):
     assert orchestrator.store.keys() == [] and orchestrator.admission.in_flight == {1: 0, 2: 0}
 
 
+def test_long_and_reused_request_ids_get_valid_keys_of_their_own(tmp_path):
+    """Payload keys are at most 200 characters: a 300-character request id is cut, and a
+    serial number keeps two requests of the same id apart (a client may reuse one)."""
+    async def scenario():
+        orchestrator, _ = _orchestrator(tmp_path)
+        rid = "r" * 300
+        requests = [_audio(), _audio()]
+        await asyncio.gather(*(_run(orchestrator, r, request_id=rid) for r in requests))
+        return orchestrator, requests, orchestrator.entry_generate.seen_extra_args
+
+    orchestrator, requests, seen = asyncio.run(scenario())
+    assert all(r.result is not None and not r.result.error for r in requests)
+    keys = [xargs.payload_keys(extra).output for extra in seen]
+    assert len(set(keys)) == 2 and all(len(k) <= 200 for k in keys)
+    assert orchestrator.store.keys() == [] and orchestrator.runs == {}
+
+
 def test_text_request_failing_in_the_entry_worker_raises_naming_the_stage(tmp_path):
     orchestrator, _ = _orchestrator(tmp_path, entry_fail="RuntimeError: model broke")
     request = OmniRequest()

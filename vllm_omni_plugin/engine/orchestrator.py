@@ -34,7 +34,7 @@ words for both).
 from __future__ import annotations
 
 import asyncio
-import uuid
+import itertools
 from collections.abc import Mapping
 from types import MappingProxyType
 
@@ -126,6 +126,7 @@ class Orchestrator:
         #: the requests with parts on stage replicas (what :meth:`abort` finds), by id
         self._runs: dict[str, PipelineRun] = {}
         self._expiring: set[asyncio.Task] = set()
+        self._serial = itertools.count()
         self._pd = None if self.prefill is None else RemotePrefill(
             self.prefill, self.entry, self._run_task)
         self._streams = StageStreams(self._stage_input, self._run_stage, pools)
@@ -173,8 +174,7 @@ class Orchestrator:
             return
         if not await self._admit(run):
             return
-        base = safe_key(f"{run.request_id}.{uuid.uuid4().hex[:6]}")
-        run.payload_key = f"{base}.s{self.entry.stage_id}.out"
+        run.payload_key = f"{self._key_base(run)}.s{self.entry.stage_id}.out"
         token_ids = self._entry_task_ids(run, prompt, params)
         if token_ids is None:  # the head's engine publishes the entry stage's rows here
             self.store.create(run.payload_key)
@@ -217,6 +217,12 @@ class Orchestrator:
             if not run.expired:  # else the timeout is the request's error
                 record_failure(run.request, run.request_id, exc)
         run.final = final
+
+    def _key_base(self, run: PipelineRun) -> str:
+        """The start of the request's payload keys: its id (made safe, its first 160
+        characters) and a serial number of this orchestrator (a client may reuse a request
+        id while the first is in flight; the store is this process's own)."""
+        return f"{safe_key(run.request_id)[:160]}.{next(self._serial)}"
 
     async def _admit(self, run: PipelineRun) -> bool:
         """Reserve the request's slots of the downstream stages (``run.admission``);
@@ -367,7 +373,7 @@ class Orchestrator:
         """Plain vLLM generation on the entry stage (after its prefill stage, if any),
         with an error slot: a failure of the worker for this request fails it with a
         :class:`StageError` naming the stage instead of the engine."""
-        run.error_key = f"{safe_key(run.request_id)}.{uuid.uuid4().hex[:6]}.err"
+        run.error_key = f"{self._key_base(run)}.err"
         self.store.create(run.error_key)
         prefilled = None
         if self.prefill is not None:
