@@ -36,9 +36,12 @@ STREAMED_AUDIO_CHAT = {"model": "m", "messages": [{"role": "user", "content": "h
                        "modalities": ["text", "audio"], "stream": True}
 
 
-def _call(app, path=COMPLETIONS_PATH, request=COMPLETION) -> list[dict]:
+def _call(app, path=COMPLETIONS_PATH, request=COMPLETION, raw: bytes | None = None
+          ) -> list[dict]:
+    """What the middleware in front of ``app`` sends for ``request`` (or the bytes
+    ``raw``) POSTed to ``path``."""
     sent: list[dict] = []
-    body = json.dumps(request).encode()
+    body = raw if raw is not None else json.dumps(request).encode()
 
     async def receive():
         return {"type": "http.request", "body": body, "more_body": False}
@@ -91,27 +94,12 @@ def _text_app(received: list, failure: StageResult | None = None):
     return app
 
 
-def _raw_call(app, path: str, body: bytes) -> list[dict]:
-    sent: list[dict] = []
-
-    async def receive():
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    async def send(message):
-        sent.append(message)
-
-    scope = {"type": "http", "method": "POST", "path": path,
-             "headers": [(b"content-type", b"application/json")]}
-    asyncio.run(OmniAudioMiddleware(app)(scope, receive, send))
-    return sent
-
-
 @pytest.mark.parametrize("path", [CHAT_PATH, COMPLETIONS_PATH])
 def test_a_text_request_reaches_vllm_as_sent_and_its_answer_passes_through(path):
     """No second encoding of the body, no buffering of the answer: vLLM gets the client's
     bytes and the client vLLM's messages, one by one, headers untouched."""
     received: list[bytes] = []
-    sent = _raw_call(_text_app(received), path, TEXT_CHAT)
+    sent = _call(_text_app(received), path, raw=TEXT_CHAT)
     assert received == [TEXT_CHAT]
     assert [m.get("body") for m in sent] == [None, b'{"a":', b"1}"]
     assert sent[0]["headers"][1] == (b"content-length", b"9")
@@ -119,7 +107,7 @@ def test_a_text_request_reaches_vllm_as_sent_and_its_answer_passes_through(path)
 
 def test_a_failure_recorded_before_a_text_answer_starts_answers_instead():
     failure = StageResult.failure("stage 0 (thinker): RuntimeError: model broke", 500)
-    sent = _raw_call(_text_app([], failure), CHAT_PATH, TEXT_CHAT)
+    sent = _call(_text_app([], failure), CHAT_PATH, raw=TEXT_CHAT)
     assert sent[0]["status"] == 500 and len(sent) == 2
     error = json.loads(sent[1]["body"])["error"]
     assert error["message"] == "stage 0 (thinker): RuntimeError: model broke"
