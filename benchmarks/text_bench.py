@@ -74,22 +74,19 @@ COMMON = ["--max-model-len", "2048", "--dtype", "float32", "--gpu-memory-utiliza
 TARGET_MEDIAN, TARGET_LOWEST = 0.97, 0.92
 
 
-def _text_body(model: str, max_tokens: int):
+def _load(url: str, model: str, requests: int, concurrency: int, max_tokens: int) -> float:
+    """Requests/s for ``requests`` chats with ``concurrency`` in flight."""
+
     def body(i):
         return {"model": model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
                 "messages": [{"role": "user",
                               "content": f"request {i}: tell me about the weather"}]}
-    return body
-
-
-def _load(url: str, model: str, requests: int, concurrency: int, max_tokens: int) -> float:
-    """Requests/s for ``requests`` chats with ``concurrency`` in flight."""
 
     def check(i, answer, _latency):
         if answer["usage"]["completion_tokens"] != max_tokens:
             raise RuntimeError(f"chat {i}: {answer['usage']} != {max_tokens} tokens")
 
-    return chat_load(url, _text_body(model, max_tokens), requests, concurrency, check)
+    return chat_load(url, body, requests, concurrency, check)
 
 
 def _cpu_ms(pid: int) -> float:

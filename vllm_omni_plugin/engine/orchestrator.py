@@ -279,12 +279,9 @@ class Orchestrator:
         outputs[self.entry.stage_id] = _stage_output(self.entry.stage_id, final, payload, deltas)
 
     async def _close(self, run: PipelineRun) -> None:
-        """Give back what the request holds, once: its downstream task (stopped), its
-        admission's slots, its place in :attr:`_runs`, its companions' replica affinity
-        and its payload slots."""
-        if run.closed:
-            return
-        run.closed = True
+        """Give back what the request holds (called once, as :meth:`generate` ends): its
+        downstream task (stopped), its admission's slots, its place in :attr:`_runs`, its
+        companions' replica affinity and its payload slots."""
         if run.downstream is not None:
             run.downstream.cancel()  # a no-op once it is done
         if run.admission is not None:
@@ -517,7 +514,6 @@ class Orchestrator:
         aborted. ``on_rows``: see ``StagePool.run``."""
         sub_id = task.request_id
         pool = self.pools[stage.stage_id]
-        self._runs.setdefault(run.request_id, run)
         run.tasks.add((stage.stage_id, sub_id))
         run.stage_id = stage.stage_id
         try:

@@ -50,4 +50,3 @@ class PipelineRun:
     error_key: str | None = None
     downstream: asyncio.Future | None = None
     final: object | None = None
-    closed: bool = False
