@@ -628,14 +628,40 @@ def environment(device: str) -> dict:
     return env
 
 
+def case_arg(text: str) -> tuple[str, list[str] | None]:
+    """``--cases``'s item ``NAME[:SCENARIO,...]``: ``(name, scenarios or None)``.
+
+    Raises:
+        argparse.ArgumentTypeError: an unknown case or scenario, or scenarios named for
+            the BAGEL case (it serves one image request each at two sizes).
+    """
+    name, _, listed = text.partition(":")
+    names = [c.name for c in CASES]
+    if name not in names:
+        raise argparse.ArgumentTypeError(f"unknown case {name!r}: one of {', '.join(names)}")
+    if not listed:
+        return name, None
+    scenarios = listed.split(",")
+    if unknown := [s for s in scenarios if s not in SCENARIOS]:
+        raise argparse.ArgumentTypeError(
+            f"case {name}: unknown scenario {unknown[0]!r}: one of {', '.join(SCENARIOS)}")
+    if next(c for c in CASES if c.name == name).pipeline != "qwen3_omni":
+        raise argparse.ArgumentTypeError(f"case {name} serves no scenarios; name it alone")
+    return name, scenarios
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu", action="store_true",
                         help="dry run on vLLM's CPU build (HF on the CPU too)")
-    parser.add_argument("--cases", nargs="+", choices=[c.name for c in CASES],
-                        default=[c.name for c in CASES])
+    parser.add_argument("--cases", nargs="+", type=case_arg, metavar="CASE[:SCENARIO,...]",
+                        default=[(c.name, None) for c in CASES],
+                        help=f"the cases to run ({', '.join(c.name for c in CASES)}), each "
+                             "with its own scenarios after a colon (bf16:media) or those of "
+                             "--scenarios")
     parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS),
-                        help="the engine script's scenarios each Qwen3-Omni case serves")
+                        help="the engine script's scenarios each Qwen3-Omni case serves "
+                             "unless --cases names its own")
     parser.add_argument("--expect-modes", choices=sorted(EXPECTED_MODES),
                         help="the modes every case must report (default: gpu, or cpu "
                              "with --cpu)")
@@ -677,8 +703,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         root = args.out or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
+        wanted = dict(args.cases)
         for case in CASES:
-            if case.name not in args.cases:
+            if case.name not in wanted:
                 continue
             if reason := skip_reason(case, device):
                 results[case.name] = {"skipped": reason}
@@ -690,7 +717,8 @@ def main(argv: list[str] | None = None) -> int:
                     results[case.name] = check_bagel(case, root, device, args.record_bagel)
                 else:
                     results[case.name] = check_case(case, cached_tiny_checkpoint("qwen3-omni"),
-                                                    root, device, args.scenarios)
+                                                    root, device,
+                                                    wanted[case.name] or args.scenarios)
             except BaseException as exc:  # pytest.fail's Failed is a BaseException
                 if isinstance(exc, KeyboardInterrupt):
                     raise

@@ -133,6 +133,21 @@ def test_arguments(capsys):
         gpu_check.main(["--cpu", "--scenarios", "cancel"])
 
 
+def test_a_case_may_name_its_own_scenarios(capsys):
+    """``--cases NAME[:SCENARIO,...]``: a case's own scenarios, else ``--scenarios``'s;
+    an unknown case or scenario, or scenarios for the BAGEL case, stop the check naming
+    them."""
+    assert gpu_check.case_arg("tp2") == ("tp2", None)
+    assert gpu_check.case_arg("bf16:media") == ("bf16", ["media"])
+    assert gpu_check.case_arg("fp32:parity,streamed") == ("fp32", ["parity", "streamed"])
+    for item, error in (("bf17", "unknown case 'bf17': one of fp32, bf16, tp2, bagel"),
+                        ("bf16:cancel", "case bf16: unknown scenario 'cancel'"),
+                        ("bagel:parity", "case bagel serves no scenarios")):
+        with pytest.raises(SystemExit):
+            gpu_check.main(["--cpu", "--cases", item])
+        assert error in capsys.readouterr().err, item
+
+
 # -- the scripts --------------------------------------------------------------------------
 def _fake_bin(tmp_path: Path, **scripts: str) -> str:
     """A PATH whose first folder holds ``scripts`` (name -> shell body) and the basic
