@@ -17,8 +17,11 @@ and on a host with 2 cores the head (API server and EngineCores) runs under
 themselves. Each phase starts its server, warms it up with four waves of chats, then
 runs ``--trials`` trials of ``--requests`` chats (``max_tokens`` ``--max-tokens``,
 ``ignore_eos``, greedy, so every chat generates the same number of tokens) with
-``--concurrency`` in flight, and prints every trial: requests/s and the API server's CPU
-time per request (user + system, ms). The summary compares the plugin's median with
+``--concurrency`` in flight, and prints every trial: requests/s and the CPU time per
+request (user + system, ms; medians in the summary) of the API server, the entry stage's
+EngineCore, its worker, and all the server's processes together. CPU time per request
+holds still where requests/s swings with the host: the worker's (on core 0) is what sets
+the rate when the head is pinned. The summary compares the plugin's median with
 plain vLLM's, and its lowest trial with plain vLLM's median (targets: 0.97x and
 0.92x). ``--spoken N`` ends each plugin phase with N text + audio chats and prints the
 API server's CPU time per spoken request. ``--profile PY_SPY`` adds a longer trial per
@@ -89,12 +92,39 @@ def _load(url: str, model: str, requests: int, concurrency: int, max_tokens: int
     return chat_load(url, body, requests, concurrency, check)
 
 
-def _cpu_ms(pid: int) -> float:
-    """User + system CPU time of process ``pid`` alone (not its children), in ms."""
+#: the processes whose CPU time each trial reports (:func:`_cpu_ms`)
+PROCESSES = ("API server", "EngineCore", "worker", "all")
+
+
+def _entry_processes(pid: int) -> dict[str, int]:
+    """The pids of API server ``pid``'s processes that serve text: itself, the entry
+    stage's EngineCore (its first; the other stages' engines start after it) and that
+    EngineCore's worker."""
+    core = _first_child(pid, "VLLM::EngineCore")
+    return {"API server": pid, "EngineCore": core, "worker": _first_child(core, "VLLM::Worker")}
+
+
+def _cpu_ms(pid: int) -> dict[str, float]:
+    """User + system CPU time, in ms, of each of API server ``pid``'s text processes
+    (:func:`_entry_processes`, each alone, not its children) and of ``all`` its
+    processes together (the idle stage engines of the plugin included)."""
     import psutil  # a vLLM requirement
 
-    times = psutil.Process(pid).cpu_times()
-    return 1000.0 * (times.user + times.system)
+    def ms(process) -> float:
+        try:
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:
+            return 0.0
+        return 1000.0 * (times.user + times.system)
+
+    root = psutil.Process(pid)
+    out = {what: ms(psutil.Process(p)) for what, p in _entry_processes(pid).items()}
+    out["all"] = sum(ms(p) for p in [root, *root.children(recursive=True)])
+    return out
+
+
+def _per_request(before: dict[str, float], after: dict[str, float], n: int) -> dict:
+    return {what: (after[what] - before[what]) / n for what in PROCESSES}
 
 
 def _first_child(pid: int, title: str) -> int:
@@ -144,9 +174,7 @@ def _profiled_trial(server: Server, url: str, model: str, args, out: Path) -> No
     """One trial of ``args.profile_requests`` chats with py-spy sampling the API server,
     the entry stage's EngineCore (the API server's first, the stages' engines start after
     it) and its worker; prints :func:`profile_summary` of each."""
-    core = _first_child(server.proc.pid, "VLLM::EngineCore")
-    targets = {"API server": server.proc.pid, "EngineCore": core,
-               "worker": _first_child(core, "VLLM::Worker")}
+    targets = _entry_processes(server.proc.pid)
     spies = {}
     for what, pid in targets.items():
         path = out.with_name(f"{out.name}-{what.replace(' ', '-')}.txt")
@@ -198,18 +226,19 @@ def run_phase(name: str, phase: int, ckpt: Path, args, logdir: Path) -> dict:
         for trial in range(args.trials):
             before = _cpu_ms(server.proc.pid)
             rate = _load(url, model, args.requests, args.concurrency, args.max_tokens)
-            cpu = (_cpu_ms(server.proc.pid) - before) / args.requests
+            cpu = _per_request(before, _cpu_ms(server.proc.pid), args.requests)
             result["rates"].append(rate)
             result["cpu_ms"].append(cpu)
-            print(f"phase {phase} {name} trial {trial + 1}: {rate:.1f} req/s, API server "
-                  f"{cpu:.2f} ms CPU/request", flush=True)
+            print(f"phase {phase} {name} trial {trial + 1}: {rate:.1f} req/s; CPU ms/request: "
+                  + ", ".join(f"{what} {cpu[what]:.2f}" for what in PROCESSES), flush=True)
         if args.profile:
             _profiled_trial(server, url, model, args, logdir / f"profile-{name}-{phase}")
         if name == "plugin" and args.spoken:
             audio_chat_load(url, model, 2, 2, args.spoken_tokens)  # warm-up
-            before = _cpu_ms(server.proc.pid)
+            before = _cpu_ms(server.proc.pid)["API server"]
             audio_chat_load(url, model, args.spoken, min(args.spoken, 8), args.spoken_tokens)
-            result["spoken_cpu_ms"] = (_cpu_ms(server.proc.pid) - before) / args.spoken
+            result["spoken_cpu_ms"] = \
+                (_cpu_ms(server.proc.pid)["API server"] - before) / args.spoken
             print(f"phase {phase} plugin spoken: API server {result['spoken_cpu_ms']:.2f} ms "
                   "CPU/request", flush=True)
     finally:
@@ -255,8 +284,10 @@ def main() -> int:
     plain = median(rates["plain"])
     ratio, lowest = median(rates["plugin"]) / plain, min(rates["plugin"]) / plain
     rows = [[n, " ".join(f"{r:.1f}" for r in rates[n]), fmt(median(rates[n])),
-             fmt(median(cpu[n]), ".2f")] for n in ("plain", "plugin")]
-    print(table(["server", "requests/s per trial", "median", "API server CPU ms/request"],
+             *(fmt(median([c[what] for c in cpu[n]]), ".2f") for what in PROCESSES)]
+            for n in ("plain", "plugin")]
+    print(table(["server", "requests/s per trial", "median",
+                 *(f"{what} CPU ms/request" for what in PROCESSES)],
                 rows, title=f"text chat, {args.requests} chats x {args.max_tokens} tokens at "
                             f"concurrency {args.concurrency}, {args.phases} phases x "
                             f"{args.trials} trials, head {'on core 1' if args.pin else 'unpinned'}"
