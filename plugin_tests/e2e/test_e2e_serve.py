@@ -733,9 +733,20 @@ def test_realtime_speech_in_with_server_vad_is_answered(server):
 
 def test_realtime_barge_in_cancels_the_playing_response(server):
     """Speech while a response plays: ``speech_started``, the response ``cancelled``
-    (``turn_detected``) with its assistant item truncated where its audio stopped, its
-    pipeline request stopped in the server; the new turn is then answered."""
-    from plugin_tests.realtime_client import chunks, kinds, session, speech_pcm, text_item
+    (``turn_detected``) with its assistant item truncated where its audio stopped (the
+    audio the client got), its pipeline request stopped in the server (one more such line
+    in the log); the new turn is then answered. The speech starts at the first transcript
+    delta, while the talker and code2wav still have work (at the first audio delta a
+    short answer may be all spoken)."""
+    from plugin_tests.realtime_client import (
+        RATE,
+        audio_of,
+        chunks,
+        kinds,
+        session,
+        speech_pcm,
+        text_item,
+    )
 
     async def scenario(connection, events):
         await connection.session.update(session=session(
@@ -747,13 +758,23 @@ def test_realtime_barge_in_cancels_the_playing_response(server):
         await events.until("input_audio_buffer.cleared")
         await connection.conversation.item.create(item=text_item("Tell me a story"))
         await connection.response.create()
-        first = await events.until("response.output_audio.delta")
+        first = await events.until("response.output_audio_transcript.delta")
         for piece in chunks(speech_pcm(before_s=0, after_s=1.0)):
             await connection.input_audio_buffer.append(audio=piece)
         cancelled = await events.until("response.done")
         after = await events.until("response.done")
         return first, cancelled, after
 
+    def stopped() -> int:
+        return len(re.findall(r"request \S+ cancelled \(client disconnected\) while at "
+                              "stage", server.log()))
+
+    def metric(name: str, **labels: str) -> float:
+        return server.metrics().get((name, frozenset(labels.items())), 0.0)
+
+    before = stopped()
+    barge_ins = metric("vllm_omni:realtime_responses_cancelled_total", reason="turn_detected")
+    sessions = metric("vllm:websocket_connections_total")
     first, cancelled, after = _realtime(server, scenario)
     response_id = next(e["response"]["id"] for e in first if e["type"] == "response.created")
     order = kinds(cancelled)
@@ -761,12 +782,19 @@ def test_realtime_barge_in_cancels_the_playing_response(server):
     assert done["id"] == response_id and done["status"] == "cancelled", done
     assert done["status_details"]["reason"] == "turn_detected"
     assert order.index("input_audio_buffer.speech_started") < len(order) - 1
-    truncated = next(e for e in cancelled if e["type"] == "conversation.item.truncated")
-    assert truncated["item_id"] == done["output"][0]["id"] and truncated["audio_end_ms"] > 0
+    at = order.index("conversation.item.truncated")
+    truncated = cancelled[at]
+    played = len(audio_of(first + cancelled[:at])) // 2  # samples the client got
+    assert truncated["item_id"] == done["output"][0]["id"]
+    assert truncated["audio_end_ms"] == played * 1000 // RATE, (truncated, played)
     assert after[-1]["response"]["status"] == "completed"
     assert "input_audio_buffer.committed" in kinds(after)
-    assert re.search(r"request \S+ cancelled \(client disconnected\) while at stage",
-                     server.log())
+    server.wait_until(lambda: stopped() > before, 30)
+    # /metrics: the barge-in, the session (vLLM's WebSocket metrics), the turn latencies
+    assert metric("vllm_omni:realtime_responses_cancelled_total",
+                  reason="turn_detected") == barge_ins + 1
+    assert metric("vllm:websocket_connections_total") == sessions + 1
+    assert metric("vllm_omni:realtime_turn_latency_seconds_count") >= 1
 
 
 def test_realtime_tool_call_round_trip(server):

@@ -164,12 +164,92 @@ def test_a_response_streams_transcript_and_audio_in_openais_order():
     assert voice == "ethan" and modalities == ("text", "audio")
 
 
+def _metric(name: str, **labels: str) -> float:
+    """A sample of ``prometheus_client``'s default registry (what vLLM's ``/metrics``
+    serves); 0 when it has none yet."""
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def test_a_session_is_metered_and_its_turn_latency_observed():
+    """vLLM's WebSocket metrics count the session (open while it runs, once in the total,
+    its duration), and the response's first audio delta observes one turn latency."""
+    before = {name: _metric(name) for name in (
+        "vllm:websocket_connections_total", "vllm:websocket_connections_active",
+        "vllm:websocket_connection_duration_seconds_count",
+        "vllm_omni:realtime_turn_latency_seconds_count")}
+
+    async def run():
+        client = _Client(_chat_app([]))
+        await client.next()
+        active = _metric("vllm:websocket_connections_active")
+        _user_text(client)
+        await client.until("conversation.item.done")
+        client.send({"type": "response.create"})
+        await client.until("response.done")
+        await client.close()
+        return active
+
+    active = asyncio.run(run())
+    assert active == before["vllm:websocket_connections_active"] + 1
+    after = {name: _metric(name) - value for name, value in before.items()}
+    assert after == {"vllm:websocket_connections_total": 1,
+                     "vllm:websocket_connections_active": 0,
+                     "vllm:websocket_connection_duration_seconds_count": 1,
+                     "vllm_omni:realtime_turn_latency_seconds_count": 1}
+
+
+def test_speech_over_a_playing_answer_cancels_it_as_a_barge_in():
+    """Server VAD on, an answer playing (held after its first audio): the user's speech
+    cancels it (``turn_detected``, its chat handler cancelled, counted as a barge-in in
+    ``vllm_omni:realtime_responses_cancelled_total``); the speech, once over, is
+    committed and answered."""
+    from plugin_tests.realtime_client import chunks, speech_pcm
+
+    cancelled: list = []
+    before = _metric("vllm_omni:realtime_responses_cancelled_total", reason="turn_detected")
+
+    async def run():
+        hold = asyncio.Event()
+        client = _Client(_chat_app([], hold, cancelled))
+        await client.next()
+        client.send({"type": "session.update", "session": {"type": "realtime", "audio": {
+            "input": {"turn_detection": {"type": "server_vad"}}}}})
+        await client.until("session.updated")
+        client.send({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": "hi"}]}})
+        await client.until("conversation.item.done")
+        client.send({"type": "response.create"})
+        await client.until("response.output_audio.delta")
+        for piece in chunks(speech_pcm(before_s=0, after_s=1.0)):
+            client.send({"type": "input_audio_buffer.append", "audio": piece})
+        barged = await client.until("response.done")
+        hold.set()
+        answered = await client.until("response.done")
+        await client.close()
+        return barged, answered
+
+    barged, answered = asyncio.run(run())
+    done = barged[-1]["response"]
+    assert done["status"] == "cancelled", done
+    assert done["status_details"]["reason"] == "turn_detected" and cancelled == [True]
+    assert "input_audio_buffer.speech_started" in [e["type"] for e in barged]
+    assert "input_audio_buffer.committed" in [e["type"] for e in answered]
+    assert answered[-1]["response"]["status"] == "completed"
+    assert _metric("vllm_omni:realtime_responses_cancelled_total",
+                   reason="turn_detected") == before + 1
+
+
 def test_response_cancel_stops_the_chat_and_reports_cancelled():
     """``response.cancel`` while the answer plays: the chat's handler is cancelled (the
     pipeline request with it), the item is left incomplete and ``response.done`` says
-    ``cancelled``; the next response runs."""
+    ``cancelled`` (counted by reason); the next response runs."""
     seen: list = []
     cancelled: list = []
+    before = _metric("vllm_omni:realtime_responses_cancelled_total",
+                     reason="client_cancelled")
 
     async def run():
         hold = asyncio.Event()
@@ -192,6 +272,8 @@ def test_response_cancel_stops_the_chat_and_reports_cancelled():
     assert done["status"] == "cancelled" and done["status_details"]["reason"] == \
         "client_cancelled"
     assert done["output"][0]["status"] == "incomplete" and cancelled == [True]
+    assert _metric("vllm_omni:realtime_responses_cancelled_total",
+                   reason="client_cancelled") == before + 1
     assert again[-1]["response"]["status"] == "completed"
     # the second response's prompt holds the first, cut short, answer
     assert seen[1][0]["messages"][-1] == {"role": "assistant", "content": "Hel"}

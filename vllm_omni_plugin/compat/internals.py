@@ -188,6 +188,21 @@ def served_vllm_config(app) -> Any:
     return getattr(getattr(app, "state", None), "vllm_config", None)
 
 
+def websocket_metrics_middleware():
+    """vLLM's ASGI middleware that counts WebSocket connections in ``/metrics``
+    (``vllm:websocket_connections_active``, ``..._total``,
+    ``vllm:websocket_connection_duration_seconds``), the one vLLM puts in front of its own
+    realtime endpoint: ``vllm.entrypoints.speech_to_text.realtime.metrics:
+    WebSocketMetricsMiddleware`` (vLLM 0.30-0.33), or None where vLLM has none."""
+    try:
+        from vllm.entrypoints.speech_to_text.realtime.metrics import (
+            WebSocketMetricsMiddleware,
+        )
+    except ImportError:
+        return None
+    return WebSocketMetricsMiddleware
+
+
 # -- workers and model runners ----------------------------------------------------------
 def model_runner_of(worker):
     """The model runner of a vLLM worker (``Worker``, ``CPUWorker``): its ``model_runner``,
@@ -515,6 +530,12 @@ INTERNALS: tuple[Internal, ...] = (
              ("self", "hf_config", "architectures")),
     Internal(f"{_HERE}.text_model_config", "vllm.config.model:ModelConfig.hf_text_config",
              ATTRIBUTE),
+    # websocket_metrics_middleware: an ASGI middleware, built with the app it wraps
+    *(Internal(f"{_HERE}.websocket_metrics_middleware",
+               f"vllm.entrypoints.speech_to_text.realtime.metrics:WebSocketMetricsMiddleware."
+               f"{name}", METHOD, params)
+      for name, params in (("__init__", ("self", "app")),
+                           ("__call__", ("self", "scope", "receive", "send")))),
     Internal(f"{_HERE}.served_vllm_config", "vllm.entrypoints", SOURCE,
              ("state.vllm_config = vllm_config",)),
     Internal("vllm_omni_plugin.compat.api_auth.vllm_auth_middleware",

@@ -53,16 +53,19 @@ import asyncio
 import base64
 import binascii
 import json
+import time
 import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from vllm_omni_plugin.compat.internals import websocket_metrics_middleware
 from vllm_omni_plugin.config.settings import OmniSettings, RealtimeSettings
 from vllm_omni_plugin.entrypoints.asgi import vllm_config
 from vllm_omni_plugin.entrypoints.audio_encoding import STREAM_FORMAT, encode_audio
 from vllm_omni_plugin.entrypoints.chat_audio import CHAT_PATH, parse_audio_request, serve_chat
 from vllm_omni_plugin.entrypoints.media_input import MediaLimits, RequestError, check_media
+from vllm_omni_plugin.entrypoints.realtime_metrics import RESPONSES_CANCELLED, TURN_LATENCY
 from vllm_omni_plugin.entrypoints.vad import INPUT_RATE, ServerVad, VadParams
 from vllm_omni_plugin.logger import init_logger
 from vllm_omni_plugin.processors import Voices
@@ -146,7 +149,8 @@ class SessionConfig:
 
 
 class RealtimeEndpoint:
-    """``/v1/realtime`` of one API server: counts its open sessions.
+    """``/v1/realtime`` of one API server: counts its open sessions, and meters each
+    connection with vLLM's WebSocket metrics (:mod:`.realtime_metrics`).
 
     Args:
         app: the ASGI app behind the omni middleware (vLLM's routes).
@@ -155,11 +159,22 @@ class RealtimeEndpoint:
     def __init__(self, app) -> None:
         self.app = app
         self.open = 0
+        self._metered = websocket_metrics_middleware()
 
     async def serve(self, scope, receive, send, voices: Voices | None,
                     media_limits: MediaLimits) -> None:
         """Run one WebSocket connection's session to its end. ``voices`` and
         ``media_limits``: the served model's, as the middleware read them."""
+
+        async def connection(scope, receive, send) -> None:
+            await self._connection(scope, receive, send, voices, media_limits)
+
+        if self._metered is None:
+            return await connection(scope, receive, send)
+        await self._metered(connection)(scope, receive, send)
+
+    async def _connection(self, scope, receive, send, voices: Voices | None,
+                          media_limits: MediaLimits) -> None:
         from starlette.websockets import WebSocket
 
         settings = OmniSettings.from_vllm_config(vllm_config(scope))
@@ -211,6 +226,8 @@ class RealtimeSession:
         self.vad: ServerVad | None = None  # server VAD over the input audio
         self.vad_origin_ms = 0  # the session's input audio (ms) before the detector's
         self.speech_item: str | None = None  # the item id of the speech being detected
+        #: ``time.monotonic()`` of the last commit no response has answered yet
+        self.turn_ended: float | None = None
         self.response: asyncio.Task | None = None
         self.response_run: _ResponseRun | None = None
         self._send_lock = asyncio.Lock()
@@ -421,6 +438,7 @@ class RealtimeSession:
                                 f"least {MIN_COMMIT_MS} ms can be committed",
                                 code="input_audio_buffer_commit_empty")
         pcm, self.audio = bytes(self.audio), bytearray()
+        self.turn_ended = time.monotonic()
         previous = self.items[-1]["id"] if self.items else None
         item = {"id": item_id, "type": "message", "object": "realtime.item",
                 "status": "completed", "role": "user",
@@ -519,7 +537,9 @@ class RealtimeSession:
                 continue
             else:
                 raise RealtimeError(f"response.{key}", "is not supported by this server")
-        run = _ResponseRun(self, modalities, instructions, max_tokens)
+        run = _ResponseRun(self, modalities, instructions, max_tokens,
+                           self.turn_ended or time.monotonic())
+        self.turn_ended = None
         self.response_run = run
         self.response = asyncio.ensure_future(run.run())
 
@@ -565,8 +585,11 @@ class _ResponseRun:
     into Realtime events."""
 
     def __init__(self, session: RealtimeSession, modalities, instructions: str,
-                 max_tokens: int | None) -> None:
+                 max_tokens: int | None, turn_ended: float) -> None:
         self.session = session
+        #: ``time.monotonic()`` at the end of the turn it answers (its commit, else its
+        #: ``response.create``): the start of its turn latency
+        self.turn_ended = turn_ended
         self.id = f"resp_{uuid.uuid4().hex[:20]}"
         self.modalities = tuple(modalities)
         self.audio = "audio" in self.modalities
@@ -691,6 +714,8 @@ class _ResponseRun:
 
     async def on_audio(self, data: str) -> None:
         await self.started()
+        if not self.audio_samples:
+            TURN_LATENCY.observe(time.monotonic() - self.turn_ended)
         self.audio_samples += len(base64.b64decode(data)) // 2
         await self.session.send({"type": "response.output_audio.delta", **self._where(),
                                  "delta": data})
@@ -756,6 +781,7 @@ class _ResponseRun:
         if self.finished:
             return
         self.finished = True
+        RESPONSES_CANCELLED.labels(reason=reason).inc()
         if reason == "client_disconnected":
             return
         if self.item is not None:
