@@ -27,8 +27,10 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Histogram
 
-#: turn latency buckets, seconds: vLLM's time-to-first-token buckets from 50 ms to 40 s
-TURN_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+#: turn latency buckets, seconds: vLLM's time-to-first-token buckets
+#: (``vllm/v1/metrics/buckets.py``) from 40 ms to 80 s
+TURN_LATENCY_BUCKETS = (0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                        40.0, 80.0)
 
 TURN_LATENCY = Histogram(
     "vllm_omni:realtime_turn_latency_seconds",
