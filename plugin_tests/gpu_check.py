@@ -636,16 +636,16 @@ def case_arg(text: str) -> tuple[str, list[str] | None]:
             the BAGEL case (it serves one image request each at two sizes).
     """
     name, _, listed = text.partition(":")
-    names = [c.name for c in CASES]
-    if name not in names:
-        raise argparse.ArgumentTypeError(f"unknown case {name!r}: one of {', '.join(names)}")
+    cases = {c.name: c for c in CASES}
+    if name not in cases:
+        raise argparse.ArgumentTypeError(f"unknown case {name!r}: one of {', '.join(cases)}")
     if not listed:
         return name, None
     scenarios = listed.split(",")
     if unknown := [s for s in scenarios if s not in SCENARIOS]:
         raise argparse.ArgumentTypeError(
             f"case {name}: unknown scenario {unknown[0]!r}: one of {', '.join(SCENARIOS)}")
-    if next(c for c in CASES if c.name == name).pipeline != "qwen3_omni":
+    if cases[name].pipeline != "qwen3_omni":
         raise argparse.ArgumentTypeError(f"case {name} serves no scenarios; name it alone")
     return name, scenarios
 

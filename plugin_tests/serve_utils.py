@@ -216,6 +216,11 @@ class ServeProcess:
             time.sleep(interval)
         raise AssertionError(f"condition not met in {timeout}s; log:\n{self.log()[-4000:]}")
 
+    def metric(self, name: str, **labels) -> float | None:
+        """``/metrics`` sample ``name`` with exactly ``labels`` (values as ``str``), or
+        None when there is none."""
+        return self.metrics().get((name, frozenset((k, str(v)) for k, v in labels.items())))
+
     def replica_metric(self, name: str, stage: int, **labels: str) -> dict[int, float]:
         """``/metrics`` sample ``name`` of each replica of ``stage`` with ``labels``."""
         found = {}

@@ -769,12 +769,10 @@ def test_realtime_barge_in_cancels_the_playing_response(server):
         return len(re.findall(r"request \S+ cancelled \(client disconnected\) while at "
                               "stage", server.log()))
 
-    def metric(name: str, **labels: str) -> float:
-        return server.metrics().get((name, frozenset(labels.items())), 0.0)
-
     before = stopped()
-    barge_ins = metric("vllm_omni:realtime_responses_cancelled_total", reason="turn_detected")
-    sessions = metric("vllm:websocket_connections_total")
+    barge_ins = server.metric("vllm_omni:realtime_responses_cancelled_total",
+                              reason="turn_detected") or 0.0
+    sessions = server.metric("vllm:websocket_connections_total") or 0.0
     first, cancelled, after = _realtime(server, scenario)
     response_id = next(e["response"]["id"] for e in first if e["type"] == "response.created")
     order = kinds(cancelled)
@@ -791,10 +789,10 @@ def test_realtime_barge_in_cancels_the_playing_response(server):
     assert "input_audio_buffer.committed" in kinds(after)
     server.wait_until(lambda: stopped() > before, 30)
     # /metrics: the barge-in, the session (vLLM's WebSocket metrics), the turn latencies
-    assert metric("vllm_omni:realtime_responses_cancelled_total",
-                  reason="turn_detected") == barge_ins + 1
-    assert metric("vllm:websocket_connections_total") == sessions + 1
-    assert metric("vllm_omni:realtime_turn_latency_seconds_count") >= 1
+    assert server.metric("vllm_omni:realtime_responses_cancelled_total",
+                         reason="turn_detected") == barge_ins + 1
+    assert server.metric("vllm:websocket_connections_total") == sessions + 1
+    assert server.metric("vllm_omni:realtime_turn_latency_seconds_count") >= 1
 
 
 def test_realtime_tool_call_round_trip(server):

@@ -99,10 +99,6 @@ def _payload_keys_left(server) -> list[str]:
     return sorted(str(p.relative_to(server.payload_base)) for d in own for p in d.iterdir())
 
 
-def _metric(server, name: str, **labels) -> float | None:
-    return server.metrics().get((name, frozenset((k, str(v)) for k, v in labels.items())))
-
-
 def _assert_no_stack_trace_hint(message: str) -> None:
     assert "stack trace" not in message.lower(), message
 
@@ -256,13 +252,13 @@ def test_streamed_client_disconnect_stops_the_stage_and_cleans_up(server):
             lines = r.iter_lines()
             next(line for line in lines if line.startswith(b"data: "))
             deadline = time.monotonic() + 60
-            while _metric(server, "vllm_omni:replica_requests_running", stage=1,
-                          replica=0, location="local") != 1:
+            while server.metric("vllm_omni:replica_requests_running", stage=1,
+                                replica=0, location="local") != 1:
                 assert time.monotonic() < deadline, "never reached the talker"
         server.wait_for_log(r"request \S+ cancelled \(client disconnected\) "
                             r"while at stage 1 \(talker\)", timeout_s=60)
-        assert _metric(server, "vllm_omni:replica_requests_running", stage=1, replica=0,
-                       location="local") == 0
+        assert server.metric("vllm_omni:replica_requests_running", stage=1, replica=0,
+                             location="local") == 0
     finally:
         os.kill(talker, signal.SIGCONT)
     _assert_alive(server)
@@ -276,7 +272,7 @@ def test_burst_beyond_the_admission_bound_gets_429_while_admitted_finish(server)
     bound is admitted, the rest are refused after the admission timeout, and
     the admitted ones finish once the talker runs again."""
     burst = 3 * TALKER_BOUND
-    refused_before = _metric(server, "vllm_omni:admission_refused_total") or 0
+    refused_before = server.metric("vllm_omni:admission_refused_total") or 0
     responses: list[requests.Response | None] = [None] * burst
     talker = server.engine_pid(1)
 
@@ -292,7 +288,7 @@ def test_burst_beyond_the_admission_bound_gets_429_while_admitted_finish(server)
         while sum(r is not None for r in responses) < burst - TALKER_BOUND:
             assert time.monotonic() < deadline, [r and r.status_code for r in responses]
             time.sleep(0.05)
-        assert _metric(server, "vllm_omni:stage_requests_in_flight", stage=1) == TALKER_BOUND
+        assert server.metric("vllm_omni:stage_requests_in_flight", stage=1) == TALKER_BOUND
     finally:
         os.kill(talker, signal.SIGCONT)
     for t in threads:
@@ -307,10 +303,10 @@ def test_burst_beyond_the_admission_bound_gets_429_while_admitted_finish(server)
         assert int(r.headers["Retry-After"]) >= 1
         error = r.json()["error"]
         assert error["type"] == "RateLimitError" and "stage(s) [1]" in error["message"]
-    refused_total = _metric(server, "vllm_omni:admission_refused_total")
+    refused_total = server.metric("vllm_omni:admission_refused_total")
     assert refused_total == refused_before + len(refused)
-    assert _metric(server, "vllm_omni:stage_requests_in_flight", stage=1) == 0
-    assert _metric(server, "vllm_omni:stage_admission_bound", stage=1) == TALKER_BOUND
+    assert server.metric("vllm_omni:stage_requests_in_flight", stage=1) == 0
+    assert server.metric("vllm_omni:stage_admission_bound", stage=1) == TALKER_BOUND
     assert _payload_keys_left(server) == []
 
 
@@ -376,8 +372,8 @@ def test_killed_idle_talker_is_restarted_and_serves_again(server):
     assert r.status_code == 200, r.text
     server.wait_for_log(r"stage 1 replica 0 .*restarted in [0-9.]+ s", timeout_s=120)
     labels = {"stage": 1, "replica": 0, "location": "local"}
-    assert _metric(server, "vllm_omni:replica_status", **labels, status="up") == 1
-    assert _metric(server, "vllm_omni:replica_restarts_total", **labels) == 1
+    assert server.metric("vllm_omni:replica_status", **labels, status="up") == 1
+    assert server.metric("vllm_omni:replica_restarts_total", **labels) == 1
     assert server.engine_pid(1) != pid
 
 
@@ -392,8 +388,8 @@ def test_talker_killed_mid_request_is_resubmitted_then_recovers(server):
     sender.start()
     try:
         deadline = time.monotonic() + 60
-        while _metric(server, "vllm_omni:replica_requests_running", stage=1, replica=0,
-                      location="local") != 1:
+        while server.metric("vllm_omni:replica_requests_running", stage=1, replica=0,
+                            location="local") != 1:
             assert time.monotonic() < deadline and sender.is_alive(), "never reached the talker"
     finally:
         os.kill(pid, signal.SIGKILL)
@@ -401,7 +397,7 @@ def test_talker_killed_mid_request_is_resubmitted_then_recovers(server):
     r = result["r"]
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["audio"]["data"]
-    assert _metric(server, "vllm_omni:stage_resubmissions_total", stage=1) >= 1
+    assert server.metric("vllm_omni:stage_resubmissions_total", stage=1) >= 1
     server.wait_for_log(r"restarted in [0-9.]+ s; up again(?s:.*)restarted in [0-9.]+ s",
                         timeout_s=120)
     _assert_alive(server)
@@ -417,7 +413,7 @@ def test_dead_stage_without_restarts_fails_audio_at_once_text_keeps_serving(serv
     assert "stage 2 (code2wav): no replica available for stage 2" in message
     assert int(r.headers["Retry-After"]) >= 1
     labels = {"stage": 2, "replica": 0, "location": "local"}
-    assert _metric(server, "vllm_omni:replica_status", **labels, status="down") == 1
+    assert server.metric("vllm_omni:replica_status", **labels, status="down") == 1
     ok = server.chat(server.chat_body())
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"]
     assert requests.get(f"{server.url}/health", timeout=10).status_code == 200
