@@ -1,16 +1,17 @@
 """``scripts/gpu_check.sh``'s dry run on vLLM's CPU build (``python -m
 plugin_tests.gpu_check --cpu``) in the cases this host can run: the thinker on tensor
-parallelism 2 (two worker processes, one core each) on the parity requests (alone and 8
-at once) and the media requests (an image, an audio clip), the whole pipeline in
-bfloat16 (where the CPU computes in it: AVX-512 BF16 or AMX) on the media requests, and
-the tiny BAGEL pipeline (AR, then the DiT with CFG) at 64 and 512 px. Every answer is
-compared with HF transformers teacher-forced along it (``pipeline_reference.agreement``;
-in bfloat16 that is HF's slowest part here, so the bf16 case serves the media requests
-only: ``--cases bf16:media``); BAGEL's images
+parallelism 2 (two worker processes, one core each) and the whole pipeline in bfloat16
+(where the CPU computes in it: AVX-512 BF16 or AMX), each on the media requests (an
+image, an audio clip: ``--cases tp2:media bf16:media``), and the tiny BAGEL pipeline (AR,
+then the DiT with CFG) at 64 and 512 px. Every answer is compared with HF transformers
+teacher-forced along it (``pipeline_reference.agreement``); the parity requests (alone
+and 8 at once), which a GPU run serves too, took the dry run's longest minutes here and
+are the float32 pipeline's parity test on every engine row (test_pipeline_engine.py).
+BAGEL's images
 with the CPU's float32 record the GPU run is compared with
 (``plugin_tests/fixtures/gpu_check/``): this keeps the record current. Each case must
 report the CPU build's modes, and the same reports fail the GPU's expectation. The
-float32 pipeline's parity is test_pipeline_engine.py's."""
+"""
 
 from __future__ import annotations
 
@@ -42,9 +43,6 @@ pytestmark = [pytest.mark.engine, pytest.mark.skipif(
 
 #: the media scenario's answers (an image, an audio clip)
 MEDIA_ANSWERS = 2
-#: the parity scenario's answers (each prompt alone, then 8 at once) and the media
-#: scenario's
-ANSWERS = 4 + 8 + MEDIA_ANSWERS
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +50,8 @@ def dry_run(tmp_path_factory) -> tuple[dict, str]:
     """``(results, report)``: the dry run's JSON results and its printed report."""
     out = tmp_path_factory.mktemp("gpu-check")
     proc = run_process_group(
-        [PYTHON, "-m", "plugin_tests.gpu_check", "--cpu", "--cases", "tp2", "bf16:media", "bagel",
-         "--scenarios", "parity", "media", "--allow-skip", "--json",
+        [PYTHON, "-m", "plugin_tests.gpu_check", "--cpu", "--cases", "tp2:media", "bf16:media",
+         "bagel", "--allow-skip", "--json",
          str(out / "results.json"), "--out", str(out)],
         timeout=2 * ENGINE_TIMEOUT_S, cwd=REPO, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
@@ -70,20 +68,17 @@ def _assert_agree(result: dict, answers: int) -> None:
 
 
 def test_a_tp2_thinker_speaks_as_hf(dry_run):
-    """The thinker on two TP ranks (one publishes): every choice of the text answers is
-    HF's own, in float32, and the media answers agree. Before the fix its worker hung on
-    the first audio request (the publishing rank alone ran the vocabulary-parallel
-    embedding's all-reduce)."""
+    """The thinker on two TP ranks (one publishes), in float32, on the media requests:
+    each choice is HF's own or, in the image answer, trails it by less than
+    gpu_check.media_near_ties. Before the fix its worker hung on the first audio request
+    (the publishing rank alone ran the vocabulary-parallel embedding's all-reduce)."""
     results, report = dry_run
     result = results["tp2"]
     assert result["settings"]["0"]["tensor_parallel_size"] == 2
     assert [s["tensor_parallel_size"] for k, s in result["settings"].items() if k != "0"] \
         == [1, 1]
-    _assert_agree(result, ANSWERS)
-    # every choice of the text answers is HF's own (the image answer's may trail by
-    # gpu_check.media_near_ties)
-    assert result["exact"] - result["media_exact"] == \
-        result["choices"] - result["media_choices"], result["worst"]
+    _assert_agree(result, MEDIA_ANSWERS)
+    assert result["media_choices"] == result["choices"], result  # the media requests only
     assert "tp2   ok" in report
 
 
