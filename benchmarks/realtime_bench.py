@@ -68,7 +68,7 @@ from plugin_tests.realtime_client import (  # noqa: E402
     text_item,
 )
 from vllm_omni_plugin.entrypoints.audio_encoding import encode_audio  # noqa: E402
-from vllm_omni_plugin.entrypoints.realtime import MODEL_RATE  # noqa: E402
+from vllm_omni_plugin.entrypoints.realtime.conversation import MODEL_RATE  # noqa: E402
 
 MODES = ("commit", "VAD", "chat", "barge-in")
 

@@ -1,4 +1,4 @@
-"""The Realtime API session (``entrypoints/realtime.py``) over a scripted WebSocket and
+"""The Realtime API session (``entrypoints/realtime/``) over a scripted WebSocket and
 a scripted chat app standing in for vLLM's handler (the real server: the realtime tests
 in ``e2e/test_e2e_serve.py``). Every server event is checked against the ``openai``
 SDK's ``RealtimeServerEvent`` types."""

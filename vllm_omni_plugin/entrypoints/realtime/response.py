@@ -1,0 +1,301 @@
+"""One Realtime response: a streamed chat completion of the conversation, its deltas
+turned into Realtime server events.
+
+A :class:`ResponseRun` is handed what it needs (the conversation, a ``send`` for its
+events, a ``chat`` that streams one chat completion into it, its parameters) and
+imports no connection. It is the ``sink`` of :meth:`.serving.RealtimeChat.stream`: the
+chat's text arrives through :meth:`ResponseRun.on_text`, speech through
+:meth:`ResponseRun.on_audio`, tool calls through :meth:`ResponseRun.on_tool_call` and
+the token counts through :meth:`ResponseRun.on_usage`.
+
+Events, in OpenAI's order: ``response.created``; with the first output the assistant
+item (``response.output_item.added``, ``conversation.item.added``,
+``response.content_part.added``); the deltas (``response.output_audio_transcript.delta``
+and ``response.output_audio.delta``, or ``response.output_text.delta``); then the item
+closed (``...done`` events) and each tool call as a ``function_call`` item; last
+``response.done`` with status ``completed``, ``cancelled`` or ``failed``.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from vllm_omni_plugin.entrypoints.audio_encoding import STREAM_FORMAT
+from vllm_omni_plugin.entrypoints.realtime import protocol
+from vllm_omni_plugin.entrypoints.realtime.conversation import Conversation
+from vllm_omni_plugin.entrypoints.realtime.metrics import RESPONSES_CANCELLED, TURN_LATENCY
+from vllm_omni_plugin.entrypoints.realtime.protocol import (
+    PCM_FORMAT,
+    RealtimeError,
+    SessionConfig,
+    item_id,
+)
+from vllm_omni_plugin.entrypoints.realtime.vad import INPUT_RATE
+
+
+@dataclass(frozen=True)
+class ResponseParams:
+    """What one response asks of the model: the session's configuration with the
+    ``response.create`` event's overrides."""
+
+    modalities: tuple[str, ...]
+    instructions: str
+    max_tokens: int | None  # None: "inf"
+    voice: str | None
+    tools: tuple[dict, ...] = ()
+    tool_choice: str | dict = "auto"
+    model: str | None = None
+
+    @classmethod
+    def of(cls, config: SessionConfig, overrides: dict, model: str | None) -> ResponseParams:
+        """The session's ``config`` with a ``response.create``'s ``response`` object
+        (``overrides``), for the session's ``model``.
+
+        Raises:
+            RealtimeError: naming an override that is bad or not supported.
+        """
+        chosen = {"modalities": config.output_modalities,
+                  "instructions": config.instructions,
+                  "max_tokens": config.max_output_tokens}
+        for key, value in overrides.items():
+            if key == "output_modalities":
+                chosen["modalities"] = protocol.modalities(value, "response.output_modalities")
+            elif key == "instructions":
+                chosen["instructions"] = protocol.string(value, "response.instructions")
+            elif key == "max_output_tokens":
+                chosen["max_tokens"] = protocol.max_tokens(value, "response.max_output_tokens")
+            elif key not in ("metadata", "conversation"):
+                raise RealtimeError(f"response.{key}", "is not supported by this server")
+        return cls(voice=config.voice, tools=tuple(config.tools),
+                   tool_choice=config.tool_choice, model=model, **chosen)
+
+
+@dataclass(frozen=True)
+class ChatEnd:
+    """How a response's chat completion ended: ``failure`` None when it completed, else
+    the message the response fails with; ``over_length`` when vLLM refused the prompt as
+    longer than the model's context (then ``failure`` is that refusal)."""
+
+    failure: str | None = None
+    over_length: bool = False
+
+
+#: ``chat(body, sink)``: stream one chat completion of ``body`` into ``sink`` (a
+#: :class:`ResponseRun`), returning how it ended (:meth:`.serving.RealtimeChat.stream`)
+Chat = Callable[[dict, "ResponseRun"], Awaitable[ChatEnd]]
+#: ``send(event)``: send one server event
+Send = Callable[[dict], Awaitable[None]]
+
+
+class ResponseRun:
+    """One response (see the module docstring).
+
+    Args:
+        send: sends a server event.
+        conversation: the session's conversation; the response's items join it.
+        session_id: for the log of dropped items.
+        chat: streams one chat completion into the run.
+        params: the response's parameters.
+        turn_ended: ``time.monotonic()`` at the end of the turn it answers (its commit,
+            else its ``response.create``): the start of its turn latency.
+    """
+
+    def __init__(self, send: Send, conversation: Conversation, session_id: str, chat: Chat,
+                 params: ResponseParams, turn_ended: float) -> None:
+        self.send = send
+        self.conversation = conversation
+        self.session_id = session_id
+        self.chat = chat
+        self.params = params
+        self.turn_ended = turn_ended
+        self.id = f"resp_{uuid.uuid4().hex[:20]}"
+        self.audio = "audio" in params.modalities
+        self.item: dict | None = None
+        self.text: list[str] = []
+        self.audio_samples = 0
+        self.calls: dict[int, dict] = {}  # tool call index -> {id, name, arguments}
+        self.usage: dict | None = None
+        self.finished = False
+
+    def _response(self, status: str, details: dict | None = None) -> dict:
+        output = [self.item] if self.item is not None else []
+        output += [call["item"] for call in self.calls.values() if "item" in call]
+        return {"id": self.id, "object": "realtime.response", "status": status,
+                "status_details": details, "output": output,
+                "output_modalities": list(self.params.modalities), "conversation_id": None,
+                "max_output_tokens": self.params.max_tokens or "inf", "metadata": None,
+                "audio": {"output": {"format": dict(PCM_FORMAT), "voice": self.params.voice}},
+                "usage": self.usage}
+
+    async def run(self) -> None:
+        """Answer the conversation as it is. A conversation longer than the model's
+        context loses its oldest items (:meth:`.Conversation.drop_oldest`) until it fits
+        or one item is left."""
+        await self.send({"type": "response.created", "response": self._response("in_progress")})
+        while True:
+            end = await self.chat(self.chat_body(), self)
+            if not end.over_length:
+                break
+            dropped = self.conversation.drop_oldest(self.session_id)
+            if dropped is None:
+                break
+            await self.send(dropped)
+        if end.failure is not None:
+            await self._fail(end.failure)
+        else:
+            await self.completed()
+
+    def chat_body(self) -> dict:
+        """The streamed chat completion request of the conversation as it is."""
+        params = self.params
+        body = {"messages": self.conversation.chat_messages(params.instructions),
+                "stream": True, "stream_options": {"include_usage": True},
+                "modalities": ["text", "audio"] if self.audio else ["text"]}
+        if self.audio:
+            body["audio"] = {"format": STREAM_FORMAT}
+            if params.voice:
+                body["audio"]["voice"] = params.voice
+        if params.model:
+            body["model"] = params.model
+        if params.max_tokens:
+            body["max_completion_tokens"] = params.max_tokens
+        if params.tools:
+            body["tools"] = [{"type": "function", "function": {
+                k: v for k, v in tool.items() if k in ("name", "description", "parameters")}}
+                for tool in params.tools]
+            choice = params.tool_choice
+            body["tool_choice"] = choice if isinstance(choice, str) else {
+                "type": "function", "function": {"name": choice["name"]}}
+        return body
+
+    # -- the chat's deltas ---------------------------------------------------------------
+    async def _started(self) -> None:
+        """The assistant message item and its content part, once output begins."""
+        if self.item is not None:
+            return
+        self.item = {"id": item_id(), "type": "message", "object": "realtime.item",
+                     "status": "in_progress", "role": "assistant", "content": []}
+        previous = self.conversation.append(self.item)
+        await self.send({"type": "response.output_item.added", "response_id": self.id,
+                         "output_index": 0, "item": self.item})
+        await self.send({"type": "conversation.item.added", "previous_item_id": previous,
+                         "item": self.item})
+        await self.send({"type": "response.content_part.added", **self._where(),
+                         "part": self._part()})
+
+    def _where(self) -> dict:
+        return {"response_id": self.id, "item_id": self.item["id"], "output_index": 0,
+                "content_index": 0}
+
+    def _part(self) -> dict:
+        text = "".join(self.text)
+        return {"type": "audio", "transcript": text} if self.audio else \
+            {"type": "text", "text": text}
+
+    async def on_text(self, delta: str) -> None:
+        """A piece of the answer's text (its transcript, when it speaks)."""
+        await self._started()
+        self.text.append(delta)
+        kind = "response.output_audio_transcript.delta" if self.audio \
+            else "response.output_text.delta"
+        await self.send({"type": kind, **self._where(), "delta": delta})
+
+    async def on_audio(self, data: str) -> None:
+        """A chunk of speech: ``data`` base64 of audio/pcm."""
+        await self._started()
+        if not self.audio_samples:
+            TURN_LATENCY.observe(time.monotonic() - self.turn_ended)
+        self.audio_samples += len(base64.b64decode(data)) // 2
+        await self.send({"type": "response.output_audio.delta", **self._where(),
+                         "delta": data})
+
+    async def on_tool_call(self, call: dict) -> None:
+        """Accumulate a chat chunk's ``delta.tool_calls`` entry."""
+        index = int(call.get("index", 0))
+        entry = self.calls.setdefault(index, {"id": None, "name": "", "arguments": ""})
+        entry["id"] = call.get("id") or entry["id"]
+        function = call.get("function") or {}
+        entry["name"] += function.get("name") or ""
+        entry["arguments"] += function.get("arguments") or ""
+
+    def on_usage(self, usage: dict) -> None:
+        """The chat's token counts (OpenAI's chat ``usage``)."""
+        self.usage = {"total_tokens": usage.get("total_tokens", 0),
+                      "input_tokens": usage.get("prompt_tokens", 0),
+                      "output_tokens": usage.get("completion_tokens", 0)}
+
+    # -- the end -------------------------------------------------------------------------
+    async def completed(self) -> None:
+        """The chat completed: close the item, add each tool call's item, and send
+        ``response.done``."""
+        if self.item is not None:
+            await self._close_item("completed")
+        for index, call in sorted(self.calls.items()):
+            item = {"id": item_id(), "type": "function_call", "object": "realtime.item",
+                    "status": "completed", "call_id": call["id"] or f"call_{index}",
+                    "name": call["name"], "arguments": call["arguments"]}
+            call["item"] = item
+            output_index = 1 + index if self.item is not None else index
+            previous = self.conversation.append(item)
+            where = {"response_id": self.id, "output_index": output_index}
+            await self.send({"type": "response.output_item.added", **where, "item": item})
+            await self.send({"type": "conversation.item.added", "previous_item_id": previous,
+                             "item": item})
+            await self.send({"type": "response.function_call_arguments.done", **where,
+                             "item_id": item["id"], "call_id": item["call_id"],
+                             "name": item["name"], "arguments": item["arguments"]})
+            await self.send({"type": "response.output_item.done", **where, "item": item})
+            await self.send({"type": "conversation.item.done", "previous_item_id": previous,
+                             "item": item})
+        self.finished = True
+        await self.send({"type": "response.done", "response": self._response("completed")})
+
+    async def _close_item(self, status: str) -> None:
+        text = "".join(self.text)
+        if self.audio:
+            await self.send({"type": "response.output_audio.done", **self._where()})
+            await self.send({"type": "response.output_audio_transcript.done", **self._where(),
+                             "transcript": text})
+        else:
+            await self.send({"type": "response.output_text.done", **self._where(),
+                             "text": text})
+        await self.send({"type": "response.content_part.done", **self._where(),
+                         "part": self._part()})
+        self.item["status"] = status
+        self.item["content"] = [{"type": "output_audio", "transcript": text}] if self.audio \
+            else [{"type": "output_text", "text": text}]
+        await self.send({"type": "response.output_item.done", "response_id": self.id,
+                         "output_index": 0, "item": self.item})
+        await self.send({"type": "conversation.item.done", "item": self.item})
+
+    async def cancelled(self, reason: str) -> None:
+        """Report the response cancelled (``reason``: ``turn_detected``,
+        ``client_cancelled`` or ``client_disconnected``); on a barge-in
+        (``turn_detected``) the assistant item is truncated where its audio stopped."""
+        if self.finished:
+            return
+        self.finished = True
+        RESPONSES_CANCELLED.labels(reason=reason).inc()
+        if reason == "client_disconnected":
+            return
+        if self.item is not None:
+            await self._close_item("incomplete")
+            if reason == "turn_detected" and self.audio:
+                await self.send(Conversation.truncated(
+                    self.item, 0, self.audio_samples * 1000 // INPUT_RATE))
+        await self.send({"type": "response.done", "response": self._response(
+            "cancelled", {"type": "cancelled", "reason": reason})})
+
+    async def _fail(self, message: str) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        if self.item is not None:
+            await self._close_item("incomplete")
+        await self.send({"type": "response.done", "response": self._response(
+            "failed", {"type": "failed", "error": {"type": "server_error", "code": None,
+                                                   "message": message}})})
