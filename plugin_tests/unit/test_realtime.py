@@ -1,7 +1,7 @@
 """The Realtime API session (``entrypoints/realtime/``) over a scripted WebSocket and
-a scripted chat app standing in for vLLM's handler (the real server: the realtime tests
-in ``e2e/test_e2e_serve.py``). Every server event is checked against the ``openai``
-SDK's ``RealtimeServerEvent`` types."""
+a scripted chat serving standing in for vLLM's (the real server: the realtime tests in
+``e2e/test_e2e_serve.py``). Every server event is checked against the ``openai`` SDK's
+``RealtimeServerEvent`` types."""
 
 from __future__ import annotations
 
@@ -22,57 +22,74 @@ PIECES = [torch.full((480,), 0.25), torch.full((960,), -0.5)]
 WHOLE = torch.cat([*PIECES, torch.full((240,), 0.125)])
 
 
-def _sse(chunk) -> bytes:
-    return b"data: " + (chunk if isinstance(chunk, bytes) else json.dumps(chunk).encode()) \
-        + b"\n\n"
+def _chunk(content, finish=None) -> str:
+    """One SSE event of vLLM's stream: a ``chat.completion.chunk`` with ``content``."""
+    return "data: " + json.dumps({
+        "id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+        "choices": [{"index": 0, "delta": {"content": content},
+                     "finish_reason": finish}]}) + "\n\n"
 
 
-def _chat_app(seen: list, hold: asyncio.Event | None = None, cancelled: list | None = None):
-    """A streamed chat with audio: text "Hel", two streamed pieces of speech, text "lo"
-    (held until ``hold`` is set, when given), then the whole waveform as the result.
-    ``seen`` collects each request's ``(body, voice, modalities)``; ``cancelled`` gets
-    True when the app is cancelled."""
-    async def app(scope, receive, send):
-        body = json.loads((await receive())["body"])
-        request = current_omni_request()
-        seen.append((body, request.voice, request.modalities))
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream")]})
+class _ScriptedChat:
+    """vLLM's chat serving (``create_chat_completion``), scripted: the real one needs an
+    engine (it runs in the realtime tests of ``e2e/test_e2e_serve.py``). A streamed chat
+    with audio: text "Hel", two streamed pieces of speech, text "lo" (held until
+    ``hold`` is set, when given), then the whole waveform as the result. ``seen``
+    collects each request's ``(ChatCompletionRequest, voice, modalities)``;
+    ``cancelled`` gets True when the stream is cancelled. The first ``refuse`` requests
+    are refused as vLLM's renderer refuses a prompt over the model's context."""
 
-        def chunk(content, finish=None):
-            return _sse({"id": "c1", "object": "chat.completion.chunk", "created": 1,
-                         "model": "m", "choices": [{"index": 0, "delta": {"content": content},
-                                                    "finish_reason": finish}]})
+    def __init__(self, seen: list, hold: asyncio.Event | None = None,
+                 cancelled: list | None = None, refuse: int = 0) -> None:
+        self.seen, self.hold, self.cancelled, self.refuse = seen, hold, cancelled, refuse
 
+    @staticmethod
+    def create_error_response(exc):
+        from vllm.entrypoints.serve.engine.serving import BaseServing
+
+        return BaseServing.create_error_response(exc)
+
+    async def create_chat_completion(self, request, raw_request):
+        from vllm.exceptions import VLLMValidationError
+
+        omni = current_omni_request()
+        self.seen.append((request, omni.voice, omni.modalities))
+        if len(self.seen) <= self.refuse:
+            raise VLLMValidationError("This model's maximum context length is 2048 tokens.",
+                                      parameter="input_tokens", value=2049)
+        return self._events(omni)
+
+    async def _events(self, omni):
         try:
-            await send({"type": "http.response.body", "body": chunk("Hel"), "more_body": True})
+            yield _chunk("Hel")
             for piece in PIECES:
-                request.partials.put_nowait({"waveform": piece,
-                                             "sample_rate": torch.tensor([24000])})
-                await request.partials.join()
-            if hold is not None:
-                await hold.wait()
-            request.result = StageResult(output_type="audio", payload={"waveform": WHOLE},
-                                         sample_rate=24000)
-            await send({"type": "http.response.body", "body": chunk("lo", "stop"),
-                        "more_body": True})
-            await send({"type": "http.response.body", "body": _sse({
+                omni.partials.put_nowait({"waveform": piece,
+                                          "sample_rate": torch.tensor([24000])})
+                await asyncio.sleep(0)
+            if self.hold is not None:
+                await self.hold.wait()
+            omni.result = StageResult(output_type="audio", payload={"waveform": WHOLE},
+                                      sample_rate=24000)
+            yield _chunk("lo", "stop")
+            yield "data: " + json.dumps({
                 "id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m",
                 "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 2,
-                                         "total_tokens": 9}}), "more_body": True})
-            await send({"type": "http.response.body", "body": _sse(b"[DONE]"),
-                        "more_body": False})
+                                         "total_tokens": 9}}) + "\n\n"
+            yield "data: [DONE]\n\n"
         except asyncio.CancelledError:
-            if cancelled is not None:
-                cancelled.append(True)
+            if self.cancelled is not None:
+                self.cancelled.append(True)
             raise
-    return app
+
+
+async def _no_http(scope, receive, send):
+    raise AssertionError(f"a realtime session made an HTTP request to {scope.get('path')}")
 
 
 class _Client:
     """The client side of one scripted WebSocket to the middleware."""
 
-    def __init__(self, app, additional_config: dict | None = None) -> None:
+    def __init__(self, serving: _ScriptedChat, additional_config: dict | None = None) -> None:
         from openai.types.realtime import RealtimeServerEvent
         from pydantic import TypeAdapter
 
@@ -85,12 +102,12 @@ class _Client:
             speaker_id={"Ethan": 2302, "Chelsie": 2301}))
         state = SimpleNamespace(vllm_config=SimpleNamespace(
             model_config=SimpleNamespace(hf_config=hf_config),
-            additional_config=additional_config or {}))
+            additional_config=additional_config or {}), openai_serving_chat=serving)
         scope = {"type": "websocket", "path": REALTIME_PATH, "query_string": b"model=m",
                  "headers": [], "scheme": "ws", "server": ("127.0.0.1", 8000),
                  "client": ("127.0.0.1", 5555), "subprotocols": [],
                  "app": SimpleNamespace(state=state)}
-        self.task = asyncio.ensure_future(OmniApiMiddleware(app)(
+        self.task = asyncio.ensure_future(OmniApiMiddleware(_no_http)(
             scope, self.incoming.get, self.outgoing.put))
 
     def send(self, event: dict) -> None:
@@ -132,7 +149,7 @@ def test_a_response_streams_transcript_and_audio_in_openais_order():
     seen: list = []
 
     async def run():
-        client = _Client(_chat_app(seen))
+        client = _Client(_ScriptedChat(seen))
         assert (await client.next())["type"] == "session.created"
         _user_text(client)
         await client.until("conversation.item.done")
@@ -158,9 +175,9 @@ def test_a_response_streams_transcript_and_audio_in_openais_order():
     done = events[-1]["response"]
     assert transcript == "Hello" == done["output"][0]["content"][0]["transcript"]
     assert done["status"] == "completed" and done["usage"]["input_tokens"] == 7
-    ((body, voice, modalities),) = seen
-    assert body["messages"] == [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
-    assert body["max_completion_tokens"] == 8 and body["stream"] is True
+    ((request, voice, modalities),) = seen
+    assert request.messages == [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    assert request.max_completion_tokens == 8 and request.stream is True
     assert voice == "ethan" and modalities == ("text", "audio")
 
 
@@ -181,7 +198,7 @@ def test_a_session_is_metered_and_its_turn_latency_observed():
         "vllm_omni:realtime_turn_latency_seconds_count")}
 
     async def run():
-        client = _Client(_chat_app([]))
+        client = _Client(_ScriptedChat([]))
         await client.next()
         active = _metric("vllm:websocket_connections_active")
         _user_text(client)
@@ -212,7 +229,7 @@ def test_speech_over_a_playing_answer_cancels_it_as_a_barge_in():
 
     async def run():
         hold = asyncio.Event()
-        client = _Client(_chat_app([], hold, cancelled))
+        client = _Client(_ScriptedChat([], hold, cancelled))
         await client.next()
         client.send({"type": "session.update", "session": {"type": "realtime", "audio": {
             "input": {"turn_detection": {"type": "server_vad"}}}}})
@@ -253,7 +270,7 @@ def test_response_cancel_stops_the_chat_and_reports_cancelled():
 
     async def run():
         hold = asyncio.Event()
-        client = _Client(_chat_app(seen, hold, cancelled))
+        client = _Client(_ScriptedChat(seen, hold, cancelled))
         await client.next()
         _user_text(client)
         await client.until("conversation.item.done")
@@ -276,7 +293,34 @@ def test_response_cancel_stops_the_chat_and_reports_cancelled():
                    reason="client_cancelled") == before + 1
     assert again[-1]["response"]["status"] == "completed"
     # the second response's prompt holds the first, cut short, answer
-    assert seen[1][0]["messages"][-1] == {"role": "assistant", "content": "Hel"}
+    assert seen[1][0].messages[-1] == {"role": "assistant", "content": "Hel"}
+
+
+def test_a_conversation_over_the_context_drops_its_oldest_items_until_it_fits():
+    """vLLM refuses the first two prompts as over the model's context (``input_tokens``):
+    the two oldest items are dropped (``conversation.item.deleted``) and the third prompt,
+    the newest item alone, is answered."""
+    seen: list = []
+
+    async def run():
+        client = _Client(_ScriptedChat(seen, refuse=2))
+        await client.next()
+        ids = []
+        for text in ("one", "two", "three"):
+            client.send({"type": "conversation.item.create", "item": {
+                "type": "message", "role": "user",
+                "content": [{"type": "input_text", "text": text}]}})
+            ids.append((await client.until("conversation.item.done"))[-1]["item"]["id"])
+        client.send({"type": "response.create"})
+        events = await client.until("response.done")
+        await client.close()
+        return ids, events
+
+    ids, events = asyncio.run(run())
+    assert [e["item_id"] for e in events if e["type"] == "conversation.item.deleted"] == \
+        ids[:2]
+    assert events[-1]["response"]["status"] == "completed"
+    assert [len(request.messages) for request, _, _ in seen] == [3, 2, 1]
 
 
 @pytest.mark.parametrize("event, param", [
@@ -294,7 +338,7 @@ def test_response_cancel_stops_the_chat_and_reports_cancelled():
 ])
 def test_a_refused_event_names_its_field_and_the_session_goes_on(event, param):
     async def run():
-        client = _Client(_chat_app([]))
+        client = _Client(_ScriptedChat([]))
         await client.next()
         client.send({**event, "event_id": "evt_1"})
         error = await client.next()
@@ -326,7 +370,7 @@ def test_an_append_past_the_input_audio_limit_is_refused_and_the_buffer_kept():
     """--omni-realtime-max-input-audio 1: 0.8 s fit, 0.4 s more are refused naming the
     buffer and its limit; the 0.8 s are still there to commit (800 ms)."""
     async def run():
-        client = _Client(_chat_app([]), _limited(1.0))
+        client = _Client(_ScriptedChat([]), _limited(1.0))
         await client.next()
         client.send({"type": "session.update", "session": {"type": "realtime", "audio": {
             "input": {"turn_detection": None}}}})
@@ -358,7 +402,7 @@ def test_with_server_vad_silence_does_not_fill_the_input_audio_buffer():
     (the buffer keeps only the prefix padding while nobody speaks); without VAD the same
     audio is refused once past the limit."""
     async def run(turn_detection):
-        client = _Client(_chat_app([]), _limited(1.0))
+        client = _Client(_ScriptedChat([]), _limited(1.0))
         await client.next()
         client.send({"type": "session.update", "session": {"type": "realtime", "audio": {
             "input": {"turn_detection": turn_detection}}}})

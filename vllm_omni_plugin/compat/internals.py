@@ -188,6 +188,32 @@ def served_vllm_config(app) -> Any:
     return getattr(getattr(app, "state", None), "vllm_config", None)
 
 
+def chat_serving(app) -> Any:
+    """vLLM's chat completion serving (``OpenAIServingChat``) of its API server's ASGI
+    ``app``: the handler behind ``/v1/chat/completions``, whose
+    ``create_chat_completion(request, raw_request=None)`` answers a
+    ``ChatCompletionRequest`` with an async generator of SSE events (streamed), a
+    response, or an ``ErrorResponse``, and whose ``create_error_response(exc)`` (a
+    static method of vLLM's ``BaseServing``) makes what it raised the ``ErrorResponse``
+    vLLM's route answers with. None for another app, or a model without chat.
+
+    Reads ``app.state.openai_serving_chat``, which vLLM's ``init_app_state`` sets
+    (``vllm/entrypoints/generate/api_router.py``, vLLM 0.30-0.33).
+    """
+    return getattr(getattr(app, "state", None), "openai_serving_chat", None)
+
+
+def chat_completion_types() -> tuple[type, type]:
+    """``(ChatCompletionRequest, ErrorResponse)``: vLLM's request model of
+    ``/v1/chat/completions`` (``vllm.entrypoints.openai.chat_completion.protocol``) and
+    its error answer (``vllm.entrypoints.serve.engine.protocol``, with ``error.code``,
+    ``error.message`` and ``error.param``), vLLM 0.30-0.33."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+    return ChatCompletionRequest, ErrorResponse
+
+
 def websocket_metrics_middleware():
     """vLLM's ASGI middleware that counts WebSocket connections in ``/metrics``
     (``vllm:websocket_connections_active``, ``..._total``,
@@ -538,6 +564,21 @@ INTERNALS: tuple[Internal, ...] = (
                            ("__call__", ("self", "scope", "receive", "send")))),
     Internal(f"{_HERE}.served_vllm_config", "vllm.entrypoints", SOURCE,
              ("state.vllm_config = vllm_config",)),
+    Internal(f"{_HERE}.chat_serving", "vllm.entrypoints", SOURCE,
+             ("state.openai_serving_chat = ",)),
+    Internal(f"{_HERE}.chat_serving",
+             "vllm.entrypoints.openai.chat_completion.serving:"
+             "OpenAIServingChat.create_chat_completion", METHOD,
+             ("self", "request", "raw_request")),
+    Internal(f"{_HERE}.chat_serving",
+             "vllm.entrypoints.serve.engine.serving:BaseServing.create_error_response", METHOD,
+             ("message", "err_type", "status_code", "param")),
+    *(Internal(f"{_HERE}.chat_completion_types",
+               f"vllm.entrypoints.openai.chat_completion.protocol:ChatCompletionRequest.{name}",
+               FIELD) for name in ("messages", "stream")),
+    *(Internal(f"{_HERE}.chat_completion_types",
+               f"vllm.entrypoints.serve.engine.protocol:ErrorInfo.{name}", FIELD)
+      for name in ("message", "param", "code")),
     Internal("vllm_omni_plugin.compat.api_auth.vllm_auth_middleware",
              "vllm.entrypoints.serve.middleware.register:init_entrypoints_middleware", SOURCE,
              ("app.add_middleware(AuthenticationMiddleware, tokens=tokens)",

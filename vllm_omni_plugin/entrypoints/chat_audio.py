@@ -45,12 +45,8 @@ from vllm_omni_plugin.entrypoints.asgi import (
     send_failure,
     sse,
 )
-from vllm_omni_plugin.entrypoints.audio_encoding import (
-    AUDIO_FORMATS,
-    STREAM_FORMAT,
-    encode_audio,
-    sample_rate_of,
-)
+from vllm_omni_plugin.entrypoints.audio_encoding import AUDIO_FORMATS, STREAM_FORMAT, encode_audio
+from vllm_omni_plugin.entrypoints.chat_stream import AudioDelta, ChatFailure, SpokenAnswer
 from vllm_omni_plugin.entrypoints.media_input import RequestError
 from vllm_omni_plugin.processors.hookspecs import MAX_VOICE_CHARS
 
@@ -206,10 +202,9 @@ class AudioStream:
         self._buffer = b""
         self._transcript: list[str] = []
         self._transcript_sent = 0  # pieces of _transcript sent with audio
-        self._samples_sent = 0
+        self._spoken = SpokenAnswer(request)
         self._audio_id = f"audio_{uuid.uuid4().hex}"
         self._chunk: dict = {}  # id, created, model of vLLM's chunks
-        self._done = False  # all audio or the error sent
         self._closed = False
 
     async def __call__(self, message) -> None:
@@ -260,11 +255,10 @@ class AudioStream:
             payload = await partials.get()
             await self._started.wait()
             async with self._lock:
-                if self._done or self._closed:
+                delta = self._spoken.chunk(payload)
+                if delta is None or self._closed:
                     return
-                samples = payload["waveform"]
-                event = self._audio_event(samples, sample_rate_of(payload))
-                self._samples_sent += samples.shape[0]
+                event = self._audio_event(delta)
                 try:
                     await self._send({"type": "http.response.body", "body": event,
                                       "more_body": True})
@@ -290,7 +284,7 @@ class AudioStream:
         delta = choices[0].get("delta") or {}
         if delta.get("content"):
             self._transcript.append(delta["content"])
-        if not choices[0].get("finish_reason") or self._done:
+        if not choices[0].get("finish_reason") or self._spoken.done:
             return [event]
         events = []
         if delta.get("content"):
@@ -303,22 +297,19 @@ class AudioStream:
     def _audio_or_error(self) -> list[bytes]:
         """The last audio chunk (the waveform's samples not sent yet, ``expires_at``), or
         the error event."""
-        result = self._request.result
-        if self._done or result is None:
+        rest = self._spoken.rest()
+        if rest is None:
             return []
-        self._done = True
-        if result.error:
-            return [b"data: " + error_body(result.error, result.status) + b"\n\n"]
-        rest = result.payload["waveform"][self._samples_sent:]
-        return [self._audio_event(rest, result.sample_rate,
-                                  expires_at=int(time.time()) + AUDIO_EXPIRY_S)]
+        if isinstance(rest, ChatFailure):
+            return [b"data: " + error_body(rest.message, rest.status) + b"\n\n"]
+        return [self._audio_event(rest, expires_at=int(time.time()) + AUDIO_EXPIRY_S)]
 
-    def _audio_event(self, samples, sample_rate: int, expires_at: int | None = None) -> bytes:
-        """One ``delta.audio`` chunk of ``samples`` (``[n]`` float) as ``pcm16``."""
+    def _audio_event(self, delta: AudioDelta, expires_at: int | None = None) -> bytes:
+        """One ``delta.audio`` chunk of ``delta``'s samples as ``pcm16``."""
         transcript = "".join(self._transcript[self._transcript_sent:])
         self._transcript_sent = len(self._transcript)
         audio = {"id": self._audio_id,
-                 "data": base64.b64encode(encode_audio(samples.numpy(), sample_rate,
+                 "data": base64.b64encode(encode_audio(delta.samples, delta.rate,
                                                        self._format)).decode("ascii"),
                  "transcript": transcript}
         if expires_at is not None:

@@ -94,7 +94,7 @@ class OmniApiMiddleware:
 
     def __init__(self, app):
         self.app = app
-        self.realtime = RealtimeEndpoint(app)
+        self.realtime = RealtimeEndpoint()
         self._limits: MediaLimits | None = None
         self._voices: Voices | None | object = _UNSET
         #: :meth:`_serve` behind vLLM's API-key check, built at the first request (when

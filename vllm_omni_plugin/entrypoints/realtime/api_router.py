@@ -31,14 +31,9 @@ REALTIME_PATH = "/v1/realtime"
 
 class RealtimeEndpoint:
     """``/v1/realtime`` of one API server: counts its open sessions, and meters each
-    connection with vLLM's WebSocket metrics.
+    connection with vLLM's WebSocket metrics."""
 
-    Args:
-        app: the ASGI app behind the omni middleware (vLLM's routes).
-    """
-
-    def __init__(self, app) -> None:
-        self.app = app
+    def __init__(self) -> None:
         self.open = 0
         self._metered = websocket_metrics_middleware()
 
@@ -73,7 +68,7 @@ class RealtimeEndpoint:
             return
         self.open += 1
         try:
-            chat = RealtimeChat(self.app, scope, media_limits)
+            chat = RealtimeChat(scope.get("app"), media_limits)
             await RealtimeConnection(ws, chat, limits, voices).run()
         finally:
             self.open -= 1

@@ -4,9 +4,10 @@ turned into Realtime server events.
 A :class:`ResponseRun` is handed what it needs (the conversation, a ``send`` for its
 events, a ``chat`` that streams one chat completion into it, its parameters) and
 imports no connection. It is the ``sink`` of :meth:`.serving.RealtimeChat.stream`: the
-chat's text arrives through :meth:`ResponseRun.on_text`, speech through
-:meth:`ResponseRun.on_audio`, tool calls through :meth:`ResponseRun.on_tool_call` and
-the token counts through :meth:`ResponseRun.on_usage`.
+chat's typed deltas (:mod:`~vllm_omni_plugin.entrypoints.chat_stream`) arrive as its
+text (:meth:`ResponseRun.on_text`), speech samples (:meth:`ResponseRun.on_audio`, encoded
+once, here), tool call pieces (:meth:`ResponseRun.on_tool_call`) and token counts
+(:meth:`ResponseRun.on_usage`).
 
 Events, in OpenAI's order: ``response.created``; with the first output the assistant
 item (``response.output_item.added``, ``conversation.item.added``,
@@ -24,7 +25,10 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from vllm_omni_plugin.entrypoints.audio_encoding import STREAM_FORMAT
+import numpy as np
+
+from vllm_omni_plugin.entrypoints.audio_encoding import STREAM_FORMAT, encode_audio
+from vllm_omni_plugin.entrypoints.chat_stream import ToolCallDelta, UsageDelta
 from vllm_omni_plugin.entrypoints.realtime import protocol
 from vllm_omni_plugin.entrypoints.realtime.conversation import Conversation
 from vllm_omni_plugin.entrypoints.realtime.metrics import RESPONSES_CANCELLED, TURN_LATENCY
@@ -204,29 +208,31 @@ class ResponseRun:
             else "response.output_text.delta"
         await self.send({"type": kind, **self._where(), "delta": delta})
 
-    async def on_audio(self, data: str) -> None:
-        """A chunk of speech: ``data`` base64 of audio/pcm."""
+    async def on_audio(self, samples: np.ndarray, rate: int) -> None:
+        """A piece of speech: ``samples`` ``[n]`` float32 at ``rate`` Hz (the pipeline's,
+        24 kHz for Qwen3-Omni: passed through as audio/pcm, not resampled), sent as one
+        ``response.output_audio.delta`` of base64 pcm16, encoded here once."""
+        if not len(samples):
+            return
         await self._started()
         if not self.audio_samples:
             TURN_LATENCY.observe(time.monotonic() - self.turn_ended)
-        self.audio_samples += len(base64.b64decode(data)) // 2
+        self.audio_samples += len(samples)
+        data = base64.b64encode(encode_audio(samples, rate, STREAM_FORMAT)).decode("ascii")
         await self.send({"type": "response.output_audio.delta", **self._where(),
                          "delta": data})
 
-    async def on_tool_call(self, call: dict) -> None:
-        """Accumulate a chat chunk's ``delta.tool_calls`` entry."""
-        index = int(call.get("index", 0))
-        entry = self.calls.setdefault(index, {"id": None, "name": "", "arguments": ""})
-        entry["id"] = call.get("id") or entry["id"]
-        function = call.get("function") or {}
-        entry["name"] += function.get("name") or ""
-        entry["arguments"] += function.get("arguments") or ""
+    def on_tool_call(self, piece: ToolCallDelta) -> None:
+        """Accumulate a piece of a tool call."""
+        entry = self.calls.setdefault(piece.index, {"id": None, "name": "", "arguments": ""})
+        entry["id"] = piece.id or entry["id"]
+        entry["name"] += piece.name
+        entry["arguments"] += piece.arguments
 
-    def on_usage(self, usage: dict) -> None:
-        """The chat's token counts (OpenAI's chat ``usage``)."""
-        self.usage = {"total_tokens": usage.get("total_tokens", 0),
-                      "input_tokens": usage.get("prompt_tokens", 0),
-                      "output_tokens": usage.get("completion_tokens", 0)}
+    def on_usage(self, usage: UsageDelta) -> None:
+        """The chat's token counts."""
+        self.usage = {"total_tokens": usage.total_tokens, "input_tokens": usage.prompt_tokens,
+                      "output_tokens": usage.completion_tokens}
 
     # -- the end -------------------------------------------------------------------------
     async def completed(self) -> None:
