@@ -323,6 +323,29 @@ def test_a_conversation_over_the_context_drops_its_oldest_items_until_it_fits():
     assert [len(request.messages) for request, _, _ in seen] == [3, 2, 1]
 
 
+def test_an_assistant_text_part_comes_back_as_output_text_and_reaches_the_prompt():
+    """An assistant item created with a ``text`` part (the beta API's name): reported as
+    ``output_text`` (the SDK's type, which every event here is validated against), and
+    in the next prompt as the assistant's turn."""
+    seen: list = []
+
+    async def run():
+        client = _Client(_ScriptedChat(seen))
+        await client.next()
+        client.send({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "assistant",
+            "content": [{"type": "text", "text": "earlier"}]}})
+        added = (await client.until("conversation.item.added"))[-1]
+        client.send({"type": "response.create"})
+        await client.until("response.done")
+        await client.close()
+        return added
+
+    added = asyncio.run(run())
+    assert added["item"]["content"] == [{"type": "output_text", "text": "earlier"}]
+    assert seen[0][0].messages == [{"role": "assistant", "content": "earlier"}]
+
+
 @pytest.mark.parametrize("event, param", [
     ({"type": "session.update", "session": {"type": "realtime", "output_modalities":
                                             ["audio", "text"]}},

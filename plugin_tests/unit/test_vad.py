@@ -1,6 +1,6 @@
 """The Realtime API's input audio: server VAD (``entrypoints/realtime/vad.py``, Silero through its
 streaming wrapper, fed 24 kHz pcm16 resampled to 16 kHz) and the 24 -> 16 kHz WAV a user
-audio item becomes in every later prompt (``realtime.conversation.input_audio_part``).
+audio item becomes in every later prompt (``realtime.conversation.chat_audio_part``).
 
 The speech is the fixture the end-to-end tests send (``fixtures/speech/hello.flac``,
 2.76 s of eSpeak NG): where it starts and ends is measured from its samples here (the
@@ -83,18 +83,15 @@ def test_silence_is_no_speech_and_a_stop_waits_for_enough_of_it():
 
 def test_a_user_audio_item_becomes_a_16_khz_wav_of_the_same_sound():
     """A 1 kHz tone of 1 s at 24 kHz: the WAV of its chat part is at 16 kHz, 1 s long, and
-    its strongest frequency is still 1 kHz (rates swapped, it would be 1.5 s and 667 Hz);
-    the item keeps the client's own base64."""
-    from vllm_omni_plugin.entrypoints.realtime.conversation import MODEL_RATE, input_audio_part
+    its strongest frequency is still 1 kHz (rates swapped, it would be 1.5 s and 667 Hz)."""
+    from vllm_omni_plugin.entrypoints.realtime.conversation import MODEL_RATE, chat_audio_part
 
     t = np.arange(INPUT_RATE) / INPUT_RATE
     pcm = (0.5 * np.sin(2 * np.pi * 1000 * t) * 32767).astype("<i2").tobytes()
-    given = base64.b64encode(pcm).decode()
-    part = input_audio_part(given, pcm)
-    assert part["type"] == "input_audio" and part["audio"] == given
-    wav, rate = sf.read(io.BytesIO(base64.b64decode(part["chat"]["input_audio"]["data"])),
+    part = chat_audio_part(pcm)
+    assert part["type"] == "input_audio" and part["input_audio"]["format"] == "wav"
+    wav, rate = sf.read(io.BytesIO(base64.b64decode(part["input_audio"]["data"])),
                         dtype="float32")
-    assert part["chat"]["input_audio"]["format"] == "wav"
     assert rate == MODEL_RATE == 16000
     assert abs(len(wav) - MODEL_RATE) <= 1, len(wav)
     spectrum = np.abs(np.fft.rfft(wav))

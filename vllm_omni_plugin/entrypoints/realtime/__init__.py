@@ -7,7 +7,8 @@ vLLM's own realtime entrypoint (``vllm/entrypoints/speech_to_text/realtime/``):
 * :mod:`.api_router`: the route's entry (session limit, vLLM's WebSocket metrics);
 * :mod:`.connection`: one session: client events, the input audio buffer, server VAD,
   barge-in, the responses' lifecycle;
-* :mod:`.protocol`: constants, errors, the session configuration and the field checks;
+* :mod:`.protocol`: constants, errors and the server events as typed models;
+* :mod:`.session_config`: what ``session.update`` sets, and the client's field checks;
 * :mod:`.conversation`: the items, their edits and their chat form;
 * :mod:`.response`: one response, chat deltas in, Realtime events out;
 * :mod:`.serving`: the model work, each response a streamed chat completion with audio

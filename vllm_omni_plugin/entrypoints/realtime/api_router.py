@@ -8,8 +8,6 @@ The omni middleware routes the path here after vLLM's own checks (the API key) p
 
 from __future__ import annotations
 
-import json
-
 from vllm_omni_plugin.compat.internals import websocket_metrics_middleware
 from vllm_omni_plugin.config.settings import OmniSettings, RealtimeSettings
 from vllm_omni_plugin.entrypoints.asgi import vllm_config
@@ -18,6 +16,7 @@ from vllm_omni_plugin.entrypoints.realtime.connection import RealtimeConnection
 from vllm_omni_plugin.entrypoints.realtime.protocol import (
     CLOSE_TRY_AGAIN_LATER,
     RealtimeError,
+    encode,
     error_event,
 )
 from vllm_omni_plugin.entrypoints.realtime.serving import RealtimeChat
@@ -60,7 +59,7 @@ class RealtimeEndpoint:
         if self.open >= limits.max_sessions:
             logger.warning("realtime session refused: %d sessions are open "
                            "(--omni-realtime-max-sessions)", self.open)
-            await ws.send_text(json.dumps(error_event(RealtimeError(
+            await ws.send_text(encode(error_event(RealtimeError(
                 None, f"the server has {self.open} realtime sessions open, its limit "
                 "(--omni-realtime-max-sessions); try again later",
                 code="session_limit_reached"))))

@@ -25,7 +25,7 @@ import time
 import uuid
 
 from vllm_omni_plugin.config.settings import RealtimeSettings
-from vllm_omni_plugin.entrypoints.realtime import protocol
+from vllm_omni_plugin.entrypoints.realtime import session_config
 from vllm_omni_plugin.entrypoints.realtime.conversation import (
     Conversation,
     conversation_item,
@@ -35,14 +35,21 @@ from vllm_omni_plugin.entrypoints.realtime.protocol import (
     CLOSE_NORMAL,
     MAX_EVENT_BYTES,
     MIN_COMMIT_MS,
+    Event,
+    InputAudioCleared,
+    InputAudioCommitted,
     RealtimeError,
-    SessionConfig,
+    SessionCreated,
+    SessionUpdated,
+    SpeechStarted,
+    SpeechStopped,
+    encode,
     error_event,
-    event_id,
     item_id,
 )
-from vllm_omni_plugin.entrypoints.realtime.response import ResponseParams, ResponseRun
+from vllm_omni_plugin.entrypoints.realtime.response import ResponseRun
 from vllm_omni_plugin.entrypoints.realtime.serving import RealtimeChat
+from vllm_omni_plugin.entrypoints.realtime.session_config import ResponseParams, SessionConfig
 from vllm_omni_plugin.entrypoints.realtime.vad import INPUT_RATE, ServerVad
 from vllm_omni_plugin.logger import init_logger
 from vllm_omni_plugin.processors import Voices
@@ -90,8 +97,7 @@ class RealtimeConnection:
         code 1000). A running response is cancelled on the way out."""
         from starlette.websockets import WebSocketDisconnect
 
-        await self.send({"type": "session.created",
-                         "session": self.config.as_dict(self.id, self.model)})
+        await self.send(SessionCreated(session=self.config.as_dict(self.id, self.model)))
         try:
             while True:
                 try:
@@ -113,16 +119,15 @@ class RealtimeConnection:
         finally:
             await self._cancel_response("client_disconnected")
 
-    async def send(self, event: dict) -> None:
-        """Send one server event (an ``event_id`` is added); a closed socket is ignored."""
-        event.setdefault("event_id", event_id())
+    async def send(self, event: Event) -> None:
+        """Send one server event; a closed socket is ignored."""
         async with self._send_lock:
             try:
-                await self.ws.send_text(json.dumps(event))
+                await self.ws.send_text(encode(event))
             except Exception:  # the client went away: run() sees the disconnect
                 pass
 
-    async def _send_all(self, events: list[dict]) -> None:
+    async def _send_all(self, events: list[Event]) -> None:
         for event in events:
             await self.send(event)
 
@@ -159,7 +164,7 @@ class RealtimeConnection:
 
     # -- session.update ----------------------------------------------------------------
     async def _session_update(self, event: dict) -> None:
-        session = protocol.object_field(event, "session")
+        session = session_config.object_field(event, "session")
         changes: dict = {}
         for key, value in session.items():
             if key in ("type", "model", "object", "id"):
@@ -167,19 +172,19 @@ class RealtimeConnection:
                     raise RealtimeError("session.type", f"{value!r} is not supported; this "
                                         "server runs \"realtime\" sessions")
             elif key == "instructions":
-                changes["instructions"] = protocol.string(value, "session.instructions")
+                changes["instructions"] = session_config.string(value, "session.instructions")
             elif key == "output_modalities":
-                changes["output_modalities"] = protocol.modalities(
+                changes["output_modalities"] = session_config.modalities(
                     value, "session.output_modalities")
             elif key == "audio":
-                changes.update(protocol.audio_config(
-                    protocol.object_field(session, "audio", "session"), self.voices))
+                changes.update(session_config.audio_config(
+                    session_config.object_field(session, "audio", "session"), self.voices))
             elif key == "tools":
-                changes["tools"] = protocol.tools(value)
+                changes["tools"] = session_config.tools(value)
             elif key == "tool_choice":
-                changes["tool_choice"] = protocol.tool_choice(value, "session.tool_choice")
+                changes["tool_choice"] = session_config.tool_choice(value, "session.tool_choice")
             elif key == "max_output_tokens":
-                changes["max_output_tokens"] = protocol.max_tokens(
+                changes["max_output_tokens"] = session_config.max_tokens(
                     value, "session.max_output_tokens")
             elif key in ("tracing", "include", "prompt", "truncation"):
                 continue  # accepted and not applied (the SDK may send them)
@@ -189,8 +194,7 @@ class RealtimeConnection:
             setattr(self.config, name, value)
         if "turn_detection" in changes:  # a new detector with the next audio
             self.vad, self.speech_item = None, None
-        await self.send({"type": "session.updated",
-                         "session": self.config.as_dict(self.id, self.model)})
+        await self.send(SessionUpdated(session=self.config.as_dict(self.id, self.model)))
 
     # -- input audio ---------------------------------------------------------------------
     async def _append(self, event: dict) -> None:
@@ -234,16 +238,14 @@ class RealtimeConnection:
 
     async def _speech_started(self, ms: int) -> None:
         self.speech_item = item_id()
-        await self.send({"type": "input_audio_buffer.speech_started", "audio_start_ms": ms,
-                         "item_id": self.speech_item})
+        await self.send(SpeechStarted(audio_start_ms=ms, item_id=self.speech_item))
         detection = self.config.turn_detection
         if detection is not None and detection.interrupt_response:
             await self._cancel_response("turn_detected")
 
     async def _speech_stopped(self, ms: int) -> None:
         speech_item, self.speech_item = self.speech_item, None
-        await self.send({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": ms,
-                         "item_id": speech_item})
+        await self.send(SpeechStopped(audio_end_ms=ms, item_id=speech_item))
         await self._commit(speech_item)
         detection = self.config.turn_detection
         if detection is not None and detection.create_response:
@@ -261,19 +263,21 @@ class RealtimeConnection:
                                 code="input_audio_buffer_commit_empty")
         pcm, self.audio = bytes(self.audio), bytearray()
         self.turn_ended = time.monotonic()
-        await self.send({"type": "input_audio_buffer.committed", "item_id": committed,
-                         "previous_item_id": self.conversation.last_id()})
-        await self._send_all(self.conversation.add(user_audio_item(committed, pcm)))
+        await self.send(InputAudioCommitted(item_id=committed,
+                                            previous_item_id=self.conversation.last_id()))
+        item, audio = user_audio_item(committed, pcm)
+        await self._send_all(self.conversation.add(item, audio))
 
     async def _clear(self, event: dict) -> None:
         self.audio = bytearray()
-        await self.send({"type": "input_audio_buffer.cleared"})
+        await self.send(InputAudioCleared())
 
     # -- conversation items --------------------------------------------------------------
     async def _item_create(self, event: dict) -> None:
-        item = conversation_item(protocol.object_field(event, "item"))
+        item, audio = conversation_item(session_config.object_field(event, "item"))
         previous = event.get("previous_item_id")
-        await self._send_all(self.conversation.add(item, previous, insert=previous is not None))
+        await self._send_all(self.conversation.add(item, audio, previous,
+                                                   insert=previous is not None))
 
     async def _item_delete(self, event: dict) -> None:
         await self.send(self.conversation.delete(event.get("item_id")))

@@ -1,6 +1,9 @@
-"""The Realtime API's wire protocol as this server speaks it: constants, the error event,
-the session configuration that ``session.update`` sets, and the checks of the client's
-fields (each failure a :class:`RealtimeError` naming the field).
+"""The Realtime API's wire protocol as this server speaks it: constants, the error a
+refused client event gets, and the server events as typed models (msgspec ``Struct``s
+tagged by their ``type``, encoded by :func:`encode`): the conversation items and their
+content parts, the response object, and one model per server event. Each model holds
+what goes on the wire and nothing else; ``plugin_tests/unit/test_realtime_protocol.py``
+checks every one against the installed ``openai`` SDK's ``RealtimeServerEvent``.
 
 Audio in and out is ``audio/pcm``: 16-bit little-endian mono at 24 kHz
 (:data:`~.vad.INPUT_RATE`), OpenAI's only ``audio/pcm`` rate.
@@ -9,10 +12,11 @@ Audio in and out is ``audio/pcm``: 16-bit little-endian mono at 24 kHz
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field
+from typing import Any
 
-from vllm_omni_plugin.entrypoints.realtime.vad import INPUT_RATE, VadParams
-from vllm_omni_plugin.processors import Voices
+import msgspec
+
+from vllm_omni_plugin.entrypoints.realtime.vad import INPUT_RATE
 
 #: OpenAI's limit on one client event (an ``input_audio_buffer.append`` of 15 MiB).
 MAX_EVENT_BYTES = 15 * 1024 * 1024
@@ -47,199 +51,297 @@ def item_id() -> str:
     return f"item_{uuid.uuid4().hex[:20]}"
 
 
-def error_event(exc: RealtimeError, client_event_id: str | None = None) -> dict:
+def error_event(exc: RealtimeError, client_event_id: str | None = None) -> ErrorEvent:
     """The ``error`` server event for ``exc``, answering the client event
     ``client_event_id`` (None: no event, or one without an id)."""
     kind = "server_error" if exc.code == "server_error" else "invalid_request_error"
-    return {"type": "error", "event_id": event_id(), "error": {
-        "type": kind, "code": exc.code, "message": str(exc),
-        "param": exc.param, "event_id": client_event_id}}
+    return ErrorEvent(error=ErrorDetail(kind, exc.code, str(exc), exc.param, client_event_id))
 
 
-@dataclass
-class TurnDetection:
-    """``server_vad`` turn detection of a session (see :mod:`.vad`)."""
-
-    vad: VadParams = field(default_factory=VadParams)
-    create_response: bool = True
-    interrupt_response: bool = True
-
-    def as_dict(self) -> dict:
-        """The ``turn_detection`` object of the session (``type`` ``server_vad``)."""
-        return {"type": "server_vad", "threshold": self.vad.threshold,
-                "prefix_padding_ms": self.vad.prefix_padding_ms,
-                "silence_duration_ms": self.vad.silence_duration_ms,
-                "create_response": self.create_response,
-                "interrupt_response": self.interrupt_response}
+_ENCODER = msgspec.json.Encoder()
 
 
-@dataclass
-class SessionConfig:
-    """What ``session.update`` sets (OpenAI's defaults)."""
-
-    voice: str | None  # None: the model has no voices
-    instructions: str = ""
-    output_modalities: tuple[str, ...] = ("audio",)
-    turn_detection: TurnDetection | None = field(default_factory=TurnDetection)
-    tools: list[dict] = field(default_factory=list)
-    tool_choice: str | dict = "auto"
-    max_output_tokens: int | None = None  # None: "inf"
-
-    def as_dict(self, session_id: str, model: str | None) -> dict:
-        """The session object of ``session.created`` / ``session.updated``."""
-        return {
-            "type": "realtime", "object": "realtime.session", "id": session_id,
-            "model": model, "instructions": self.instructions,
-            "output_modalities": list(self.output_modalities),
-            "audio": {"input": {"format": dict(PCM_FORMAT), "turn_detection":
-                                self.turn_detection.as_dict() if self.turn_detection else None},
-                      "output": {"format": dict(PCM_FORMAT), "voice": self.voice}},
-            "tools": self.tools, "tool_choice": self.tool_choice,
-            "max_output_tokens": self.max_output_tokens or "inf"}
+def encode(event: Event) -> str:
+    """The JSON text of one server event."""
+    return _ENCODER.encode(event).decode()
 
 
-# -- field checks ------------------------------------------------------------------------
-def object_field(parent: dict, key: str, where: str | None = None) -> dict:
-    """``parent[key]``, which must be an object (``where``: the parent's own name)."""
-    value = parent.get(key)
-    if not isinstance(value, dict):
-        raise RealtimeError(f"{where}.{key}" if where else key, "must be an object")
-    return value
+# -- content parts and conversation items ------------------------------------------------
+class InputText(msgspec.Struct, tag="input_text", tag_field="type"):
+    """A user's or system's text."""
+
+    text: str
 
 
-def string(value, where: str) -> str:
-    """``value``, which must be a string (``where``: the field it is)."""
-    if not isinstance(value, str):
-        raise RealtimeError(where, "must be a string")
-    return value
+class InputAudio(msgspec.Struct, tag="input_audio", tag_field="type"):
+    """A user's audio: its bytes are not sent back (the client has them)."""
+
+    transcript: str | None = None
 
 
-def modalities(value, where: str) -> tuple[str, ...]:
-    """``output_modalities``: ``["audio"]`` or ``["text"]``."""
-    if value not in (["audio"], ["text"]):
-        raise RealtimeError(where, f"must be [\"audio\"] or [\"text\"], got {value!r}"[:200])
-    return tuple(value)
+class OutputText(msgspec.Struct, tag="output_text", tag_field="type"):
+    """The text of a text answer."""
+
+    text: str
 
 
-def max_tokens(value, where: str) -> int | None:
-    """An ``max_output_tokens`` value: an integer, or ``"inf"`` (None)."""
-    if value == "inf":
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) \
-            or not 1 <= value <= MAX_OUTPUT_TOKENS:
-        raise RealtimeError(where, f"must be an integer from 1 to {MAX_OUTPUT_TOKENS}, or "
-                            "\"inf\"")
-    return value
+class OutputAudio(msgspec.Struct, tag="output_audio", tag_field="type"):
+    """A spoken answer, as its transcript."""
+
+    transcript: str
 
 
-def check_format(value, where: str) -> None:
-    """An ``audio.input/output.format``: ``audio/pcm`` at :data:`INPUT_RATE` only."""
-    if not isinstance(value, dict) or value.get("type") != "audio/pcm":
-        kind = value.get("type") if isinstance(value, dict) else value
-        raise RealtimeError(f"{where}.type", f"{str(kind)[:40]!r} is not supported; the "
-                            f"audio format is audio/pcm (16-bit mono at {INPUT_RATE} Hz)")
-    if value.get("rate", INPUT_RATE) != INPUT_RATE:
-        raise RealtimeError(f"{where}.rate", f"audio/pcm is {INPUT_RATE} Hz here, got "
-                            f"{str(value.get('rate'))[:20]}")
+class Text(msgspec.Struct, tag="text", tag_field="type"):
+    """The part of a text answer in ``response.content_part.*``."""
+
+    text: str
 
 
-def turn_detection(value, where: str) -> TurnDetection | None:
-    """``audio.input.turn_detection``: ``server_vad`` with its parameters, or null."""
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise RealtimeError(where, "must be an object or null")
-    if value.get("type", "server_vad") != "server_vad":
-        raise RealtimeError(f"{where}.type", f"{str(value.get('type'))[:40]!r} is not "
-                            "supported; use \"server_vad\" or null")
-    defaults = VadParams()
-    threshold = value.get("threshold", defaults.threshold)
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) \
-            or not 0.0 <= threshold <= 1.0:
-        raise RealtimeError(f"{where}.threshold", "must be a number from 0 to 1")
-    ms = {}
-    for name in ("prefix_padding_ms", "silence_duration_ms"):
-        got = value.get(name, getattr(defaults, name))
-        if isinstance(got, bool) or not isinstance(got, int) or not 0 <= got <= 10000:
-            raise RealtimeError(f"{where}.{name}", "must be an integer from 0 to 10000")
-        ms[name] = got
-    flags = {}
-    for name in ("create_response", "interrupt_response"):
-        got = value.get(name, True)
-        if not isinstance(got, bool):
-            raise RealtimeError(f"{where}.{name}", "must be true or false")
-        flags[name] = got
-    for name in value:
-        if name not in ("type", "threshold", "prefix_padding_ms", "silence_duration_ms",
-                        "create_response", "interrupt_response", "idle_timeout_ms"):
-            raise RealtimeError(f"{where}.{name}", "is not supported")
-    return TurnDetection(VadParams(float(threshold), **ms), **flags)
+class Audio(msgspec.Struct, tag="audio", tag_field="type"):
+    """The part of a spoken answer in ``response.content_part.*``."""
+
+    transcript: str
 
 
-def tools(value) -> list[dict]:
-    """``session.tools``: function tools (``name``, ``description``, ``parameters``)."""
-    if not isinstance(value, list):
-        raise RealtimeError("session.tools", "must be a list of function tools")
-    checked = []
-    for i, tool in enumerate(value):
-        where = f"session.tools[{i}]"
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            raise RealtimeError(f"{where}.type", "only \"function\" tools are supported")
-        if not isinstance(tool.get("name"), str) or not tool["name"]:
-            raise RealtimeError(f"{where}.name", "must be a non-empty string")
-        if not isinstance(tool.get("parameters", {}), dict):
-            raise RealtimeError(f"{where}.parameters", "must be a JSON schema object")
-        checked.append({k: tool[k] for k in ("type", "name", "description", "parameters")
-                        if k in tool})
-    return checked
+ContentPart = InputText | InputAudio | OutputText | OutputAudio
 
 
-def tool_choice(value, where: str) -> str | dict:
-    """``tool_choice``: ``auto``, ``none``, ``required`` or one function by name."""
-    if value in ("auto", "none", "required"):
-        return value
-    if isinstance(value, dict) and value.get("type") == "function" \
-            and isinstance(value.get("name"), str):
-        return {"type": "function", "name": value["name"]}
-    raise RealtimeError(where, "must be \"auto\", \"none\", \"required\" or "
-                        "{\"type\": \"function\", \"name\": ...}")
+class MessageItem(msgspec.Struct, tag="message", tag_field="type", kw_only=True):
+    """A ``message`` item: a user, system or assistant turn."""
+
+    id: str
+    role: str  # user, system, assistant
+    content: list[ContentPart]
+    status: str = "completed"  # in_progress, completed, incomplete
+    object: str = "realtime.item"
 
 
-def audio_config(audio: dict, voices: Voices | None) -> dict:
-    """The :class:`SessionConfig` changes of a ``session.update``'s ``session.audio``
-    (``voices``: the served model's, None when it has none)."""
-    changes: dict = {}
-    for side, value in audio.items():
-        if side not in ("input", "output"):
-            raise RealtimeError(f"session.audio.{side}", "is not supported")
-        if not isinstance(value, dict):
-            raise RealtimeError(f"session.audio.{side}", "must be an object")
-        for key, setting in value.items():
-            where = f"session.audio.{side}.{key}"
-            if key == "format":
-                check_format(setting, where)
-            elif side == "input" and key == "turn_detection":
-                changes["turn_detection"] = turn_detection(setting, where)
-            elif side == "output" and key == "voice":
-                changes["voice"] = voice(setting, where, voices)
-            elif side == "output" and key == "speed":
-                if setting != 1.0:
-                    raise RealtimeError(where, "only 1.0 is supported")
-            elif side == "input" and key in ("transcription", "noise_reduction"):
-                if setting is not None:
-                    raise RealtimeError(where, "is not supported (use null)")
-            else:
-                raise RealtimeError(where, "is not supported")
-    return changes
+class FunctionCallItem(msgspec.Struct, tag="function_call", tag_field="type", kw_only=True):
+    """A ``function_call`` item: a tool call the model made."""
+
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: str = "completed"
+    object: str = "realtime.item"
 
 
-def voice(value, where: str, voices: Voices | None) -> str:
-    """``audio.output.voice``: one of ``voices`` (its canonical name)."""
-    if not isinstance(value, str) or not value.strip():
-        raise RealtimeError(where, "must be a non-empty voice name")
-    if voices is None:
-        raise RealtimeError(where, "the served model has no voices")
-    try:
-        return voices.resolve(value)
-    except ValueError as exc:
-        raise RealtimeError(where, str(exc)) from exc
+class FunctionCallOutputItem(msgspec.Struct, tag="function_call_output", tag_field="type",
+                             kw_only=True):
+    """A ``function_call_output`` item: the client's answer to a tool call."""
+
+    id: str
+    call_id: str
+    output: str
+    status: str = "completed"
+    object: str = "realtime.item"
+
+
+Item = MessageItem | FunctionCallItem | FunctionCallOutputItem
+
+
+class Usage(msgspec.Struct):
+    """A response's token counts."""
+
+    total_tokens: int
+    input_tokens: int
+    output_tokens: int
+
+
+class Response(msgspec.Struct, kw_only=True):
+    """The ``realtime.response`` object of ``response.created`` / ``response.done``."""
+
+    id: str
+    status: str  # in_progress, completed, cancelled, failed
+    output: list[Item]
+    output_modalities: list[str]
+    max_output_tokens: int | str  # "inf"
+    audio: dict[str, Any]
+    status_details: dict[str, Any] | None = None
+    usage: Usage | None = None
+    object: str = "realtime.response"
+    conversation_id: None = None
+    metadata: None = None
+
+
+# -- server events -------------------------------------------------------------------------
+class Event(msgspec.Struct, tag_field="type", kw_only=True):
+    """A server event; its ``type`` is the subclass's tag."""
+
+    event_id: str = msgspec.field(default_factory=event_id)
+
+
+class ErrorDetail(msgspec.Struct):
+    """The ``error`` object of an ``error`` event."""
+
+    type: str  # invalid_request_error, server_error
+    code: str
+    message: str
+    param: str | None
+    event_id: str | None  # the client event refused
+
+
+class ErrorEvent(Event, tag="error"):
+    """``error``: a client event refused, naming its field; the session lives on."""
+
+    error: ErrorDetail
+
+
+class SessionCreated(Event, tag="session.created"):
+    """``session.created``: the session object, first event of a connection."""
+
+    session: dict[str, Any]
+
+
+class SessionUpdated(Event, tag="session.updated"):
+    """``session.updated``: the session object after a ``session.update``."""
+
+    session: dict[str, Any]
+
+
+class SpeechStarted(Event, tag="input_audio_buffer.speech_started"):
+    """``input_audio_buffer.speech_started``: server VAD heard speech begin."""
+
+    audio_start_ms: int
+    item_id: str
+
+
+class SpeechStopped(Event, tag="input_audio_buffer.speech_stopped"):
+    """``input_audio_buffer.speech_stopped``: server VAD heard speech end."""
+
+    audio_end_ms: int
+    item_id: str
+
+
+class InputAudioCommitted(Event, tag="input_audio_buffer.committed"):
+    """``input_audio_buffer.committed``: the buffer became a user item."""
+
+    item_id: str
+    previous_item_id: str | None
+
+
+class InputAudioCleared(Event, tag="input_audio_buffer.cleared"):
+    """``input_audio_buffer.cleared``."""
+
+
+class ItemAdded(Event, tag="conversation.item.added"):
+    """``conversation.item.added``."""
+
+    item: Item
+    previous_item_id: str | None = None
+
+
+class ItemDone(Event, tag="conversation.item.done"):
+    """``conversation.item.done``."""
+
+    item: Item
+    previous_item_id: str | None = None
+
+
+class ItemDeleted(Event, tag="conversation.item.deleted"):
+    """``conversation.item.deleted``."""
+
+    item_id: str
+
+
+class ItemTruncated(Event, tag="conversation.item.truncated"):
+    """``conversation.item.truncated``: an assistant's audio cut where it stopped."""
+
+    item_id: str
+    content_index: int
+    audio_end_ms: int
+
+
+class ResponseCreated(Event, tag="response.created"):
+    """``response.created``."""
+
+    response: Response
+
+
+class ResponseDone(Event, tag="response.done"):
+    """``response.done``: completed, cancelled or failed."""
+
+    response: Response
+
+
+class OutputItemAdded(Event, tag="response.output_item.added"):
+    """``response.output_item.added``."""
+
+    response_id: str
+    output_index: int
+    item: Item
+
+
+class OutputItemDone(Event, tag="response.output_item.done"):
+    """``response.output_item.done``."""
+
+    response_id: str
+    output_index: int
+    item: Item
+
+
+class FunctionCallArgumentsDone(Event, tag="response.function_call_arguments.done"):
+    """``response.function_call_arguments.done``: a whole tool call."""
+
+    response_id: str
+    output_index: int
+    item_id: str
+    call_id: str
+    name: str
+    arguments: str
+
+
+class InContent(Event, kw_only=True):
+    """An event about one content part of a response's message item."""
+
+    response_id: str
+    item_id: str
+    output_index: int = 0
+    content_index: int = 0
+
+
+class ContentPartAdded(InContent, tag="response.content_part.added"):
+    """``response.content_part.added``."""
+
+    part: Audio | Text
+
+
+class ContentPartDone(InContent, tag="response.content_part.done"):
+    """``response.content_part.done``."""
+
+    part: Audio | Text
+
+
+class AudioTranscriptDelta(InContent, tag="response.output_audio_transcript.delta"):
+    """``response.output_audio_transcript.delta``."""
+
+    delta: str
+
+
+class AudioTranscriptDone(InContent, tag="response.output_audio_transcript.done"):
+    """``response.output_audio_transcript.done``."""
+
+    transcript: str
+
+
+class TextDelta(InContent, tag="response.output_text.delta"):
+    """``response.output_text.delta``."""
+
+    delta: str
+
+
+class TextDone(InContent, tag="response.output_text.done"):
+    """``response.output_text.done``."""
+
+    text: str
+
+
+class AudioDelta(InContent, tag="response.output_audio.delta"):
+    """``response.output_audio.delta``: base64 of audio/pcm."""
+
+    delta: str
+
+
+class AudioDone(InContent, tag="response.output_audio.done"):
+    """``response.output_audio.done``."""

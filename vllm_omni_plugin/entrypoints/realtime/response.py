@@ -29,53 +29,38 @@ import numpy as np
 
 from vllm_omni_plugin.entrypoints.audio_encoding import STREAM_FORMAT, encode_audio
 from vllm_omni_plugin.entrypoints.chat_stream import ToolCallDelta, UsageDelta
-from vllm_omni_plugin.entrypoints.realtime import protocol
 from vllm_omni_plugin.entrypoints.realtime.conversation import Conversation
 from vllm_omni_plugin.entrypoints.realtime.metrics import RESPONSES_CANCELLED, TURN_LATENCY
 from vllm_omni_plugin.entrypoints.realtime.protocol import (
     PCM_FORMAT,
-    RealtimeError,
-    SessionConfig,
+    Audio,
+    AudioDelta,
+    AudioDone,
+    AudioTranscriptDelta,
+    AudioTranscriptDone,
+    ContentPartAdded,
+    ContentPartDone,
+    Event,
+    FunctionCallArgumentsDone,
+    FunctionCallItem,
+    ItemAdded,
+    ItemDone,
+    MessageItem,
+    OutputAudio,
+    OutputItemAdded,
+    OutputItemDone,
+    OutputText,
+    Response,
+    ResponseCreated,
+    ResponseDone,
+    Text,
+    TextDelta,
+    TextDone,
+    Usage,
     item_id,
 )
+from vllm_omni_plugin.entrypoints.realtime.session_config import ResponseParams
 from vllm_omni_plugin.entrypoints.realtime.vad import INPUT_RATE
-
-
-@dataclass(frozen=True)
-class ResponseParams:
-    """What one response asks of the model: the session's configuration with the
-    ``response.create`` event's overrides."""
-
-    modalities: tuple[str, ...]
-    instructions: str
-    max_tokens: int | None  # None: "inf"
-    voice: str | None
-    tools: tuple[dict, ...] = ()
-    tool_choice: str | dict = "auto"
-    model: str | None = None
-
-    @classmethod
-    def of(cls, config: SessionConfig, overrides: dict, model: str | None) -> ResponseParams:
-        """The session's ``config`` with a ``response.create``'s ``response`` object
-        (``overrides``), for the session's ``model``.
-
-        Raises:
-            RealtimeError: naming an override that is bad or not supported.
-        """
-        chosen = {"modalities": config.output_modalities,
-                  "instructions": config.instructions,
-                  "max_tokens": config.max_output_tokens}
-        for key, value in overrides.items():
-            if key == "output_modalities":
-                chosen["modalities"] = protocol.modalities(value, "response.output_modalities")
-            elif key == "instructions":
-                chosen["instructions"] = protocol.string(value, "response.instructions")
-            elif key == "max_output_tokens":
-                chosen["max_tokens"] = protocol.max_tokens(value, "response.max_output_tokens")
-            elif key not in ("metadata", "conversation"):
-                raise RealtimeError(f"response.{key}", "is not supported by this server")
-        return cls(voice=config.voice, tools=tuple(config.tools),
-                   tool_choice=config.tool_choice, model=model, **chosen)
 
 
 @dataclass(frozen=True)
@@ -92,7 +77,7 @@ class ChatEnd:
 #: :class:`ResponseRun`), returning how it ended (:meth:`.serving.RealtimeChat.stream`)
 Chat = Callable[[dict, "ResponseRun"], Awaitable[ChatEnd]]
 #: ``send(event)``: send one server event
-Send = Callable[[dict], Awaitable[None]]
+Send = Callable[[Event], Awaitable[None]]
 
 
 class ResponseRun:
@@ -118,28 +103,29 @@ class ResponseRun:
         self.turn_ended = turn_ended
         self.id = f"resp_{uuid.uuid4().hex[:20]}"
         self.audio = "audio" in params.modalities
-        self.item: dict | None = None
+        self.item: MessageItem | None = None
         self.text: list[str] = []
         self.audio_samples = 0
         self.calls: dict[int, dict] = {}  # tool call index -> {id, name, arguments}
-        self.usage: dict | None = None
+        self.call_items: list[FunctionCallItem] = []
+        self.usage: Usage | None = None
         self.finished = False
 
-    def _response(self, status: str, details: dict | None = None) -> dict:
+    def _response(self, status: str, details: dict | None = None) -> Response:
         output = [self.item] if self.item is not None else []
-        output += [call["item"] for call in self.calls.values() if "item" in call]
-        return {"id": self.id, "object": "realtime.response", "status": status,
-                "status_details": details, "output": output,
-                "output_modalities": list(self.params.modalities), "conversation_id": None,
-                "max_output_tokens": self.params.max_tokens or "inf", "metadata": None,
-                "audio": {"output": {"format": dict(PCM_FORMAT), "voice": self.params.voice}},
-                "usage": self.usage}
+        return Response(id=self.id, status=status, status_details=details,
+                        output=[*output, *self.call_items],
+                        output_modalities=list(self.params.modalities),
+                        max_output_tokens=self.params.max_tokens or "inf",
+                        audio={"output": {"format": dict(PCM_FORMAT),
+                                          "voice": self.params.voice}},
+                        usage=self.usage)
 
     async def run(self) -> None:
         """Answer the conversation as it is. A conversation longer than the model's
         context loses its oldest items (:meth:`.Conversation.drop_oldest`) until it fits
         or one item is left."""
-        await self.send({"type": "response.created", "response": self._response("in_progress")})
+        await self.send(ResponseCreated(response=self._response("in_progress")))
         while True:
             end = await self.chat(self.chat_body(), self)
             if not end.over_length:
@@ -181,32 +167,26 @@ class ResponseRun:
         """The assistant message item and its content part, once output begins."""
         if self.item is not None:
             return
-        self.item = {"id": item_id(), "type": "message", "object": "realtime.item",
-                     "status": "in_progress", "role": "assistant", "content": []}
+        self.item = MessageItem(id=item_id(), role="assistant", content=[],
+                                status="in_progress")
         previous = self.conversation.append(self.item)
-        await self.send({"type": "response.output_item.added", "response_id": self.id,
-                         "output_index": 0, "item": self.item})
-        await self.send({"type": "conversation.item.added", "previous_item_id": previous,
-                         "item": self.item})
-        await self.send({"type": "response.content_part.added", **self._where(),
-                         "part": self._part()})
+        await self.send(OutputItemAdded(response_id=self.id, output_index=0, item=self.item))
+        await self.send(ItemAdded(item=self.item, previous_item_id=previous))
+        await self.send(ContentPartAdded(**self._where(), part=self._part()))
 
     def _where(self) -> dict:
-        return {"response_id": self.id, "item_id": self.item["id"], "output_index": 0,
-                "content_index": 0}
+        return {"response_id": self.id, "item_id": self.item.id}
 
-    def _part(self) -> dict:
+    def _part(self) -> Audio | Text:
         text = "".join(self.text)
-        return {"type": "audio", "transcript": text} if self.audio else \
-            {"type": "text", "text": text}
+        return Audio(text) if self.audio else Text(text)
 
     async def on_text(self, delta: str) -> None:
         """A piece of the answer's text (its transcript, when it speaks)."""
         await self._started()
         self.text.append(delta)
-        kind = "response.output_audio_transcript.delta" if self.audio \
-            else "response.output_text.delta"
-        await self.send({"type": kind, **self._where(), "delta": delta})
+        kind = AudioTranscriptDelta if self.audio else TextDelta
+        await self.send(kind(**self._where(), delta=delta))
 
     async def on_audio(self, samples: np.ndarray, rate: int) -> None:
         """A piece of speech: ``samples`` ``[n]`` float32 at ``rate`` Hz (the pipeline's,
@@ -219,8 +199,7 @@ class ResponseRun:
             TURN_LATENCY.observe(time.monotonic() - self.turn_ended)
         self.audio_samples += len(samples)
         data = base64.b64encode(encode_audio(samples, rate, STREAM_FORMAT)).decode("ascii")
-        await self.send({"type": "response.output_audio.delta", **self._where(),
-                         "delta": data})
+        await self.send(AudioDelta(**self._where(), delta=data))
 
     def on_tool_call(self, piece: ToolCallDelta) -> None:
         """Accumulate a piece of a tool call."""
@@ -231,8 +210,8 @@ class ResponseRun:
 
     def on_usage(self, usage: UsageDelta) -> None:
         """The chat's token counts."""
-        self.usage = {"total_tokens": usage.total_tokens, "input_tokens": usage.prompt_tokens,
-                      "output_tokens": usage.completion_tokens}
+        self.usage = Usage(total_tokens=usage.total_tokens, input_tokens=usage.prompt_tokens,
+                           output_tokens=usage.completion_tokens)
 
     # -- the end -------------------------------------------------------------------------
     async def completed(self) -> None:
@@ -241,42 +220,34 @@ class ResponseRun:
         if self.item is not None:
             await self._close_item("completed")
         for index, call in sorted(self.calls.items()):
-            item = {"id": item_id(), "type": "function_call", "object": "realtime.item",
-                    "status": "completed", "call_id": call["id"] or f"call_{index}",
-                    "name": call["name"], "arguments": call["arguments"]}
-            call["item"] = item
+            item = FunctionCallItem(id=item_id(), call_id=call["id"] or f"call_{index}",
+                                    name=call["name"], arguments=call["arguments"])
+            self.call_items.append(item)
             output_index = 1 + index if self.item is not None else index
             previous = self.conversation.append(item)
             where = {"response_id": self.id, "output_index": output_index}
-            await self.send({"type": "response.output_item.added", **where, "item": item})
-            await self.send({"type": "conversation.item.added", "previous_item_id": previous,
-                             "item": item})
-            await self.send({"type": "response.function_call_arguments.done", **where,
-                             "item_id": item["id"], "call_id": item["call_id"],
-                             "name": item["name"], "arguments": item["arguments"]})
-            await self.send({"type": "response.output_item.done", **where, "item": item})
-            await self.send({"type": "conversation.item.done", "previous_item_id": previous,
-                             "item": item})
+            await self.send(OutputItemAdded(**where, item=item))
+            await self.send(ItemAdded(item=item, previous_item_id=previous))
+            await self.send(FunctionCallArgumentsDone(
+                **where, item_id=item.id, call_id=item.call_id, name=item.name,
+                arguments=item.arguments))
+            await self.send(OutputItemDone(**where, item=item))
+            await self.send(ItemDone(item=item, previous_item_id=previous))
         self.finished = True
-        await self.send({"type": "response.done", "response": self._response("completed")})
+        await self.send(ResponseDone(response=self._response("completed")))
 
     async def _close_item(self, status: str) -> None:
         text = "".join(self.text)
         if self.audio:
-            await self.send({"type": "response.output_audio.done", **self._where()})
-            await self.send({"type": "response.output_audio_transcript.done", **self._where(),
-                             "transcript": text})
+            await self.send(AudioDone(**self._where()))
+            await self.send(AudioTranscriptDone(**self._where(), transcript=text))
         else:
-            await self.send({"type": "response.output_text.done", **self._where(),
-                             "text": text})
-        await self.send({"type": "response.content_part.done", **self._where(),
-                         "part": self._part()})
-        self.item["status"] = status
-        self.item["content"] = [{"type": "output_audio", "transcript": text}] if self.audio \
-            else [{"type": "output_text", "text": text}]
-        await self.send({"type": "response.output_item.done", "response_id": self.id,
-                         "output_index": 0, "item": self.item})
-        await self.send({"type": "conversation.item.done", "item": self.item})
+            await self.send(TextDone(**self._where(), text=text))
+        await self.send(ContentPartDone(**self._where(), part=self._part()))
+        self.item.status = status
+        self.item.content = [OutputAudio(text) if self.audio else OutputText(text)]
+        await self.send(OutputItemDone(response_id=self.id, output_index=0, item=self.item))
+        await self.send(ItemDone(item=self.item))
 
     async def cancelled(self, reason: str) -> None:
         """Report the response cancelled (``reason``: ``turn_detected``,
@@ -293,8 +264,8 @@ class ResponseRun:
             if reason == "turn_detected" and self.audio:
                 await self.send(Conversation.truncated(
                     self.item, 0, self.audio_samples * 1000 // INPUT_RATE))
-        await self.send({"type": "response.done", "response": self._response(
-            "cancelled", {"type": "cancelled", "reason": reason})})
+        await self.send(ResponseDone(response=self._response(
+            "cancelled", {"type": "cancelled", "reason": reason})))
 
     async def _fail(self, message: str) -> None:
         if self.finished:
@@ -302,6 +273,6 @@ class ResponseRun:
         self.finished = True
         if self.item is not None:
             await self._close_item("incomplete")
-        await self.send({"type": "response.done", "response": self._response(
+        await self.send(ResponseDone(response=self._response(
             "failed", {"type": "failed", "error": {"type": "server_error", "code": None,
-                                                   "message": message}})})
+                                                   "message": message}})))
