@@ -26,6 +26,9 @@ import numpy as np
 from vllm_omni_plugin.compat.internals import chat_completion_types
 from vllm_omni_plugin.engine.omni_request import OmniRequest, omni_request_scope
 from vllm_omni_plugin.entrypoints.audio_encoding import sample_rate_of
+from vllm_omni_plugin.logger import init_logger
+
+logger = init_logger(__name__)
 
 #: the ``param`` of vLLM's refusal of a prompt longer than the model's context: its
 #: renderer counts the prompt's tokens (or, for text, bounds its characters) before the
@@ -201,6 +204,8 @@ async def stream_chat(serving, body: dict, request: OmniRequest) -> AsyncIterato
             put_rest()
         except Exception as exc:  # what vLLM's route would answer for it: its refusals
             answer = serving.create_error_response(exc)  # by status and field, others 500
+            if answer.error.code >= 500 and not (request.result and request.result.error):
+                logger.exception("a chat completion run in process failed")
             out.put_nowait(failure(ChatFailure(answer.error.code, answer.error.message,
                                                answer.error.param)))
         finally:
