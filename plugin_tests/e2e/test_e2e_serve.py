@@ -38,9 +38,15 @@ REALTIME_SESSIONS = 3
 REALTIME_IDLE_S = 10
 #: bytes of one second of the Realtime API's audio (pcm16 at 24 kHz)
 RATE_BYTES = 24000 * 2
-#: the talker's runtime.devices: on vLLM's CPU build, the core its worker runs on (the
-#: last one this process may use, away from the thinker's)
-TALKER_CORE = max(os.sched_getaffinity(0))
+#: the talker's runtime.devices: on vLLM's CPU build, the core its worker runs on. Under
+#: pytest-xdist, the core this test worker's engines are bound to (plugin_tests/conftest.py):
+#: placed on the other worker's core, the talker shared it with that worker's engines, and
+#: in CI the hardening server's thinker, generating its fuzzed requests' 2,048 tokens, kept
+#: it from running a step for 60 s (a stall, then a restart under the next tests). Without
+#: xdist, the last core this process may use, away from the thinker's.
+TALKER_CORE = int(os.environ["VLLM_CPU_OMP_THREADS_BIND"]) \
+    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "").isdigit() \
+    else max(os.sched_getaffinity(0))
 #: runtime.stall_timeout of the module server's talker and code2wav, seconds: far above
 #: their longest step here (8 s was not: under the mixed-load test, beside another server
 #: on a 2-core host, the talker answered no probe for longer; alone its probes wait < 1 s)
