@@ -118,10 +118,24 @@ class SpokenAnswer:
         if self.done or result is None:
             return None
         self.done = True
-        if result.error:
-            return ChatFailure(result.status, result.error)
+        if (failed := pipeline_failure(self.request)) is not None:
+            return failed
         return AudioDelta(_numpy(result.payload["waveform"][self.samples_sent:]),
                           result.sample_rate, last=True)
+
+
+def pipeline_failure(request: OmniRequest) -> ChatFailure | None:
+    """The failure the orchestrator recorded for ``request`` (its status, the stage it
+    names), None when it recorded none."""
+    result = request.result
+    if result is None or not result.error:
+        return None
+    return ChatFailure(result.status, result.error)
+
+
+def _vllms_failure(answer) -> ChatFailure:
+    """vLLM's ``ErrorResponse`` ``answer`` as a failure."""
+    return ChatFailure(answer.error.code, answer.error.message, answer.error.param)
 
 
 def _numpy(samples) -> np.ndarray:
@@ -174,11 +188,9 @@ async def stream_chat(serving, body: dict, request: OmniRequest) -> AsyncIterato
         request.partials = asyncio.Queue()
 
     def failure(vllms: ChatFailure) -> ChatFailure:
-        """The pipeline's own failure (its status, the stage it names) where it recorded
-        one: vLLM reports it as a 500 of its own."""
-        result = request.result
-        return ChatFailure(result.status, result.error) if result is not None \
-            and result.error else vllms
+        """The pipeline's own failure where it recorded one (vLLM reports it as a 500 of
+        its own), else vLLM's."""
+        return pipeline_failure(request) or vllms
 
     async def produce() -> None:
         try:
@@ -188,8 +200,7 @@ async def stream_chat(serving, body: dict, request: OmniRequest) -> AsyncIterato
                 return out.put_nowait(ChatFailure(400, str(exc)))
             answer = await serving.create_chat_completion(chat_request, None)
             if isinstance(answer, error_class):
-                return out.put_nowait(failure(ChatFailure(
-                    answer.error.code, answer.error.message, answer.error.param)))
+                return out.put_nowait(failure(_vllms_failure(answer)))
             async for event in answer:
                 data = event.removeprefix("data: ").strip()
                 if not data or data == "[DONE]":
@@ -204,10 +215,9 @@ async def stream_chat(serving, body: dict, request: OmniRequest) -> AsyncIterato
             put_rest()
         except Exception as exc:  # what vLLM's route would answer for it: its refusals
             answer = serving.create_error_response(exc)  # by status and field, others 500
-            if answer.error.code >= 500 and not (request.result and request.result.error):
+            if answer.error.code >= 500 and pipeline_failure(request) is None:
                 logger.exception("a chat completion run in process failed")
-            out.put_nowait(failure(ChatFailure(answer.error.code, answer.error.message,
-                                               answer.error.param)))
+            out.put_nowait(failure(_vllms_failure(answer)))
         finally:
             out.put_nowait(_END)
 
