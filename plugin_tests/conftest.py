@@ -117,9 +117,10 @@ PYTHON = sys.executable
 VLLM = os.path.join(os.path.dirname(sys.executable), "vllm")
 
 
-#: Test kinds (folders of plugin_tests/) in the order they run: the cheap, broad ones
-#: first. unit: in-process; cli: vLLM's CLI and plugin loading in child processes;
-#: engine: real vLLM engines driven by scripts; e2e: real `vllm serve` processes.
+#: Test kinds (folders of plugin_tests/) in the order their modules run where the record
+#: does not order them (a fresh machine, equal times): the cheap, broad ones first.
+#: unit: in-process; cli: vLLM's CLI and plugin loading in child processes; engine: real
+#: vLLM engines driven by scripts; e2e: real `vllm serve` processes.
 KIND_ORDER = ("unit", "cli", "engine", "e2e")
 #: Unix time after which no further test starts: .ci/run's guard against CI's time
 #: limit. A test that would start after it fails, saying so (a cut run never passes).
@@ -200,19 +201,20 @@ def _recorded_seconds() -> dict[str, float]:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Run unit tests, then cli, engine and end-to-end tests; within a kind, the modules
-    that took longest in the recorded runs first (longest-processing-time first: with
-    test files run side by side, `-n 2`, a long module started last would run alone at
-    the end), modules the record lacks before them, ties in file order. A module's
-    tests stay together, in order. (pytest-xdist keeps this order with
-    ``--no-loadscope-reorder``, as every row of `.ci/run` runs.)"""
+    """Run the modules that took longest in the recorded runs first, whatever their kind
+    (longest-processing-time first: with test files run side by side, `-n 2`, a long
+    module started last would run alone at the end, and the many short unit modules
+    left for last fill both workers' ends), modules the record lacks before them; ties
+    in kind order (:data:`KIND_ORDER`), then file order. A module's tests stay together,
+    in order. (pytest-xdist keeps this order with ``--no-loadscope-reorder``, as every
+    row of `.ci/run` runs.)"""
     recorded = _recorded_seconds()
 
     def key(item) -> tuple:
         module = os.path.relpath(str(item.path), REPO)
         kind = module.split(os.sep)[1] if module.count(os.sep) > 1 else ""
         rank = KIND_ORDER.index(kind) if kind in KIND_ORDER else len(KIND_ORDER)
-        return rank, -recorded.get(module, float("inf"))  # a new module: maybe long
+        return -recorded.get(module, float("inf")), rank  # a new module: maybe long
 
     items.sort(key=key)
 

@@ -220,9 +220,3 @@ def ci_matrix() -> list[tuple[str, str, str]]:
         kinds.setdefault((release, build or "cpu"), []).extend(row.split(","))
     return [(release, build, ", ".join(kinds[release, build]))
             for release, build in sorted(kinds, key=lambda k: Version(k[0]))]
-
-
-def newest_engine_release() -> str:
-    """The newest vLLM release CI runs engines on (a CPU-build row with ``engine``)."""
-    return [release for release, build, kinds in ci_matrix()
-            if build == "cpu" and "engine" in kinds][-1]

@@ -24,22 +24,11 @@ from plugin_tests.conftest import PYTHON, REPO
 from plugin_tests.engine.pipeline_reference import ENGINE_TIMEOUT_S, NEAR_TIES, TALKER_FRAMES
 from plugin_tests.helpers import run_process_group
 
-
-def _older_release() -> bool:
-    from importlib.metadata import version
-
-    from packaging.version import Version
-
-    from plugin_tests.helpers import newest_engine_release
-
-    return Version(version("vllm")).release[:3] < Version(newest_engine_release()).release
-
-
 # The dry run (about 400 s of one CI worker) runs on the newest release CI runs engines
-# on: the older releases run the same pipeline in float32 (test_pipeline_engine.py), and
-# a GPU user runs the newest; CI's 45 minutes did not hold it on every row.
-pytestmark = [pytest.mark.engine, pytest.mark.skipif(
-    _older_release(), reason="gpu_check's dry run runs on the newest CPU-build release")]
+# on (`newest_only`): the older releases run the same pipeline in float32
+# (test_pipeline_engine.py), and a GPU user runs the newest; CI's 45 minutes did not hold
+# it on every row.
+pytestmark = [pytest.mark.engine, pytest.mark.newest_only]
 
 #: the media scenario's answers (an image, an audio clip)
 MEDIA_ANSWERS = 2

@@ -112,6 +112,20 @@ def test_ci_tests_every_supported_minor_release():
     assert _setup_env_default("VLLM_VERSION") == newest
 
 
+def test_newest_only_engine_tests_are_left_out_below_the_newest_cpu_release():
+    """`.ci/run` deselects the tests marked ``newest_only`` on every CPU-build row but the
+    newest release's (a CUDA-wheel row deselects every engine test), and the mark is on
+    engine modules only."""
+    text = (ROOT / ".ci/run").read_text()
+    assert re.search(r'elif \[ "\$release" != "\$newest_cpu" \]; then\n\s+'
+                     r'select=\(-m "not newest_only"\)', text)
+    cpu = [release for release, build, _ in ci_matrix() if build == "cpu"]
+    assert "| sort -V | tail -n 1" in text and max(cpu, key=Version) == cpu[-1]
+    marked = [p for p in (ROOT / "plugin_tests").rglob("test_*.py")
+              if p != Path(__file__) and "pytest.mark.newest_only" in p.read_text()]
+    assert marked and all(p.parent.name == "engine" for p in marked), marked
+
+
 def test_readme_table_is_theci_matrix():
     rows = _readme_table()
     plugin_version = _setup_cfg()["metadata"]["version"]

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+import pytest
+
 from plugin_tests.released_checkpoints import expand, qwen3_omni_facts, qwen3_omni_tensors
 
 
@@ -37,23 +39,44 @@ def test_the_listing_is_the_published_checkpoint():
     assert in_last <= shards["model-00015-of-00015.safetensors"] < in_last + (1 << 16)
 
 
-def _meta_load(tmp_path, checkpoint: str, pipeline: str, bad_keys: dict[str, str]) -> list:
-    """Run ``plugin_tests.meta_load`` over released ``checkpoint``'s derived config
-    (``write_released_config``): one result per stage."""
+#: Per released checkpoint: (its builtin pipeline, {stage: the tensor a wrong-shape load
+#: gets a row too long}). vLLM's column-parallel loaders cut a tensor to the parameter's
+#: rows: BAGEL's keys are norms, whose loader checks the whole shape.
+META_LOADS = {
+    "qwen3_omni": ("qwen3_omni_moe", {
+        "thinker": "thinker.model.layers.1.mlp.experts.3.down_proj.weight",
+        "talker": "talker.model.layers.1.mlp.experts.3.down_proj.weight",
+        "code2wav": "code2wav.decoder.1.block.2.conv1.conv.weight"}),
+    "bagel": ("bagel", {
+        "ar": "language_model.model.layers.1.input_layernorm.weight",
+        "dit": "language_model.model.layers.1.input_layernorm_moe_gen.weight"}),
+}
+
+
+@pytest.fixture(scope="module")
+def meta_loads(tmp_path_factory) -> dict[str, list]:
+    """``plugin_tests.meta_load`` over each released checkpoint's derived config
+    (``write_released_config``), both in one child process: one result per stage, by
+    checkpoint."""
     import json
     import subprocess
 
     from plugin_tests.conftest import PYTHON, REPO
     from plugin_tests.released_checkpoints import write_released_config
 
-    write_released_config(checkpoint, str(tmp_path))
-    done = subprocess.run([PYTHON, "-m", "plugin_tests.meta_load", pipeline, str(tmp_path),
-                           *(f"{stage}:{key}" for stage, key in bad_keys.items())],
+    args = []
+    for checkpoint, (pipeline, bad_keys) in META_LOADS.items():
+        config_dir = tmp_path_factory.mktemp(checkpoint)
+        write_released_config(checkpoint, str(config_dir))
+        args += ["--", pipeline, str(config_dir),
+                 *(f"{stage}:{key}" for stage, key in bad_keys.items())]
+    done = subprocess.run([PYTHON, "-m", "plugin_tests.meta_load", *args[1:]],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     results = [json.loads(line) for line in done.stdout.splitlines()
-               if line.startswith('{"stage"')]
-    assert done.returncode == 0 and len(results) == len(bad_keys), done.stderr[-3000:]
-    return results
+               if line.startswith('{"pipeline"')]
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {checkpoint: [r for r in results if r["pipeline"] == pipeline]
+            for checkpoint, (pipeline, _) in META_LOADS.items()}
 
 
 def _assert_every_parameter_loaded(results: list, bad_keys: dict[str, str]) -> None:
@@ -62,6 +85,7 @@ def _assert_every_parameter_loaded(results: list, bad_keys: dict[str, str]) -> N
         # ``routed_experts`` module its parameter sits in
         return sorted(n.replace(".routed_experts.", ".") for n in names)
 
+    assert sorted(r["stage"] for r in results) == sorted(bad_keys), results
     for result in results:
         assert result["error"] is None, (result["stage"], result["error"])
         assert named(result["loaded"]) == named(result["params"]), result["stage"]
@@ -69,7 +93,7 @@ def _assert_every_parameter_loaded(results: list, bad_keys: dict[str, str]) -> N
             bad_keys[result["stage"]]), result
 
 
-def test_every_qwen3_omni_stage_loader_takes_the_released_checkpoint(tmp_path):
+def test_every_qwen3_omni_stage_loader_takes_the_released_checkpoint(meta_loads):
     """The thinker's (vLLM's own model and loader, extended), talker's and code2wav's
     engines, configured from the shipped pipeline over the released config (derived from
     the listing: ``qwen3_omni_config``), built on the meta device in a child process
@@ -77,23 +101,14 @@ def test_every_qwen3_omni_stage_loader_takes_the_released_checkpoint(tmp_path):
     shapes. Every parameter is loaded and no error is raised: each loader takes every key
     of its prefix (an unknown one raises) and skips the others. The same load with one of
     its tensors a row too long fails naming it."""
-    bad_keys = {stage: f"{stage}.model.layers.1.mlp.experts.3.down_proj.weight"
-                for stage in ("thinker", "talker")}
-    bad_keys["code2wav"] = "code2wav.decoder.1.block.2.conv1.conv.weight"
-    results = _meta_load(tmp_path, "qwen3_omni", "qwen3_omni_moe", bad_keys)
-    _assert_every_parameter_loaded(results, bad_keys)
+    _assert_every_parameter_loaded(meta_loads["qwen3_omni"], META_LOADS["qwen3_omni"][1])
 
 
-def test_every_bagel_stage_loader_takes_the_released_checkpoint(tmp_path):
+def test_every_bagel_stage_loader_takes_the_released_checkpoint(meta_loads):
     """BAGEL-7B-MoT: the AR stage (vLLM's own ``BagelForConditionalGeneration``, extended)
     and the DiT stage (the plugin's generation expert and FLUX decoder), configured from
     the shipped pipeline over a config built from the vendored facts (``bagel_config``),
     are fed every key of ``ema.safetensors`` and ``ae.safetensors`` as derived from the
     official modeling code (not from the plugin's modules, so not circular). Every
     parameter of each is loaded; a wrong shape fails naming the key."""
-    # vLLM's column-parallel loaders cut a tensor to the parameter's rows: a norm's
-    # loader checks the whole shape
-    bad_keys = {"ar": "language_model.model.layers.1.input_layernorm.weight",
-                "dit": "language_model.model.layers.1.input_layernorm_moe_gen.weight"}
-    results = _meta_load(tmp_path, "bagel", "bagel", bad_keys)
-    _assert_every_parameter_loaded(results, bad_keys)
+    _assert_every_parameter_loaded(meta_loads["bagel"], META_LOADS["bagel"][1])

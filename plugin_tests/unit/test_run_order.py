@@ -36,3 +36,27 @@ def test_no_records_no_times(tmp_path, monkeypatch):
     monkeypatch.setattr(conftest, "CACHE", str(tmp_path))
     assert conftest._recorded_seconds() == {}
 
+
+
+def test_modules_run_longest_first_whatever_their_kind(tmp_path, monkeypatch):
+    """Longest-processing-time first over every kind: a long e2e module before a shorter
+    engine one, the short unit modules last; a module the record lacks first; equal
+    times in kind order; a module's tests stay together, in order."""
+    import os
+    from types import SimpleNamespace
+
+    _junit(tmp_path / "ci-runs" / "20260101-000000" / "1-a" / "junit.xml",
+           {"plugin_tests.unit.test_u": [1.0], "plugin_tests.engine.test_g": [200.0],
+            "plugin_tests.e2e.test_s": [300.0], "plugin_tests.cli.test_c": [1.0]})
+    monkeypatch.setattr(conftest, "CACHE", str(tmp_path))
+
+    def item(module: str, name: str):
+        return SimpleNamespace(path=os.path.join(conftest.REPO, "plugin_tests", module),
+                               name=name)
+
+    items = [item("unit/test_u.py", "u1"), item("unit/test_u.py", "u2"),
+             item("cli/test_c.py", "c1"), item("engine/test_g.py", "g1"),
+             item("e2e/test_s.py", "s1"), item("e2e/test_s.py", "s2"),
+             item("e2e/test_new.py", "n1")]
+    conftest.pytest_collection_modifyitems(None, items)
+    assert [i.name for i in items] == ["n1", "s1", "s2", "g1", "u1", "u2", "c1"]
