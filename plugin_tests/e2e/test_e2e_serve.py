@@ -160,6 +160,26 @@ def test_the_plan_fits_and_the_engines_have_its_kv_cache_sizes(server):
     assert sizes == pytest.approx(planned, abs=0.01)
 
 
+def test_downstream_engines_read_only_their_shards(server, tiny_qwen3_omni):
+    """The tiny checkpoint is sharded with an index, as the release is: vLLM's loader
+    (0.32 and later) skips, in the talker's and code2wav's engines, the shards holding
+    none of their keys, and logs how many."""
+    from dataclasses import fields
+
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    if "is_unused_weight" not in {f.name for f in fields(DefaultModelLoader.Source)}:
+        pytest.skip("vLLM before 0.32 reads every shard")
+    with open(os.path.join(tiny_qwen3_omni, "model.safetensors.index.json")) as f:
+        weight_map = json.load(f)["weight_map"]
+    shards = set(weight_map.values())
+    for prefix in ("talker.", "code2wav."):
+        skipped = len(shards - {f for k, f in weight_map.items() if k.startswith(prefix)})
+        assert 0 < skipped < len(shards), prefix
+        assert f"Skipped {skipped}/{len(shards)} safetensors shard(s) holding no weights " \
+            "the model loads" in server.log(), prefix
+
+
 def test_placed_stage_runs_on_its_cores(server):
     """``runtime.devices`` on vLLM's CPU build: the talker's EngineCore binds its
     worker's OpenMP threads to the YAML's core (the worker process's CPU affinity)."""

@@ -5,8 +5,8 @@ build.
 
 GPU hosts are described by a :class:`Host` value (kind, device indices, variable): no GPU
 can be had here, and the functions read nothing else of the platform. That the CPU
-binding reaches a real engine's worker is checked by ``e2e/test_e2e_serve.py`` and the
-installed-wheel server (``e2e/test_wheel_serve.py``): the workers' CPU affinity."""
+binding reaches a real engine's worker is checked by ``e2e/test_e2e_serve.py``: the
+placed talker's worker's CPU affinity."""
 
 from __future__ import annotations
 
