@@ -263,7 +263,9 @@ def test_audio_format_defaults_and_choices(stream, audio, fmt):
 @pytest.mark.parametrize("stream, fmt, says", [
     (False, "aac", "'aac' is not supported; use one of wav, pcm16, flac, mp3, opus"),
     (True, "wav", "streamed audio is 'pcm16' only"),
-    (False, 16, "'int' is not supported")])
+    (False, 16, "'int' is not supported"),
+    # a JSON object or array (unhashable): a 400 too, not a TypeError (an HTTP 500)
+    (False, {"a": 1}, "'dict' is not supported"), (True, ["pcm16"], "'list' is not supported")])
 def test_bad_audio_format_names_the_field(stream, fmt, says):
     body = {"modalities": ["text", "audio"], "stream": stream, "audio": {"format": fmt}}
     with pytest.raises(RequestError, match="audio.format") as info:
@@ -279,7 +281,9 @@ SPEECH = {"model": "m", "input": "Hello there.", "voice": "ethan"}
     ({"input": ""}, "input"), ({"input": "x" * 4097}, "input"), ({"model": None}, "model"),
     ({"response_format": "aac"}, "response_format"), ({"stream_format": "chunks"},
                                                        "stream_format"),
-    ({"speed": 1.5}, "speed"), ({"voice": ""}, "voice"), ({"instructions": 3}, "instructions")])
+    ({"speed": 1.5}, "speed"), ({"voice": ""}, "voice"), ({"instructions": 3}, "instructions"),
+    ({"response_format": {"a": 1}}, "response_format"), ({"stream_format": ["sse"]},
+                                                         "stream_format")])
 def test_bad_speech_request_names_the_field(change, field):
     with pytest.raises(RequestError) as info:
         parse_speech_request({**SPEECH, **change}, 64)

@@ -46,7 +46,9 @@ def test_openai_fields_parse_and_the_rest_goes_to_the_model():
                         ({"model": "m", "prompt": "a", "seed": "1"}, "seed"),
                         ({"model": "m", "prompt": "a", "quality": "hd"}, "quality"),
                         ({"model": "m", "prompt": "a", "output_compression": 5},
-                         "output_compression")):
+                         "output_compression"),
+                        ({"model": "m", "prompt": "a", "output_format": {"a": 1}},
+                         "output_format")):
         with pytest.raises(RequestError) as err:
             parse_image_request(body)
         assert err.value.field == field

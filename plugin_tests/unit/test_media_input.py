@@ -38,6 +38,10 @@ def test_good_parts_pass():
 @pytest.mark.parametrize("part, field, fragment", [
     ({"type": "input_file", "file": {}}, "messages[1].content[0].type",
      "unsupported content part type 'input_file'"),
+    ({"type": {"a": 1}}, "messages[1].content[0].type", "unsupported content part type"),
+    ({"type": "input_audio", "input_audio": {"data": media.b64(media.wav_bytes(1)),
+                                             "format": ["wav"]}},
+     "messages[1].content[0].input_audio.format", "unsupported audio format"),
     ({"type": "image_url", "image_url": {"url": "data:audio/wav;base64,UklGRg=="}},
      "messages[1].content[0].image_url.url", "unsupported media type 'audio/wav'"),
     ({"type": "image_url", "image_url": {"url": "data:image/png,raw"}},

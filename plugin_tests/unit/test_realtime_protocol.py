@@ -107,3 +107,19 @@ def test_a_client_item_round_trips_to_its_wire_shape():
     """An item decoded from its own JSON is the same model (tagged unions by ``type``)."""
     decoded = msgspec.json.decode(p.encode(p.ItemAdded(item=MESSAGE)), type=p.ItemAdded)
     assert decoded.item == MESSAGE
+
+
+@pytest.mark.parametrize("item, param", [
+    ({"type": "message", "role": {"a": 1}, "content": [{"type": "input_text", "text": "hi"}]},
+     "item.role"),
+    ({"type": "message", "role": "user", "content": [{"type": ["input_text"]}]},
+     "item.content[0].type"),
+])
+def test_a_json_object_or_array_where_a_choice_goes_is_refused_naming_it(item, param):
+    """A role or part type sent as an object or an array (unhashable) is the session's
+    error naming the field, not a TypeError."""
+    from vllm_omni_plugin.entrypoints.realtime.conversation import conversation_item
+
+    with pytest.raises(p.RealtimeError) as info:
+        conversation_item(item)
+    assert info.value.param == param

@@ -39,7 +39,7 @@ from vllm_omni_plugin.entrypoints.asgi import (
     send_json,
 )
 from vllm_omni_plugin.entrypoints.chat_audio import COMPLETIONS_PATH
-from vllm_omni_plugin.entrypoints.media_input import required_text
+from vllm_omni_plugin.entrypoints.media_input import is_choice, required_text
 from vllm_omni_plugin.processors import plan_image
 from vllm_omni_plugin.processors.hookspecs import ImageRequest, RequestError
 
@@ -73,7 +73,7 @@ def parse_image_request(body: dict) -> tuple[ImageRequest, str, int | None]:
     if body.get("response_format", "b64_json") != "b64_json":
         raise RequestError("response_format", "only b64_json is served (no image URLs)")
     fmt = body.get("output_format", "png")
-    if fmt not in IMAGE_FORMATS:
+    if not is_choice(fmt, IMAGE_FORMATS):
         raise RequestError("output_format", f"use one of {', '.join(IMAGE_FORMATS)}")
     compression = body.get("output_compression")
     if compression is not None and (

@@ -34,6 +34,13 @@ from vllm_omni_plugin.processors.hookspecs import RequestError
 logger = init_logger(__name__)
 
 
+def is_choice(value, choices) -> bool:
+    """Whether ``value`` is a string among ``choices`` (a dict's keys, a set, a tuple). A
+    client may send any JSON value in a field that names a choice: a list or an object
+    looked up in a dict or a set raises TypeError, which would answer HTTP 500."""
+    return isinstance(value, str) and value in choices
+
+
 def required_text(body: dict, field: str, what: str, max_chars: int | None = None) -> str:
     """``body[field]``, a non-blank string of at most ``max_chars`` characters.
 
@@ -133,7 +140,7 @@ def check_media(body: dict, limits: MediaLimits) -> None:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind is None or kind in TEXT_PARTS:
                 continue  # vLLM parses (or refuses) parts without a type itself
-            if kind not in MEDIA_PARTS:
+            if not is_choice(kind, MEDIA_PARTS):
                 shown = str(kind)[:_SHOWN]
                 raise RequestError(f"{where}.type", (
                     f"unsupported content part type {shown!r}; this model takes text, "
@@ -156,7 +163,7 @@ def _check_part(value, where: str, kind: str, mime: str, limits: MediaLimits) ->
         if not isinstance(value, dict) or not isinstance(value.get("data"), str):
             raise RequestError(f"{where}.data", "must be base64-encoded audio")
         fmt = value.get("format")
-        if fmt is not None and fmt not in AUDIO_FORMATS:
+        if fmt is not None and not is_choice(fmt, AUDIO_FORMATS):
             shown = str(fmt)[:_SHOWN]
             raise RequestError(f"{where}.format", (
                 f"unsupported audio format {shown!r}; use one of {', '.join(AUDIO_FORMATS)}"))

@@ -33,7 +33,7 @@ from vllm_omni_plugin.entrypoints.audio_encoding import (
     sample_rate_of,
 )
 from vllm_omni_plugin.entrypoints.chat_audio import CHAT_PATH
-from vllm_omni_plugin.entrypoints.media_input import RequestError, required_text
+from vllm_omni_plugin.entrypoints.media_input import RequestError, is_choice, required_text
 
 SPEECH_PATH = "/v1/audio/speech"
 #: OpenAI's limit on ``input``.
@@ -81,12 +81,12 @@ def parse_speech_request(body: dict, max_voice_chars: int) -> SpeechRequest:
         raise RequestError("voice", f"is {len(voice)} characters long; voice names have "
                            f"at most {max_voice_chars}")
     fmt = body.get("response_format", DEFAULT_SPEECH_FORMAT)
-    if fmt not in SPEECH_FORMATS:
+    if not is_choice(fmt, SPEECH_FORMATS):
         shown = fmt[:40] if isinstance(fmt, str) else type(fmt).__name__
         raise RequestError("response_format", f"{shown!r} is not supported; use one of "
                            f"{', '.join(SPEECH_FORMATS)}")
     stream_format = body.get("stream_format", "audio")
-    if stream_format not in STREAM_FORMATS:
+    if not is_choice(stream_format, STREAM_FORMATS):
         shown = stream_format[:40] if isinstance(stream_format, str) else \
             type(stream_format).__name__
         raise RequestError("stream_format", f"{shown!r} is not supported; use one of "

@@ -17,6 +17,7 @@ import binascii
 import numpy as np
 
 from vllm_omni_plugin.entrypoints.audio_encoding import encode_audio
+from vllm_omni_plugin.entrypoints.media_input import is_choice
 from vllm_omni_plugin.entrypoints.realtime.protocol import (
     ContentPart,
     FunctionCallItem,
@@ -219,7 +220,7 @@ def conversation_item(item: dict) -> tuple[Item, list[dict]]:
         raise RealtimeError("item.type", f"{str(kind)[:40]!r} is not supported; use "
                             "\"message\", \"function_call\" or \"function_call_output\"")
     role = item.get("role")
-    if role not in ALLOWED_PARTS:
+    if not is_choice(role, ALLOWED_PARTS):
         raise RealtimeError("item.role", "must be \"user\", \"system\" or \"assistant\"")
     content = item.get("content")
     if not isinstance(content, list) or not content:
@@ -234,7 +235,7 @@ def conversation_item(item: dict) -> tuple[Item, list[dict]]:
 
 
 def _content_part(part, role: str, where: str) -> tuple[ContentPart, dict | None]:
-    if not isinstance(part, dict) or part.get("type") not in ALLOWED_PARTS[role]:
+    if not isinstance(part, dict) or not is_choice(part.get("type"), ALLOWED_PARTS[role]):
         got = part.get("type") if isinstance(part, dict) else part
         raise RealtimeError(f"{where}.type", f"{str(got)[:40]!r} is not allowed in a "
                             f"{role} message; use one of {', '.join(ALLOWED_PARTS[role])}")
