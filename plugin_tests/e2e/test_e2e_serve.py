@@ -60,9 +60,9 @@ TALKER_CORE = int(os.environ["VLLM_CPU_OMP_THREADS_BIND"]) \
 PLAN_ARGS = ["--pipeline", "qwen3_omni_moe", "--devices", "cpu:3", "--max-model-len", "2048",
              "--dtype", "float32"]
 #: runtime.stall_timeout of the module server's talker and code2wav, seconds: far above
-#: their longest step here, now that the talker has this test worker's core to itself
-#: (8 s was not, beside another server on a 2-core host; 30 s, as the prefill/decode
-#: server's prefill stage, is what a stall test then waits)
+#: their longest step here, now that the talker runs on this test worker's core, not the
+#: other worker's (8 s was not, beside another server on a 2-core host; 30 s, as the
+#: prefill/decode server's prefill stage, is what a stall test then waits)
 STALL_S = 30
 
 
