@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import os
+from types import SimpleNamespace
+
 from plugin_tests import conftest
 
 
@@ -37,13 +40,10 @@ def test_no_records_no_times(tmp_path, monkeypatch):
     assert conftest._recorded_seconds() == {}
 
 
-
 def test_modules_run_longest_first_whatever_their_kind(tmp_path, monkeypatch):
     """Longest-processing-time first over every kind: a long e2e module before a shorter
     engine one, the short unit modules last; a module the record lacks first; equal
     times in kind order; a module's tests stay together, in order."""
-    import os
-    from types import SimpleNamespace
 
     _junit(tmp_path / "ci-runs" / "20260101-000000" / "1-a" / "junit.xml",
            {"plugin_tests.unit.test_u": [1.0], "plugin_tests.engine.test_g": [200.0],
