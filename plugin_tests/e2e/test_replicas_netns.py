@@ -171,7 +171,8 @@ def _exited(proc: ServeProcess, timeout: float = 180) -> str:
 def test_a_head_on_a_network_address_needs_a_token_or_the_opt_out(cluster, tmp_path):
     """Beside the cluster's head, two more on the veth address without a token: plain,
     it refuses to start naming the address, the flags, the variable and how to make a
-    token; with --omni-cluster-insecure it starts its omni master there and warns."""
+    token; with --omni-cluster-insecure it starts its omni master there, before its
+    engine (replicas register while the head loads), and warns."""
     head, _ = cluster
     env = {k: v for k, v in head.env.items() if k != CLUSTER_TOKEN_ENV}
 
@@ -183,7 +184,8 @@ def test_a_head_on_a_network_address_needs_a_token_or_the_opt_out(cluster, tmp_p
     # the refused one, it went on to start its engines meanwhile (CPU that CI pays)
     insecure = other_head("--omni-cluster-insecure", name="insecure")
     try:
-        insecure.wait_for_log(rf"omni master on tcp://{HEAD_IP.replace('.', '[.]')}:")
+        listening = insecure.wait_for_log(rf"omni master on tcp://{HEAD_IP.replace('.', '[.]')}:")
+        assert "(EngineCore" not in insecure.log()[:listening.start()]
         assert f"--omni-cluster-insecure: the omni master and coordinator listen on {HEAD_IP} " \
             "without a cluster token" in insecure.log()
     finally:

@@ -1,10 +1,11 @@
 """The head, built in one place.
 
-:func:`build_head` turns the entry engine and the plugin's
-:class:`~vllm_omni_plugin.config.settings.OmniSettings` into a :class:`Head`:
-the pipeline config, the payload store, the control plane (omni master,
-coordinator, hub), a :class:`~vllm_omni_plugin.replicas.pool.StagePool` per
-downstream stage with its local replicas (engines started concurrently, each
+:func:`bind_control_plane` binds the head's omni master and coordinator before
+its entry engine starts; :func:`build_head` then turns the entry engine and the
+plugin's :class:`~vllm_omni_plugin.config.settings.OmniSettings` into a
+:class:`Head`: the pipeline config, the payload store, the control plane's hub,
+a :class:`~vllm_omni_plugin.replicas.pool.StagePool` per downstream
+stage with its local replicas (engines started concurrently, each
 under a supervisor), one for the entry stage (without PD) whose local replica is the
 head's own engine, the admission gate, the stage input processors (resolved
 once) and the ``/metrics`` collector, and finally the
@@ -79,19 +80,35 @@ class Head:
             self.store.close()
 
 
-def build_head(entry_client, vllm_config, settings: OmniSettings) -> Head:
-    """Start the head's control plane and its replicas of every downstream stage.
+def bind_control_plane(settings: OmniSettings):
+    """The head's omni master and coordinator (a ``HeadCluster``), bound before its entry
+    engine starts: headless replicas register while the head's engine loads, and an
+    address that cannot be bound fails the server in seconds. The caller closes it when
+    the head is not built.
+
+    Raises:
+        zmq.ZMQError: the master or coordinator address cannot be bound.
+    """
+    from vllm_omni_plugin.replicas.cluster import HeadCluster
+
+    conf = settings.cluster
+    return HeadCluster(conf.host, conf.port, conf.heartbeat_timeout)
+
+
+def build_head(entry_client, vllm_config, settings: OmniSettings, cluster) -> Head:
+    """Start the head's replicas of every downstream stage and the orchestrator.
 
     Args:
         entry_client: the entry stage's engine client; its ``entry_generate``
             runs a request on the entry stage.
         vllm_config: the entry engine's ``VllmConfig``.
         settings: the plugin's settings of the entry engine.
+        cluster: the head's control plane from :func:`bind_control_plane`; the caller
+            closes it when this raises.
 
     Raises:
         StageConfigError: the pipeline YAML became invalid since the CLI read it.
         RuntimeError: a stage engine failed to start (names the stage).
-        zmq.ZMQError: the master or coordinator address cannot be bound.
     """
     from vllm_omni_plugin.config.cli import base_args_from, prefill_base_args
     from vllm_omni_plugin.config.loader import load_pipeline_config
@@ -99,7 +116,6 @@ def build_head(entry_client, vllm_config, settings: OmniSettings) -> Head:
     from vllm_omni_plugin.coordinator import build_load_balancer_factory
     from vllm_omni_plugin.payload_store import PayloadStore, remove_stale_run_dirs
     from vllm_omni_plugin.processors.registry import get_processor
-    from vllm_omni_plugin.replicas.cluster import HeadCluster
     from vllm_omni_plugin.replicas.engines import start_stage_engine
     from vllm_omni_plugin.replicas.liveness import StallWatch, stall_timeout_of
     from vllm_omni_plugin.replicas.metrics import register_collector
@@ -119,7 +135,6 @@ def build_head(entry_client, vllm_config, settings: OmniSettings) -> Head:
     except OSError:
         store.close()
         raise
-    cluster = HeadCluster(conf.host, conf.port, conf.heartbeat_timeout)
     balancer = build_load_balancer_factory(conf.lb_policy)
     prefill = pipeline.prefill_stage_for(pipeline.entry_stage.stage_id)
     replicated = downstream + ([prefill] if prefill is not None else [])
@@ -164,7 +179,6 @@ def build_head(entry_client, vllm_config, settings: OmniSettings) -> Head:
     if errors:
         for replica in replicas:
             replica.engine.shutdown()
-        cluster.close()
         store.close()
         raise errors[0]
     supervisors = []

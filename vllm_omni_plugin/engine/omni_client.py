@@ -12,7 +12,7 @@ from __future__ import annotations
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from vllm_omni_plugin.config.settings import OmniSettings
-from vllm_omni_plugin.engine.bootstrap import build_head
+from vllm_omni_plugin.engine.bootstrap import bind_control_plane, build_head
 from vllm_omni_plugin.logger import init_logger
 
 logger = init_logger(__name__)
@@ -22,11 +22,17 @@ class OmniEngineClient(AsyncLLM):
     """``AsyncLLM`` of the entry stage plus the pipeline's other stages."""
 
     def __init__(self, vllm_config, *args, **kwargs):
-        super().__init__(vllm_config, *args, **kwargs)
+        settings = OmniSettings.from_vllm_config(vllm_config)
+        cluster = bind_control_plane(settings)  # replicas register while the engine loads
         try:
-            self.head = build_head(self, vllm_config, OmniSettings.from_vllm_config(vllm_config))
+            super().__init__(vllm_config, *args, **kwargs)
+            try:
+                self.head = build_head(self, vllm_config, settings, cluster)
+            except BaseException:
+                super().shutdown()
+                raise
         except BaseException:
-            super().shutdown()
+            cluster.close()
             raise
 
     @property
