@@ -94,7 +94,12 @@ key="$({ echo "torch $TORCH_VERSION torchvision $TORCHVISION_VERSION"
          sed -n '/^# >>> base install/,/^# <<< base install/p' scripts/setup_env.sh; } \
        | sha1sum | cut -c1-12)"
 stamp="$VENV/.omni-plugin-env-$VLLM_VERSION-$VLLM_OMNI_PLUGIN_BUILD-$key"
-deps_key="$(sha1sum < setup.cfg | cut -c1-12)"
+# semantic_vad's end-of-turn model (smart-turn v3.2) ships inside Pipecat's wheel; the
+# plugin reads only that file, so Pipecat goes in without its own dependencies (which
+# would move vLLM's protobuf, soxr and soundfile): what docs/serving/realtime.md tells
+# users to run.
+PIPECAT_AI="pipecat-ai==1.14.0"
+deps_key="$({ cat setup.cfg; echo "$PIPECAT_AI"; } | sha1sum | cut -c1-12)"
 deps_stamp="$VENV/.omni-plugin-deps-$deps_key"
 [ "$extras" = test ] && deps_stamp="$deps_stamp-nopd"
 install_self() {
@@ -104,6 +109,7 @@ install_self() {
 }
 install_deps() {
   "$VENV/bin/pip" install -q --no-build-isolation -e ".[$extras]"
+  "$VENV/bin/pip" install -q --no-deps "$PIPECAT_AI"
   install_self
   if [ "$extras" != test ]; then
     "$VENV/bin/python" -c 'import mooncake.engine' \

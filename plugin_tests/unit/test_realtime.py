@@ -351,7 +351,7 @@ def test_an_assistant_text_part_comes_back_as_output_text_and_reaches_the_prompt
                                             ["audio", "text"]}},
      "session.output_modalities"),
     ({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {
-        "turn_detection": {"type": "semantic_vad"}}}}},
+        "turn_detection": {"type": "near_field_vad"}}}}},
      "session.audio.input.turn_detection.type"),
     ({"type": "session.update", "session": {"type": "realtime", "tools": [
         {"type": "mcp", "name": "x"}]}}, "session.tools[0].type"),
@@ -439,3 +439,67 @@ def test_with_server_vad_silence_does_not_fill_the_input_audio_buffer():
 
     assert asyncio.run(run({"type": "server_vad"})) == []
     assert asyncio.run(run(None)) == ["input_audio_buffer_full"] * 4
+
+
+def _session(turn_detection: dict, pcm: bytes | None = None) -> list[dict]:
+    """A session (the unit tests' scripted WebSocket) that sets ``turn_detection``, then
+    streams ``pcm``: the events it got."""
+    from plugin_tests.realtime_client import chunks
+
+    async def run():
+        client = _Client(_ScriptedChat([]))
+        await client.next()
+        client.send({"type": "session.update", "session": {"type": "realtime", "audio": {
+            "input": {"turn_detection": turn_detection}}}})
+        events = [await client.next()]  # session.updated or an error
+        if pcm is not None:
+            for piece in chunks(pcm):
+                client.send({"type": "input_audio_buffer.append", "audio": piece})
+            events += await client.until("response.done")
+        await client.close()
+        return events
+
+    return asyncio.run(run())
+
+
+def test_a_session_with_semantic_vad_answers_the_finished_turn():
+    from plugin_tests.realtime_client import speech_pcm
+
+    events = _session({"type": "semantic_vad", "eagerness": "high"},
+                      speech_pcm(before_s=0.5, after_s=1.5))
+    updated = events[0]["session"]["audio"]["input"]["turn_detection"]
+    assert updated == {"type": "semantic_vad", "eagerness": "high", "create_response": True,
+                       "interrupt_response": True}
+    kinds = [e["type"] for e in events]
+    for kind in ("input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
+                 "input_audio_buffer.committed", "response.created"):
+        assert kind in kinds, kinds
+    assert events[-1]["response"]["status"] == "completed"
+
+
+@pytest.mark.parametrize("detection, param", [
+    ({"type": "semantic_vad", "eagerness": "eventually"}, "eagerness"),
+    ({"type": "semantic_vad", "eagerness": ["low"]}, "eagerness"),
+    ({"type": "semantic_vad", "threshold": 0.5}, "threshold"),
+    ({"type": "semantic_vad", "create_response": "yes"}, "create_response"),
+])
+def test_bad_semantic_vad_fields_are_named(detection, param):
+    (error,) = _session(detection)
+    assert error["type"] == "error", error
+    assert error["error"]["param"] == f"session.audio.input.turn_detection.{param}"
+
+
+def test_without_the_model_semantic_vad_is_refused_saying_what_to_install(monkeypatch):
+    import importlib.util
+
+    from vllm_omni_plugin.entrypoints.realtime.semantic_vad import INSTALL
+
+    """A fake (``find_spec`` says pipecat is not installed): the test venv has it, and
+    uninstalling a package mid-run is not something a test can undo."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "pipecat" else real(name, *a))
+    (error,) = _session({"type": "semantic_vad"})
+    assert error["error"]["param"] == "session.audio.input.turn_detection.type"
+    assert "pipecat" in error["error"]["message"]
+    assert INSTALL in error["error"]["message"]

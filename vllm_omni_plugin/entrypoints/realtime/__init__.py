@@ -5,7 +5,7 @@ official ``openai`` SDK does (``client.realtime.connect(model=...)``), in the sh
 vLLM's own realtime entrypoint (``vllm/entrypoints/speech_to_text/realtime/``):
 
 * :mod:`.api_router`: the route's entry (session limit, vLLM's WebSocket metrics);
-* :mod:`.connection`: one session: client events, the input audio buffer, server VAD,
+* :mod:`.connection`: one session: client events, the input audio buffer, turn detection,
   barge-in, the responses' lifecycle;
 * :mod:`.protocol`: constants, errors and the server events as typed models;
 * :mod:`.session_config`: what ``session.update`` sets, and the client's field checks;
@@ -13,7 +13,8 @@ vLLM's own realtime entrypoint (``vllm/entrypoints/speech_to_text/realtime/``):
 * :mod:`.response`: one response, chat deltas in, Realtime events out;
 * :mod:`.serving`: the model work, each response a streamed chat completion with audio
   through vLLM's chat handler;
-* :mod:`.vad`: server VAD (Silero); :mod:`.metrics`: the plugin's Realtime metrics.
+* :mod:`.vad`: server VAD (Silero); :mod:`.semantic_vad`: semantic VAD (Silero's pauses,
+  an end-of-turn model deciding); :mod:`.metrics`: the plugin's Realtime metrics.
 
 Audio in and out is ``audio/pcm``: 16-bit little-endian mono at 24 kHz. The output is
 the pipeline's own pcm16, passed through: 24 kHz is Qwen3-Omni's code2wav rate (not

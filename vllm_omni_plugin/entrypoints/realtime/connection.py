@@ -50,7 +50,7 @@ from vllm_omni_plugin.entrypoints.realtime.protocol import (
 from vllm_omni_plugin.entrypoints.realtime.response import ResponseRun
 from vllm_omni_plugin.entrypoints.realtime.serving import RealtimeChat
 from vllm_omni_plugin.entrypoints.realtime.session_config import ResponseParams, SessionConfig
-from vllm_omni_plugin.entrypoints.realtime.vad import INPUT_RATE, ServerVad
+from vllm_omni_plugin.entrypoints.realtime.vad import INPUT_RATE
 from vllm_omni_plugin.logger import init_logger
 from vllm_omni_plugin.processors import Voices
 
@@ -80,7 +80,7 @@ class RealtimeConnection:
         self.conversation = Conversation()
         self.audio = bytearray()  # the input audio buffer: pcm16 at INPUT_RATE
         self.samples_in = 0  # samples of input audio appended in the session
-        self.vad: ServerVad | None = None  # server VAD over the input audio
+        self.vad = None  # the turn detector over the input audio (ServerVad, SemanticVad)
         self.vad_origin_ms = 0  # the session's input audio (ms) before the detector's
         self.speech_item: str | None = None  # the item id of the speech being detected
         #: ``time.monotonic()`` of the last commit no response has answered yet
@@ -218,8 +218,8 @@ class RealtimeConnection:
                 "the buffer", code="input_audio_buffer_full")
         detection = self.config.turn_detection
         if detection is not None and self.vad is None:
-            # loaded with the first audio (Silero's model: about 2 MB)
-            self.vad = await asyncio.to_thread(ServerVad, detection.vad)
+            # loaded with the first audio (Silero's model: about 2 MB; smart-turn's 9 MB)
+            self.vad = await asyncio.to_thread(detection.detector)
             self.vad_origin_ms = self.samples_in * 1000 // INPUT_RATE
         self.audio += pcm
         self.samples_in += len(pcm) // 2

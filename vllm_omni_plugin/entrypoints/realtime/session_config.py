@@ -6,30 +6,47 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vllm_omni_plugin.entrypoints.media_input import is_choice
 from vllm_omni_plugin.entrypoints.realtime.protocol import (
     MAX_OUTPUT_TOKENS,
     PCM_FORMAT,
     RealtimeError,
 )
-from vllm_omni_plugin.entrypoints.realtime.vad import INPUT_RATE, VadParams
+from vllm_omni_plugin.entrypoints.realtime.semantic_vad import (
+    MAX_PAUSE_MS,
+    SemanticVad,
+    model_path,
+)
+from vllm_omni_plugin.entrypoints.realtime.vad import INPUT_RATE, ServerVad, VadParams
 from vllm_omni_plugin.processors import Voices
 
 
 @dataclass
 class TurnDetection:
-    """``server_vad`` turn detection of a session (see :mod:`.vad`)."""
+    """Turn detection of a session: ``server_vad`` (:mod:`.vad`, with ``vad``'s
+    parameters) or ``semantic_vad`` (:mod:`.semantic_vad`, with ``eagerness``)."""
 
     vad: VadParams = field(default_factory=VadParams)
     create_response: bool = True
     interrupt_response: bool = True
+    type: str = "server_vad"
+    eagerness: str = "auto"
 
     def as_dict(self) -> dict:
-        """The ``turn_detection`` object of the session (``type`` ``server_vad``)."""
-        return {"type": "server_vad", "threshold": self.vad.threshold,
+        """The ``turn_detection`` object of the session."""
+        flags = {"create_response": self.create_response,
+                 "interrupt_response": self.interrupt_response}
+        if self.type == "semantic_vad":
+            return {"type": self.type, "eagerness": self.eagerness, **flags}
+        return {"type": self.type, "threshold": self.vad.threshold,
                 "prefix_padding_ms": self.vad.prefix_padding_ms,
-                "silence_duration_ms": self.vad.silence_duration_ms,
-                "create_response": self.create_response,
-                "interrupt_response": self.interrupt_response}
+                "silence_duration_ms": self.vad.silence_duration_ms, **flags}
+
+    def detector(self) -> ServerVad | SemanticVad:
+        """A new detector of this kind (loads its models: call it off the event loop)."""
+        if self.type == "semantic_vad":
+            return SemanticVad(self.eagerness)
+        return ServerVad(self.vad)
 
 
 @dataclass
@@ -103,14 +120,18 @@ def check_format(value, where: str) -> None:
 
 
 def turn_detection(value, where: str) -> TurnDetection | None:
-    """``audio.input.turn_detection``: ``server_vad`` with its parameters, or null."""
+    """``audio.input.turn_detection``: ``server_vad`` or ``semantic_vad`` with its
+    parameters, or null."""
     if value is None:
         return None
     if not isinstance(value, dict):
         raise RealtimeError(where, "must be an object or null")
-    if value.get("type", "server_vad") != "server_vad":
-        raise RealtimeError(f"{where}.type", f"{str(value.get('type'))[:40]!r} is not "
-                            "supported; use \"server_vad\" or null")
+    kind = value.get("type", "server_vad")
+    if kind == "semantic_vad":
+        return semantic_turn_detection(value, where)
+    if kind != "server_vad":
+        raise RealtimeError(f"{where}.type", f"{str(kind)[:40]!r} is not supported; use "
+                            "\"server_vad\", \"semantic_vad\" or null")
     defaults = VadParams()
     threshold = value.get("threshold", defaults.threshold)
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) \
@@ -122,17 +143,39 @@ def turn_detection(value, where: str) -> TurnDetection | None:
         if isinstance(got, bool) or not isinstance(got, int) or not 0 <= got <= 10000:
             raise RealtimeError(f"{where}.{name}", "must be an integer from 0 to 10000")
         ms[name] = got
+    for name in value:
+        if name not in ("type", "threshold", "prefix_padding_ms", "silence_duration_ms",
+                        "create_response", "interrupt_response", "idle_timeout_ms"):
+            raise RealtimeError(f"{where}.{name}", "is not supported")
+    return TurnDetection(VadParams(float(threshold), **ms), **response_flags(value, where))
+
+
+def semantic_turn_detection(value: dict, where: str) -> TurnDetection:
+    """A ``semantic_vad`` ``turn_detection`` object: ``eagerness`` and the response flags;
+    refused naming ``type`` where the end-of-turn model is not installed."""
+    eagerness = value.get("eagerness", "auto")
+    if not is_choice(eagerness, MAX_PAUSE_MS):
+        raise RealtimeError(f"{where}.eagerness", "must be one of " + ", ".join(MAX_PAUSE_MS))
+    for name in value:
+        if name not in ("type", "eagerness", "create_response", "interrupt_response"):
+            raise RealtimeError(f"{where}.{name}", "is not supported with semantic_vad")
+    try:
+        model_path()
+    except RuntimeError as exc:
+        raise RealtimeError(f"{where}.type", str(exc)) from exc
+    return TurnDetection(type="semantic_vad", eagerness=eagerness,
+                         **response_flags(value, where))
+
+
+def response_flags(value: dict, where: str) -> dict:
+    """``create_response`` and ``interrupt_response`` of a ``turn_detection`` object."""
     flags = {}
     for name in ("create_response", "interrupt_response"):
         got = value.get(name, True)
         if not isinstance(got, bool):
             raise RealtimeError(f"{where}.{name}", "must be true or false")
         flags[name] = got
-    for name in value:
-        if name not in ("type", "threshold", "prefix_padding_ms", "silence_duration_ms",
-                        "create_response", "interrupt_response", "idle_timeout_ms"):
-            raise RealtimeError(f"{where}.{name}", "is not supported")
-    return TurnDetection(VadParams(float(threshold), **ms), **flags)
+    return flags
 
 
 def tools(value) -> list[dict]:

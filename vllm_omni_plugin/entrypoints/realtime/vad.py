@@ -52,13 +52,14 @@ class ServerVad:
 
     Args:
         params: the session's ``turn_detection`` parameters.
+        history_s: seconds of the latest 16 kHz audio kept for :meth:`audio_until`.
 
     Raises:
         ImportError: ``silero-vad`` or ``soxr`` is not installed (both are requirements
             of the plugin).
     """
 
-    def __init__(self, params: VadParams) -> None:
+    def __init__(self, params: VadParams, history_s: float = 0.0) -> None:
         import soxr
         from silero_vad import VADIterator, load_silero_vad
 
@@ -70,6 +71,19 @@ class ServerVad:
             speech_pad_ms=params.prefix_padding_ms)
         self._resampler = soxr.ResampleStream(INPUT_RATE, VAD_RATE, 1, dtype="float32")
         self._pending = np.zeros(0, dtype=np.float32)  # 16 kHz samples short of a window
+        self._history = np.zeros(0, dtype=np.float32)  # the latest detected samples
+        self._keep = int(history_s * VAD_RATE)
+        self._detected = 0  # samples through the detector
+
+    def fed_ms(self) -> int:
+        """Milliseconds of audio through the detector (the time base of its events)."""
+        return self._detected * 1000 // VAD_RATE
+
+    def audio_until(self, ms: int) -> np.ndarray:
+        """The kept audio (float32 at :data:`VAD_RATE`) up to ``ms`` (clamped to what
+        went through the detector)."""
+        end = len(self._history) - max(0, self._detected - ms * VAD_RATE // 1000)
+        return self._history[:max(0, end)]
 
     def feed(self, pcm16: bytes) -> list[VadEvent]:
         """Detect in ``pcm16`` (little-endian 16-bit mono at :data:`INPUT_RATE`, the
@@ -88,4 +102,7 @@ class ServerVad:
             events.append(VadEvent(kind, int(found.get("start", found.get("end"))) * 1000
                                    // VAD_RATE))
         self._pending = audio[whole:]
+        self._detected += whole
+        if self._keep:
+            self._history = np.concatenate([self._history, audio[:whole]])[-self._keep:]
         return events
