@@ -47,7 +47,7 @@ from vllm_omni_plugin.entrypoints.asgi import (
 )
 from vllm_omni_plugin.entrypoints.audio_encoding import AUDIO_FORMATS, STREAM_FORMAT, encode_audio
 from vllm_omni_plugin.entrypoints.chat_stream import AudioDelta, ChatFailure, SpokenAnswer
-from vllm_omni_plugin.entrypoints.media_input import RequestError, is_choice
+from vllm_omni_plugin.entrypoints.media_input import RequestError, is_choice, not_a_choice
 from vllm_omni_plugin.processors.hookspecs import MAX_VOICE_CHARS
 
 CHAT_PATH = "/v1/chat/completions"
@@ -105,9 +105,7 @@ def parse_audio_request(body: dict) -> AudioRequest | None:
             raise RequestError("audio", "must be an object {\"voice\": ..., \"format\": ...}")
         fmt = audio.get("format", fmt)
         if not is_choice(fmt, AUDIO_FORMATS):
-            shown = fmt[:40] if isinstance(fmt, str) else type(fmt).__name__
-            raise RequestError("audio.format", f"{shown!r} is not supported; use one of "
-                               f"{', '.join(AUDIO_FORMATS)}")
+            raise not_a_choice("audio.format", fmt, AUDIO_FORMATS)
         if stream and fmt != STREAM_FORMAT:
             raise RequestError("audio.format", f"streamed audio is {STREAM_FORMAT!r} only "
                                f"(got {fmt!r}); leave out stream for other formats")

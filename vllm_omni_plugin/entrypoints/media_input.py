@@ -41,6 +41,14 @@ def is_choice(value, choices) -> bool:
     return isinstance(value, str) and value in choices
 
 
+def not_a_choice(field: str, value, choices) -> RequestError:
+    """The error for ``value`` of ``field`` that :func:`is_choice` refused: the value
+    quoted back (at most :data:`_SHOWN` characters; the JSON type of a non-string), and
+    the ``choices``."""
+    shown = value[:_SHOWN] if isinstance(value, str) else type(value).__name__
+    return RequestError(field, f"{shown!r} is not supported; use one of {', '.join(choices)}")
+
+
 def required_text(body: dict, field: str, what: str, max_chars: int | None = None) -> str:
     """``body[field]``, a non-blank string of at most ``max_chars`` characters.
 

@@ -33,7 +33,12 @@ from vllm_omni_plugin.entrypoints.audio_encoding import (
     sample_rate_of,
 )
 from vllm_omni_plugin.entrypoints.chat_audio import CHAT_PATH
-from vllm_omni_plugin.entrypoints.media_input import RequestError, is_choice, required_text
+from vllm_omni_plugin.entrypoints.media_input import (
+    RequestError,
+    is_choice,
+    not_a_choice,
+    required_text,
+)
 
 SPEECH_PATH = "/v1/audio/speech"
 #: OpenAI's limit on ``input``.
@@ -82,15 +87,10 @@ def parse_speech_request(body: dict, max_voice_chars: int) -> SpeechRequest:
                            f"at most {max_voice_chars}")
     fmt = body.get("response_format", DEFAULT_SPEECH_FORMAT)
     if not is_choice(fmt, SPEECH_FORMATS):
-        shown = fmt[:40] if isinstance(fmt, str) else type(fmt).__name__
-        raise RequestError("response_format", f"{shown!r} is not supported; use one of "
-                           f"{', '.join(SPEECH_FORMATS)}")
+        raise not_a_choice("response_format", fmt, SPEECH_FORMATS)
     stream_format = body.get("stream_format", "audio")
     if not is_choice(stream_format, STREAM_FORMATS):
-        shown = stream_format[:40] if isinstance(stream_format, str) else \
-            type(stream_format).__name__
-        raise RequestError("stream_format", f"{shown!r} is not supported; use one of "
-                           f"{', '.join(STREAM_FORMATS)}")
+        raise not_a_choice("stream_format", stream_format, STREAM_FORMATS)
     speed = body.get("speed", 1.0)
     if isinstance(speed, bool) or not isinstance(speed, int | float) or speed != 1.0:
         raise RequestError("speed", "only 1.0 is supported")
