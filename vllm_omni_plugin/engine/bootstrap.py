@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
 from vllm_omni_plugin.config.settings import OmniSettings
@@ -160,27 +161,15 @@ def build_head(entry_client, vllm_config, settings: OmniSettings, cluster) -> He
             logger.info("%s share a device: they start one after another", ", ".join(
                 f"stage {s.stage_id} ({s.name}) replica {rid}" for s, rid in lane))
 
-    def start_lane(lane) -> list:
-        started = []
-        for stage, replica_id in lane:
-            try:
-                engine = start_stage_engine(stage, bases[stage.stage_id], settings).engine
-            except BaseException as exc:
-                return [*started, exc]
-            started.append(LocalReplica(stage.stage_id, replica_id, engine, store.root))
-        return started
+    def start_one(stage, replica_id) -> LocalReplica:
+        engine = start_stage_engine(stage, bases[stage.stage_id], settings).engine
+        return LocalReplica(stage.stage_id, replica_id, engine, store.root)
 
-    replicas, errors = [], []
-    with ThreadPoolExecutor(max_workers=max(1, len(lanes)),
-                            thread_name_prefix="omni-stage-start") as executor:
-        for started in executor.map(start_lane, lanes):
-            for item in started:
-                (errors if isinstance(item, BaseException) else replicas).append(item)
-    if errors:
-        for replica in replicas:
-            replica.engine.shutdown()
+    try:
+        replicas = start_in_lanes(lanes, start_one)
+    except BaseException:
         store.close()
-        raise errors[0]
+        raise
     supervisors = []
     for replica in replicas:
         stage = pipeline.stage(replica.stage_id)
@@ -217,6 +206,66 @@ def build_head(entry_client, vllm_config, settings: OmniSettings, cluster) -> He
     else:
         head.start()
     return head
+
+
+def start_in_lanes(lanes: list[list], start_one) -> list:
+    """Start each ``(stage, replica_id)`` of ``lanes`` with ``start_one(stage,
+    replica_id)`` (a replica whose ``engine`` has ``shutdown``): the lanes side by side,
+    each lane's in order.
+
+    When an engine fails to start, or the wait is interrupted (``KeyboardInterrupt``:
+    Ctrl-C, or vLLM's SIGTERM handler during start-up), no lane starts another engine;
+    the engines already started, and those still starting, are shut down once up.
+
+    Returns:
+        The replicas, lane by lane.
+
+    Raises:
+        BaseException: the first engine's error, or the interrupt.
+    """
+    go, stopping = threading.Event(), threading.Event()
+
+    def run_lane(lane) -> tuple[list, BaseException | None]:
+        go.wait()  # every lane's future is in hand before an engine starts
+        started = []
+        for stage, replica_id in lane:
+            if stopping.is_set():
+                break
+            try:
+                started.append(start_one(stage, replica_id))
+            except BaseException as exc:
+                stopping.set()
+                return started, exc
+        return started, None
+
+    executor = ThreadPoolExecutor(max_workers=max(1, len(lanes)),
+                                  thread_name_prefix="omni-stage-start")
+    futures = []
+    try:
+        for lane in lanes:
+            futures.append(executor.submit(run_lane, lane))
+        go.set()
+        results = [future.result() for future in futures]
+    except BaseException:
+        stopping.set()
+        go.set()
+        # each lane ends once its engine in flight is up: shut its engines down as it does
+        for future in as_completed(futures):
+            _shut_down(future.result()[0])
+        raise
+    finally:
+        executor.shutdown(wait=False)
+    errors = [error for _, error in results if error is not None]
+    replicas = [replica for started, _ in results for replica in started]
+    if errors:
+        _shut_down(replicas)
+        raise errors[0]
+    return replicas
+
+
+def _shut_down(replicas) -> None:
+    for replica in replicas:
+        replica.engine.shutdown()
 
 
 def entry_stalled(entry_client, pool, reason: str) -> None:
