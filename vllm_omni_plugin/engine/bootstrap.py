@@ -84,16 +84,38 @@ class Head:
 def bind_control_plane(settings: OmniSettings):
     """The head's omni master and coordinator (a ``HeadCluster``), bound before its entry
     engine starts: headless replicas register while the head's engine loads, and an
-    address that cannot be bound fails the server in seconds. The caller closes it when
-    the head is not built.
+    address that cannot be bound fails the server in seconds. The head's own replicas
+    are registered at once, so that they take each stage's first replica ids whatever
+    starts beside the head. The caller closes it when the head is not built.
 
     Raises:
+        StageConfigError: the pipeline YAML became invalid since the CLI read it.
         zmq.ZMQError: the master or coordinator address cannot be bound.
     """
+    from vllm_omni_plugin.config.loader import load_pipeline_config
     from vllm_omni_plugin.replicas.cluster import HeadCluster
 
+    pipeline = load_pipeline_config(settings.stage_configs_path)
     conf = settings.cluster
-    return HeadCluster(conf.host, conf.port, conf.heartbeat_timeout)
+    cluster = HeadCluster(conf.host, conf.port, conf.heartbeat_timeout)
+    try:
+        if pipeline.entry_stage.pd is None:  # the head's own engine, a replica of its stage
+            cluster.register_local(pipeline.entry_stage.stage_id, 1)
+        for stage in replicated_stages(pipeline):
+            cluster.register_local(stage.stage_id, stage.runtime.num_replicas)
+    except BaseException:
+        cluster.close()
+        raise
+    return cluster
+
+
+def replicated_stages(pipeline) -> list:
+    """The stages the head keeps a pool of replicas for besides the entry stage: the
+    downstream ones in topological order, then the entry stage's prefill stage (PD)."""
+    entry = pipeline.entry_stage
+    prefill = pipeline.prefill_stage_for(entry.stage_id)
+    return [s for s in pipeline.topological_order() if s.stage_id != entry.stage_id] \
+        + ([prefill] if prefill is not None else [])
 
 
 def build_head(entry_client, vllm_config, settings: OmniSettings, cluster) -> Head:
@@ -104,8 +126,8 @@ def build_head(entry_client, vllm_config, settings: OmniSettings, cluster) -> He
             runs a request on the entry stage.
         vllm_config: the entry engine's ``VllmConfig``.
         settings: the plugin's settings of the entry engine.
-        cluster: the head's control plane from :func:`bind_control_plane`; the caller
-            closes it when this raises.
+        cluster: the head's control plane from :func:`bind_control_plane`, its local
+            replicas registered; the caller closes it when this raises.
 
     Raises:
         StageConfigError: the pipeline YAML became invalid since the CLI read it.
@@ -138,21 +160,20 @@ def build_head(entry_client, vllm_config, settings: OmniSettings, cluster) -> He
         raise
     balancer = build_load_balancer_factory(conf.lb_policy)
     prefill = pipeline.prefill_stage_for(pipeline.entry_stage.stage_id)
-    replicated = downstream + ([prefill] if prefill is not None else [])
+    replicated = replicated_stages(pipeline)
     pools = {s.stage_id: StagePool(s.stage_id, balancer(), conf.replica_wait_timeout)
              for s in replicated}
     base = base_args_from(vllm_config.model_config)
     entry = pipeline.entry_stage
     if entry.pd is None:  # headless replicas of the entry stage attach here too
         pools[entry.stage_id] = StagePool(entry.stage_id, balancer(), conf.replica_wait_timeout)
-        (head_id,) = cluster.register_local(entry.stage_id, 1)
+        (head_id,) = cluster.local_ids(entry.stage_id)
         pools[entry.stage_id].add(LocalReplica(entry.stage_id, head_id,
                                                HeadEngine(entry_client), store.root))
     bases = {s.stage_id: base for s in downstream}
     if prefill is not None:  # the entry engine's model and KV cache layout
         bases[prefill.stage_id] = prefill_base_args(base, pipeline.entry_stage, vllm_config)
-    plan = [(s, replica_id) for s in replicated
-            for replica_id in cluster.register_local(s.stage_id, s.runtime.num_replicas)]
+    plan = [(s, replica_id) for s in replicated for replica_id in cluster.local_ids(s.stage_id)]
     # Engines start concurrently (each start is mostly an EngineCore process spawning,
     # importing and handshaking), except those sharing a GPU: one after another.
     lanes = start_lanes(plan, settings.devices, Host.current())

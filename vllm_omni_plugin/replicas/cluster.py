@@ -89,6 +89,10 @@ class HeadCluster:
         self._local_ids.update((stage_id, i) for i in ids)
         return ids
 
+    def local_ids(self, stage_id: int) -> list[int]:
+        """The replica ids :meth:`register_local` gave ``stage_id``, ascending."""
+        return sorted(i for stage, i in self._local_ids if stage == stage_id)
+
     def start(self, pools: dict[int, StagePool]) -> None:
         """Begin attaching remote replicas to ``pools`` (needs a running event loop)."""
         self.pools = pools
