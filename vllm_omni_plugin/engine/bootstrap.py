@@ -109,13 +109,17 @@ def bind_control_plane(settings: OmniSettings):
     return cluster
 
 
+def downstream_stages(pipeline) -> list:
+    """Every stage but the entry one, in topological order."""
+    entry_id = pipeline.entry_stage.stage_id
+    return [s for s in pipeline.topological_order() if s.stage_id != entry_id]
+
+
 def replicated_stages(pipeline) -> list:
     """The stages the head keeps a pool of replicas for besides the entry stage: the
-    downstream ones in topological order, then the entry stage's prefill stage (PD)."""
-    entry = pipeline.entry_stage
-    prefill = pipeline.prefill_stage_for(entry.stage_id)
-    return [s for s in pipeline.topological_order() if s.stage_id != entry.stage_id] \
-        + ([prefill] if prefill is not None else [])
+    downstream ones, then the entry stage's prefill stage (PD)."""
+    prefill = pipeline.prefill_stage_for(pipeline.entry_stage.stage_id)
+    return downstream_stages(pipeline) + ([prefill] if prefill is not None else [])
 
 
 def build_head(entry_client, vllm_config, settings: OmniSettings, cluster) -> Head:
@@ -148,8 +152,7 @@ def build_head(entry_client, vllm_config, settings: OmniSettings, cluster) -> He
 
     conf = settings.cluster
     pipeline = load_pipeline_config(settings.stage_configs_path)
-    downstream = [s for s in pipeline.topological_order()
-                  if s.stage_id != pipeline.entry_stage.stage_id]
+    downstream = downstream_stages(pipeline)
     processors = {s.stage_id: get_processor(s.input_processor) for s in downstream}
     remove_stale_run_dirs(os.path.dirname(settings.payload_dir))
     store = PayloadStore(settings.payload_dir)

@@ -53,12 +53,12 @@ def model_path() -> str:
         RuntimeError: ``onnxruntime`` or ``pipecat-ai`` is not installed, or the file is
             missing (the message says how to install them).
     """
-    missing = [name for name in ("onnxruntime", MODEL_PACKAGE)
-               if importlib.util.find_spec(name) is None]
+    specs = {name: importlib.util.find_spec(name) for name in ("onnxruntime", MODEL_PACKAGE)}
+    missing = [name for name, spec in specs.items() if spec is None]
     if missing:
         raise RuntimeError(f"semantic_vad needs {' and '.join(missing)} ({INSTALL})")
-    spec = importlib.util.find_spec(MODEL_PACKAGE)
-    path = os.path.join(list(spec.submodule_search_locations)[0], MODEL_FILE)
+    root = list(specs[MODEL_PACKAGE].submodule_search_locations)[0]
+    path = os.path.join(root, MODEL_FILE)
     if not os.path.isfile(path):
         raise RuntimeError(f"semantic_vad needs smart-turn v3.2 at {path}, which the "
                            f"installed pipecat-ai lacks ({INSTALL})")
@@ -102,16 +102,14 @@ class SemanticVad:
 
     Args:
         eagerness: a key of :data:`MAX_PAUSE_MS`.
-        prefix_padding_ms: audio kept before the detected start (as ``server_vad``'s).
 
     Raises:
         RuntimeError: from :func:`model_path`.
     """
 
-    def __init__(self, eagerness: str, prefix_padding_ms: int = VadParams.prefix_padding_ms
-                 ) -> None:
-        self.params = VadParams(prefix_padding_ms=prefix_padding_ms,
-                                silence_duration_ms=PAUSE_MS)
+    def __init__(self, eagerness: str) -> None:
+        # server_vad's default prefix padding: audio kept before the detected start
+        self.params = VadParams(silence_duration_ms=PAUSE_MS)
         self.max_pause_ms = MAX_PAUSE_MS[eagerness]
         self._model = EndOfTurnModel()
         self._pauses = ServerVad(self.params, history_s=MODEL_SECONDS)
