@@ -3,6 +3,7 @@ suite's run order and time guard."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -117,8 +118,8 @@ PYTHON = sys.executable
 VLLM = os.path.join(os.path.dirname(sys.executable), "vllm")
 
 
-#: Test kinds (folders of plugin_tests/) in the order their modules run where the record
-#: does not order them (a fresh machine, equal times): the cheap, broad ones first.
+#: Test kinds (folders of plugin_tests/) in the order their modules run where
+#: :data:`DURATIONS` does not order them (equal times): the cheap, broad ones first.
 #: unit: in-process; cli: vLLM's CLI and plugin loading in child processes; engine: real
 #: vLLM engines driven by scripts; e2e: real `vllm serve` processes.
 KIND_ORDER = ("unit", "cli", "engine", "e2e")
@@ -171,43 +172,30 @@ def pytest_xdist_make_scheduler(config, log):
     return _Scheduling(config, log)
 
 
-def _recorded_seconds() -> dict[str, float]:
-    """Seconds per test module (``plugin_tests/<kind>/<module>.py``: its tests' JUnit
-    times summed, the most over the rows of a run) from the newest `.ci/run` record under
-    :data:`CACHE` that has the module (``ci-runs/<time>/<row>/junit.xml``); empty without
-    records. A run in progress counts too: its end-to-end row still finds its modules in
-    an earlier run. Every test worker reads the same finished rows, so all collect the
-    same order."""
-    import glob
-    import xml.etree.ElementTree as ET
+#: Seconds per test module of a full `.ci/run` (committed; written by
+#: ``python3 scripts/ci_report.py --durations .ci/durations.json RUN_DIR``): the order
+#: the suite hands its modules out in, the same on every machine, a fresh one included.
+DURATIONS = os.path.join(REPO, ".ci", "durations.json")
 
-    seconds: dict[str, float] = {}
-    for run in sorted(glob.glob(os.path.join(CACHE, "ci-runs", "*")), reverse=True):
-        in_run: dict[str, float] = {}
-        for junit in glob.glob(os.path.join(run, "*", "junit.xml")):
-            per_row: dict[str, float] = {}
-            try:
-                cases = list(ET.parse(junit).getroot().iter("testcase"))
-            except (ET.ParseError, OSError):
-                continue
-            for case in cases:
-                module = case.get("classname", "").replace(".", "/") + ".py"
-                per_row[module] = per_row.get(module, 0.0) + float(case.get("time") or 0)
-            for module, value in per_row.items():
-                in_run[module] = max(in_run.get(module, 0.0), value)
-        for module, value in in_run.items():
-            seconds.setdefault(module, value)
-    return seconds
+
+def _recorded_seconds() -> dict[str, float]:
+    """Seconds per test module (``plugin_tests/<kind>/<module>.py``) from
+    :data:`DURATIONS`; empty when the file is missing."""
+    try:
+        with open(DURATIONS) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}
 
 
 def pytest_collection_modifyitems(config, items):
-    """Run the modules that took longest in the recorded runs first, whatever their kind
-    (longest-processing-time first: with test files run side by side, `-n 2`, a long
-    module started last would run alone at the end, and the many short unit modules
-    left for last fill both workers' ends), modules the record lacks before them; ties
-    in kind order (:data:`KIND_ORDER`), then file order. A module's tests stay together,
-    in order. (pytest-xdist keeps this order with ``--no-loadscope-reorder``, as every
-    row of `.ci/run` runs.)"""
+    """Run the modules that took longest in the recorded run (:data:`DURATIONS`) first,
+    whatever their kind (longest-processing-time first: with test files run side by
+    side, `-n 2`, a long module started last would run alone at the end, and the many
+    short unit modules left for last fill both workers' ends), modules the record lacks
+    before them; ties in kind order (:data:`KIND_ORDER`), then file order. A module's
+    tests stay together, in order. (pytest-xdist keeps this order with
+    ``--no-loadscope-reorder``, as every row of `.ci/run` runs.)"""
     recorded = _recorded_seconds()
 
     def key(item) -> tuple:

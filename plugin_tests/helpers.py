@@ -1,11 +1,13 @@
 """Helpers shared by the tests: waiting for a condition (every wait in the
 suite is for a condition with a bound, never a bare sleep), raw sockets and child
-processes that take their own children with them."""
+processes that take their own children with them, and the repository's scripts as
+modules."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import os
 import signal
 import subprocess
@@ -20,6 +22,17 @@ WAIT = 5.0
 #: Seconds: the bound of a wait that a loaded host (2 cores, ``pytest -n 2``) may stretch
 #: far beyond its usual milliseconds; reaching it means the awaited thing never came.
 LONG_WAIT = 30.0
+
+
+def script_module(name: str):
+    """``scripts/<name>.py`` of the repository, loaded as a module (the scripts are not
+    a package)."""
+    from plugin_tests.conftest import REPO
+
+    spec = importlib.util.spec_from_file_location(name, Path(REPO, "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def wait_until(pred: Callable[[], bool], timeout: float = WAIT, interval: float = 0.01) -> bool:

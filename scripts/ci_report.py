@@ -3,7 +3,8 @@ run, passed, failed, skipped and expected to fail (xfail), each with its reason,
 time per folder, the slowest tests, and the vLLM EngineCores started; and check each
 row's skips and xfails against the committed list of those it expects.
 
-Usage: ``python3 scripts/ci_report.py [--expected FILE] RUN_DIR`` (standard library only).
+Usage: ``python3 scripts/ci_report.py [--expected FILE] [--durations FILE] RUN_DIR``
+(standard library only).
 RUN_DIR holds one folder per row, as `.ci/run` writes them:
 
 * ``row.json``: ``{"release", "build", "kinds", "seconds", "exit", "transformers", "workers"}``
@@ -23,6 +24,12 @@ TEST_ID the test's pytest id; ``#`` starts a comment. A skip or xfail of a row t
 list lacks is UNEXPECTED: a broken environment (a missing dependency, a test that no
 longer runs) must not pass as a skip. An expected one that did not happen is reported as
 stale, without failing.
+
+``--durations FILE`` (`.ci/durations.json`): also write the seconds of each test module in
+this run, ``{"plugin_tests/<kind>/<module>.py": seconds}``, its tests' JUnit times summed,
+the most over the rows: the order the suite hands its modules out in
+(plugin_tests/conftest.py). Commit it after a full run when modules were added or their
+times moved.
 
 Prints the report; exits 1 when a row had an unexpected skip or xfail, else 0 (the
 rest of the verdict is `.ci/run`'s).
@@ -82,6 +89,23 @@ def _cases(junit: str):
                     outcome = "xfailed"
                 break
         yield test_id, folder, float(case.get("time") or 0.0), outcome, message
+
+
+def module_seconds(run_dir: str) -> dict[str, float]:
+    """Seconds per test module (``plugin_tests/<kind>/<module>.py``) in the run under
+    ``run_dir``: its tests' JUnit times summed per row, the most over the rows; a row
+    without a readable JUnit XML counts for nothing."""
+    seconds: dict[str, float] = {}
+    for row in sorted(os.listdir(run_dir)):
+        per_row: dict[str, float] = defaultdict(float)
+        try:
+            for test_id, _, time_s, _, _ in _cases(os.path.join(run_dir, row, "junit.xml")):
+                per_row[test_id.split("::", 1)[0]] += time_s
+        except (ET.ParseError, OSError):
+            continue
+        for module, time_s in per_row.items():
+            seconds[module] = max(seconds.get(module, 0.0), time_s)
+    return seconds
 
 
 def row_key(row: dict) -> str:
@@ -162,14 +186,14 @@ def report_row(row_dir: str, expected: dict[str, set[tuple[str, str]]] | None = 
 
 
 def main(argv: list[str]) -> int:
-    expected, expected_path = None, None
-    if argv[:1] == ["--expected"] and len(argv) == 3:
-        expected_path = argv[1]
-        expected = read_expected(expected_path)
-        argv = argv[2:]
+    options: dict[str, str] = {}
+    while argv[:1] in (["--expected"], ["--durations"]) and len(argv) >= 2:
+        options[argv[0]], argv = argv[1], argv[2:]
     if len(argv) != 1:
         print(__doc__.split("\n\n")[1], file=sys.stderr)
         return 2
+    expected_path = options.get("--expected")
+    expected = read_expected(expected_path) if expected_path else None
     run_dir = argv[0]
     rows = sorted(d for d in os.listdir(run_dir)
                   if os.path.isfile(os.path.join(run_dir, d, "row.json")))
@@ -178,6 +202,11 @@ def main(argv: list[str]) -> int:
         lines, count = report_row(os.path.join(run_dir, name), expected)
         unexpected += count
         print("\n".join(lines))
+    if "--durations" in options:
+        with open(options["--durations"], "w") as f:
+            json.dump({module: round(time_s, 1) for module, time_s
+                       in sorted(module_seconds(run_dir).items())}, f, indent=0)
+            f.write("\n")
     if unexpected:
         print(f"{unexpected} unexpected skip(s) or xfail(s): a row may skip or xfail only "
               f"what {expected_path} lists for it")

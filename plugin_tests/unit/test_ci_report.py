@@ -4,13 +4,14 @@ run still writes its results."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from plugin_tests.helpers import script_module
 
 ROOT = Path(__file__).resolve().parents[2]
 ROW = "0.32.0:unit,cli,engine"
@@ -32,13 +33,6 @@ def test_xfails():
 def test_hangs():
     time.sleep(3600)
 '''
-
-
-def _ci_report():
-    spec = importlib.util.spec_from_file_location("ci_report", ROOT / "scripts" / "ci_report.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +62,7 @@ def _expected(tmp_path: Path, lines: list[str]) -> Path:
 
 
 def test_an_unlisted_skip_and_xfail_fail_the_report(run_dir, tmp_path, capsys):
-    ci_report = _ci_report()
+    ci_report = script_module("ci_report")
     assert ci_report.main(["--expected", str(_expected(tmp_path, [])), str(run_dir)]) == 1
     out = capsys.readouterr().out
     assert "UNEXPECTED SKIP (not in the row's expected list): test_planted.py::test_skips: " \
@@ -80,7 +74,7 @@ def test_an_unlisted_skip_and_xfail_fail_the_report(run_dir, tmp_path, capsys):
 
 
 def test_a_hang_fails_its_test_and_the_row_still_reports(run_dir, tmp_path, capsys):
-    ci_report = _ci_report()
+    ci_report = script_module("ci_report")
     ci_report.main(["--expected", str(_expected(tmp_path, [])), str(run_dir)])
     out = capsys.readouterr().out
     assert "FAILURE: test_planted.py::test_hangs: Failed: Timeout (>3.0s) from pytest-timeout" \
@@ -89,7 +83,7 @@ def test_a_hang_fails_its_test_and_the_row_still_reports(run_dir, tmp_path, caps
 
 
 def test_listed_skips_pass_and_a_stale_entry_is_reported(run_dir, tmp_path, capsys):
-    ci_report = _ci_report()
+    ci_report = script_module("ci_report")
     expected = _expected(tmp_path, [f"{ROW} skip test_planted.py::test_skips",
                                     f"{ROW}  xfail  test_planted.py::test_xfails  # why",
                                     f"{ROW} skip test_planted.py::test_passes"])
@@ -102,19 +96,19 @@ def test_listed_skips_pass_and_a_stale_entry_is_reported(run_dir, tmp_path, caps
 def test_an_entry_for_another_row_does_not_cover_this_one(run_dir, tmp_path):
     expected = _expected(tmp_path, ["0.30.0:unit,cli,engine skip test_planted.py::test_skips",
                                     f"{ROW} xfail test_planted.py::test_xfails"])
-    assert _ci_report().main(["--expected", str(expected), str(run_dir)]) == 1
+    assert script_module("ci_report").main(["--expected", str(expected), str(run_dir)]) == 1
 
 
 def test_a_malformed_line_names_the_file_and_line(tmp_path):
     expected = _expected(tmp_path, [f"{ROW} skipped test_planted.py::test_skips"])
     with pytest.raises(ValueError, match=r"expected_skips.txt:2: expected 'ROW skip\|xfail "
                                          r"TEST_ID'"):
-        _ci_report().read_expected(str(expected))
+        script_module("ci_report").read_expected(str(expected))
 
 
 def test_the_committed_list_parses_and_names_matrix_rows():
     """Every row of .ci/expected_skips.txt is a row of .ci/run's MATRIX."""
-    expected = _ci_report().read_expected(str(ROOT / ".ci" / "expected_skips.txt"))
+    expected = script_module("ci_report").read_expected(str(ROOT / ".ci" / "expected_skips.txt"))
     matrix = next(line for line in (ROOT / ".ci" / "run").read_text().splitlines()
                   if line.startswith("MATRIX="))
     rows = set(matrix.split("=", 1)[1].strip('"').split())
@@ -124,10 +118,10 @@ def test_the_committed_list_parses_and_names_matrix_rows():
 def test_engine_cores_are_counted_in_the_logs_only(tmp_path):
     """The count reads the tests' logs, not the checkpoints beside them: a released
     checkpoint's sparse 29 GB weights file once ran the report out of memory."""
-    line = _ci_report().ENGINE_CORE_LINE
+    line = script_module("ci_report").ENGINE_CORE_LINE
     (tmp_path / "serve.log").write_bytes(line + b"\n" + line)
     (tmp_path / "engines.out").write_bytes(line)
     with open(tmp_path / "ema.safetensors", "wb") as f:
         f.write(line)
         f.truncate(64 << 30)    # sparse: no disk, but reading it whole would need 64 GiB
-    assert _ci_report().engine_cores(str(tmp_path)) == 3
+    assert script_module("ci_report").engine_cores(str(tmp_path)) == 3
