@@ -52,6 +52,21 @@ def without_reserved(extra: dict[str, Any] | None) -> dict[str, Any]:
     return {k: v for k, v in (extra or {}).items() if not _is_reserved(k)}
 
 
+def attach_payload(params, extra: dict[str, Any], keys: dict[str, Any]) -> None:
+    """Give ``params`` (a vLLM ``SamplingParams``) the extra args ``extra`` and the payload
+    keys ``keys`` (``extra_args[PAYLOAD]``, as :func:`payload_keys` reads them).
+
+    A request with an ``in`` or ``out`` key reads no prefix cache: its rows map one to one
+    to the positions it feeds, so it must compute every position. vLLM's own
+    ``SamplingParams.skip_reading_prefix_cache`` (what a request with ``prompt_logprobs``
+    sets) does that, and the request's blocks still enter the cache for the requests
+    after it; the stage's other requests (text only) read the cache as plain vLLM's do.
+    """
+    params.extra_args = {**extra, PAYLOAD: keys}
+    if "in" in keys or "out" in keys:
+        params.skip_reading_prefix_cache = True
+
+
 @dataclass(frozen=True)
 class PayloadKeys:
     """Payload-store keys of one request at one stage.

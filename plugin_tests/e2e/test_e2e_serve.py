@@ -499,17 +499,37 @@ def test_worker_failure_fails_only_that_request(server):
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["audio"]["data"]
 
 
-def test_repeated_long_prompt_gives_same_audio(server):
-    """A prompt spanning several KV blocks, twice: a prefix-cache hit on the
-    second request would drop thinker hidden states (regression test)."""
-    long_text = " ".join(["tell me a story about the sea and the stars"] * 6)
-    body = server.audio_body(messages=[{"role": "user", "content": long_text}],
-                       return_token_ids=True)
-    first, second = server.chat(body), server.chat(body)
-    assert first.status_code == 200 and second.status_code == 200, second.text
-    assert len(first.json()["prompt_token_ids"]) >= 3 * 16  # three full KV blocks
-    a, b = (r.json()["choices"][0]["message"] for r in (first, second))
-    assert a["content"] == b["content"]
+def _prefix_cache_hits(server) -> float:
+    """The thinker's prefix-cache hits so far (vLLM's counter, tokens)."""
+    return sum(value for (name, _), value in server.metrics().items()
+               if name == "vllm:prefix_cache_hits_total")
+
+
+def test_a_repeated_long_prompt_reads_the_prefix_cache_as_text_and_not_as_speech(server):
+    """vLLM's prefix caching on the thinker, as in plain vLLM: the same long prompt
+    (several KV blocks of 128 positions, the CPU build's block size) as text a second
+    time reads its cached blocks and answers the same. As speech it reads none (its rows
+    feed the talker, so it computes every position; with the cache on and no such skip,
+    the worker failed it) and gives the same text and audio both times."""
+    messages = [{"role": "user",
+                 "content": " ".join(["tell me a story about the sea and the stars"] * 40)}]
+    text = server.chat_body(messages=messages, return_token_ids=True)
+    first = server.chat(text)
+    assert first.status_code == 200, first.text
+    assert len(first.json()["prompt_token_ids"]) >= 3 * 128
+    hits = _prefix_cache_hits(server)
+    second = server.chat(text)
+    assert second.status_code == 200, second.text
+    server.wait_until(lambda: _prefix_cache_hits(server) >= hits + 2 * 128, timeout=30)
+    answer = first.json()["choices"][0]["message"]["content"]
+    assert second.json()["choices"][0]["message"]["content"] == answer
+
+    hits = _prefix_cache_hits(server)
+    spoken = [server.chat(server.audio_body(messages=messages)) for _ in range(2)]
+    assert [r.status_code for r in spoken] == [200, 200], spoken[-1].text
+    assert _prefix_cache_hits(server) == hits
+    a, b = (r.json()["choices"][0]["message"] for r in spoken)
+    assert a["content"] == b["content"] == answer
     assert a["audio"]["data"] == b["audio"]["data"]
 
 

@@ -62,9 +62,11 @@ class Entry:
         self.store = store
         self.fail_with = fail_with
         self.seen_extra_args: list[dict] = []
+        self.seen_skip_reading: list[bool] = []
 
     async def __call__(self, prompt, params, request_id):
         self.seen_extra_args.append(dict(params.extra_args or {}))
+        self.seen_skip_reading.append(params.skip_reading_prefix_cache)
         keys = xargs.payload_keys(params.extra_args)
         if keys.output:
             self.store.append(keys.output, {"hidden": torch.ones(len(PROMPT), 2)})
@@ -238,6 +240,15 @@ def test_client_keys_in_the_plugin_namespace_never_reach_an_engine(tmp_path):
         assert seen["keep"] == 1 and "omni_plugin_modalities" not in seen
         xargs.payload_keys(seen)  # what the orchestrator wrote is well-formed
     assert len(orchestrator.pools[1].tasks) == 1  # the text-only request ran no pipeline
+
+
+def test_only_a_request_that_publishes_rows_skips_reading_the_prefix_cache(tmp_path):
+    """A spoken request's entry stage publishes a row per position: vLLM must compute
+    every position (``skip_reading_prefix_cache``); a text-only one reads the cache."""
+    orchestrator, _ = _orchestrator(tmp_path)
+    for request in (OmniRequest(), _audio()):
+        asyncio.run(_run(orchestrator, request))
+    assert orchestrator.entry_generate.seen_skip_reading == [False, True]
 
 
 def test_stage_failure_fails_the_request_naming_the_stage(tmp_path):

@@ -28,6 +28,8 @@ class FrameEngine:
         self.store = store
 
     async def generate(self, prompt, params, request_id):
+        # its rows map one to one to the positions it feeds: no prefix-cache read
+        assert params.skip_reading_prefix_cache
         out_key = xargs.payload_keys(params.extra_args).output
         for step in range(STEPS):
             if step:

@@ -250,9 +250,9 @@ class Orchestrator:
         prefilled = await self._prefill(run, prompt, params, publish=True)
         if prefilled is ABORTED:
             return
-        params.extra_args = {**extra, **decode_extra(prefilled),
-                             xargs.PAYLOAD: {"out": run.payload_key,
-                                             **({"prefilled": True} if prefilled else {})}}
+        xargs.attach_payload(params, {**extra, **decode_extra(prefilled)},
+                             {"out": run.payload_key,
+                              **({"prefilled": True} if prefilled else {})})
         run.stage_id = self.entry.stage_id
         # streamed requests get only each step's new tokens (RequestOutputKind.DELTA)
         deltas = [] if params.output_kind == RequestOutputKind.DELTA else None
@@ -385,7 +385,7 @@ class Orchestrator:
                     raise self._timed_out(run)
                 return
             extra = {**extra, **decode_extra(prefilled)}
-        params.extra_args = {**extra, xargs.PAYLOAD: {"err": run.error_key}}
+        xargs.attach_payload(params, extra, {"err": run.error_key})
         async for out in self.entry_generate(prompt, params, run.request_id, *args, **kwargs):
             if run.expired:  # recorded by _expire
                 raise self._timed_out(run)

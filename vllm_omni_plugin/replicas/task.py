@@ -159,7 +159,7 @@ async def run_on_engine(engine, store: PayloadStore, task: StageTask,
     keys = {"out": out_key} if task.publish else {"err": out_key}
     if task.payload:
         keys["in"] = in_key
-    params.extra_args = {**xargs.without_reserved(params.extra_args), xargs.PAYLOAD: keys}
+    xargs.attach_payload(params, xargs.without_reserved(params.extra_args), keys)
     produced = False
     final = None
     seen = 0  # payload chunks handed to on_rows
