@@ -23,7 +23,10 @@ EngineCore, its worker, and all the server's processes together. CPU time per re
 holds still where requests/s swings with the host: the worker's (on core 0) is what sets
 the rate when the head is pinned. The summary compares the plugin's median with
 plain vLLM's, and its lowest trial with plain vLLM's median (targets: 0.97x and
-0.92x). ``--spoken N`` ends each plugin phase with N text + audio chats and prints the
+0.92x). ``--system-prompt-tokens N`` puts a system message of N tokens, the same for
+every chat, before each: the shared-prefix workload, which vLLM's prefix caching serves
+from cache in both servers (the thinker's cache is on in the plugin's pipeline; before,
+the plugin prefilled every chat whole). ``--spoken N`` ends each plugin phase with N text + audio chats and prints the
 API server's CPU time per spoken request. ``--profile PY_SPY`` adds a longer trial per
 phase (``--profile-requests``) sampled by py-spy (not a dependency: give its path) in the
 API server and the entry stage's EngineCore and worker, and prints where each spends its
@@ -38,6 +41,7 @@ Usage (from the repository root)::
 
     .venv/bin/python benchmarks/text_bench.py
     .venv/bin/python benchmarks/text_bench.py --phases 6 --trials 5 --spoken 32
+    .venv/bin/python benchmarks/text_bench.py --system-prompt-tokens 1500
 """
 
 from __future__ import annotations
@@ -77,13 +81,16 @@ COMMON = ["--max-model-len", "2048", "--dtype", "float32", "--gpu-memory-utiliza
 TARGET_MEDIAN, TARGET_LOWEST = 0.97, 0.92
 
 
-def _load(url: str, model: str, requests: int, concurrency: int, max_tokens: int) -> float:
-    """Requests/s for ``requests`` chats with ``concurrency`` in flight."""
+def _load(url: str, model: str, requests: int, concurrency: int, max_tokens: int,
+          system: str = "") -> float:
+    """Requests/s for ``requests`` chats with ``concurrency`` in flight, each after the
+    system message ``system`` (none when empty)."""
+    shared = [{"role": "system", "content": system}] if system else []
 
     def body(i):
         return {"model": model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                "messages": [{"role": "user",
-                              "content": f"request {i}: tell me about the weather"}]}
+                "messages": [*shared, {"role": "user",
+                                       "content": f"request {i}: tell me about the weather"}]}
 
     def check(i, answer, _latency):
         if answer["usage"]["completion_tokens"] != max_tokens:
@@ -183,7 +190,8 @@ def _profiled_trial(server: Server, url: str, model: str, args, out: Path) -> No
              "--nonblocking", "-o", str(path)], stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL))
     try:
-        rate = _load(url, model, args.profile_requests, args.concurrency, args.max_tokens)
+        rate = _load(url, model, args.profile_requests, args.concurrency, args.max_tokens,
+                     args.system)
     finally:
         for _, spy in spies.values():
             spy.send_signal(signal.SIGINT)
@@ -191,6 +199,21 @@ def _profiled_trial(server: Server, url: str, model: str, args, out: Path) -> No
     print(f"{out.name} profiled trial: {rate:.1f} req/s", flush=True)
     for what, (path, _) in spies.items():
         print(f" {what} ({path}):", *profile_summary(path), sep="\n", flush=True)
+
+
+def system_prompt(ckpt: Path, tokens: int) -> str:
+    """A system message of at least ``tokens`` tokens of ``ckpt``'s tokenizer (a sentence
+    repeated); empty for 0."""
+    from transformers import AutoTokenizer
+
+    if tokens <= 0:
+        return ""
+    tokenizer = AutoTokenizer.from_pretrained(ckpt)
+    sentence = "You are a helpful assistant who answers questions about the weather. "
+    text = sentence
+    while len(tokenizer(text)["input_ids"]) < tokens:
+        text += sentence
+    return text
 
 
 def start(name: str, ckpt: Path, args, logdir: Path, phase: int) -> tuple[Server, str]:
@@ -222,10 +245,12 @@ def run_phase(name: str, phase: int, ckpt: Path, args, logdir: Path) -> dict:
     server, url = start(name, ckpt, args, logdir, phase)
     result = {"rates": [], "cpu_ms": [], "spoken_cpu_ms": None}
     try:
-        _load(url, model, 4 * args.concurrency, args.concurrency, args.max_tokens)  # warm-up
+        _load(url, model, 4 * args.concurrency, args.concurrency, args.max_tokens,
+              args.system)  # warm-up
         for trial in range(args.trials):
             before = _cpu_ms(server.proc.pid)
-            rate = _load(url, model, args.requests, args.concurrency, args.max_tokens)
+            rate = _load(url, model, args.requests, args.concurrency, args.max_tokens,
+                         args.system)
             cpu = _per_request(before, _cpu_ms(server.proc.pid), args.requests)
             result["rates"].append(rate)
             result["cpu_ms"].append(cpu)
@@ -266,6 +291,9 @@ def main() -> int:
                         help="path of py-spy: profile one more trial per phase")
     parser.add_argument("--profile-requests", type=int, default=1024,
                         help="chats of the profiled trial")
+    parser.add_argument("--system-prompt-tokens", type=int, default=0,
+                        help="a system message of this many tokens shared by every chat, "
+                             "which vLLM's prefix caching serves from cache (0: none)")
     parser.add_argument("--timeout", type=float, default=600)
     args = parser.parse_args()
     if args.phases < 2 or args.phases % 2:
@@ -275,6 +303,7 @@ def main() -> int:
     ckpt = args.checkpoint or tmp / "ckpt"
     if not (ckpt / "config.json").exists():
         make_checkpoint(ckpt)
+    args.system = system_prompt(ckpt, args.system_prompt_tokens)
     results: dict[str, list[dict]] = {"plain": [], "plugin": []}
     for phase in range(args.phases):
         name = ("plain", "plugin")[phase % 2]
@@ -283,13 +312,14 @@ def main() -> int:
     cpu = {n: [c for phase in results[n] for c in phase["cpu_ms"]] for n in results}
     plain = median(rates["plain"])
     ratio, lowest = median(rates["plugin"]) / plain, min(rates["plugin"]) / plain
+    after = f" after a {args.system_prompt_tokens}-token system prompt" if args.system else ""
     rows = [[n, " ".join(f"{r:.1f}" for r in rates[n]), fmt(median(rates[n])),
              *(fmt(median([c[what] for c in cpu[n]]), ".2f") for what in PROCESSES)]
             for n in ("plain", "plugin")]
     print(table(["server", "requests/s per trial", "median",
                  *(f"{what} CPU ms/request" for what in PROCESSES)],
-                rows, title=f"text chat, {args.requests} chats x {args.max_tokens} tokens at "
-                            f"concurrency {args.concurrency}, {args.phases} phases x "
+                rows, title=f"text chat, {args.requests} chats x {args.max_tokens} tokens"
+                            f"{after} at concurrency {args.concurrency}, {args.phases} phases x "
                             f"{args.trials} trials, head {'on core 1' if args.pin else 'unpinned'}"
                             f" (logs: {tmp})"))
     print(f"plugin / plain: median {ratio:.2f}x (target {TARGET_MEDIAN}x), lowest trial "
