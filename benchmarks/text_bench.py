@@ -26,12 +26,12 @@ plain vLLM's, and its lowest trial with plain vLLM's median (targets: 0.97x and
 0.92x). ``--system-prompt-tokens N`` puts a system message of N tokens, the same for
 every chat, before each: the shared-prefix workload, which vLLM's prefix caching serves
 from cache in both servers (the thinker's cache is on in the plugin's pipeline; before,
-the plugin prefilled every chat whole). ``--spoken N`` ends each plugin phase with N text + audio chats and prints the
-API server's CPU time per spoken request. ``--profile PY_SPY`` adds a longer trial per
-phase (``--profile-requests``) sampled by py-spy (not a dependency: give its path) in the
-API server and the entry stage's EngineCore and worker, and prints where each spends its
-samples:
-the share of samples in the plugin's code and its top functions, and the top
+the plugin prefilled every chat whole). ``--spoken N`` ends each plugin phase with N
+text + audio chats and prints the API server's CPU time per spoken request.
+``--profile PY_SPY`` adds a longer trial per phase (``--profile-requests``) sampled by
+py-spy (not a dependency: give its path) in the API server and the entry stage's
+EngineCore and worker, and prints where each spends its samples: the share of samples
+in the plugin's code and its top functions, and the top
 functions overall (the stacks are kept in the log folder).
 
 Common flags of both servers: ``--max-model-len 2048 --dtype float32
