@@ -125,3 +125,32 @@ def test_engine_cores_are_counted_in_the_logs_only(tmp_path):
         f.write(line)
         f.truncate(64 << 30)    # sparse: no disk, but reading it whole would need 64 GiB
     assert script_module("ci_report").engine_cores(str(tmp_path)) == 3
+
+
+def test_a_dead_test_worker_fails_its_row_naming_the_test(tmp_path, capsys):
+    """A test worker killed mid-test (a real SIGKILL to itself) under `.ci/run`'s xdist
+    flags: the row ends at once and the report names the test it ran (with xdist's
+    restart, a replacement worker once never got the dead one's files and the row hung
+    until CI's kill)."""
+    flags = ["-n", "2", "--dist", "loadfile", "--max-worker-restart", "0"]
+    assert "--dist loadfile" in (ROOT / ".ci" / "run").read_text()
+    assert "--max-worker-restart 0" in (ROOT / ".ci" / "run").read_text()
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_dies.py").write_text(
+        "import os, signal\n\ndef test_dies():\n    os.kill(os.getpid(), signal.SIGKILL)\n")
+    (tests / "test_lives.py").write_text("def test_lives():\n    pass\n")
+    row = tmp_path / "run" / "1-0.32.0-cpu-unit-cli-engine"
+    row.mkdir(parents=True)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           *flags, f"--junitxml={row / 'junit.xml'}", str(tests)],
+                          cwd=tests, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    (row / "row.json").write_text(json.dumps(
+        {"release": "0.32.0", "build": "cpu", "kinds": "unit,cli,engine", "seconds": 5,
+         "exit": done.returncode, "transformers": "?", "workers": 2}))
+    script_module("ci_report").main([str(tmp_path / "run")])
+    out = capsys.readouterr().out
+    assert "ERROR: test_dies.py::test_dies: failed on setup with \"worker 'gw" in out
+    assert "crashed while running 'test_dies.py::test_dies'" in out
+    assert "2 run, 1 passed, 0 failed, 1 errors" in out
