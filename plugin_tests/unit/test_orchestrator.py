@@ -231,6 +231,33 @@ def test_text_only_request_never_reaches_downstream_stages(tmp_path):
     assert not orchestrator.pools[1].tasks and orchestrator.store.keys() == []
 
 
+def test_only_a_plain_text_request_passes_through_to_vllm(tmp_path):
+    """The engine client runs a request on vLLM's AsyncLLM itself, with no orchestrator,
+    when it asks for text alone, carries no key of the plugin's namespace, and the
+    pipeline has no prefill stage and no request timeout; anything else goes through the
+    orchestrator (which drops the keys, pairs prefill and decode, or enforces the
+    timeout)."""
+    from vllm import SamplingParams
+
+    plain, _ = _orchestrator(tmp_path)
+    pd, _ = _pd_orchestrator(tmp_path)
+    timed = _timed(plain.store, Entry(plain.store), lambda request_id: None)
+
+    def passes(orchestrator, request=None, extra_args=None) -> bool:
+        params = SamplingParams(max_tokens=4, extra_args=extra_args)
+        if request is None:  # a request from a route the omni middleware does not read
+            return orchestrator.passes_through(params)
+        with omni_request_scope(request):
+            return orchestrator.passes_through(params)
+
+    assert passes(plain) and passes(plain, OmniRequest())
+    assert passes(plain, OmniRequest(), {"keep": 1})
+    assert not passes(plain, _audio())
+    assert not passes(plain, OmniRequest(), {xargs.PAYLOAD: {"out": "k"}})
+    assert not passes(plain, None, {"omni_plugin_modalities": ["text", "audio"]})
+    assert not passes(pd, OmniRequest()) and not passes(timed, OmniRequest())
+
+
 def test_client_keys_in_the_plugin_namespace_never_reach_an_engine(tmp_path):
     orchestrator, _ = _orchestrator(tmp_path)
     for request in (OmniRequest(), _audio()):

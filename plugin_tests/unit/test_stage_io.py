@@ -8,6 +8,7 @@ run the real ones.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -298,6 +299,28 @@ def test_a_stage_step_maps_rows_and_hands_over_inputs_and_params(store):
     output = SimpleNamespace(req_ids=["a", "plain"], sampled_token_ids=[[3], [4]])
     io.override_failed(output)
     assert output.sampled_token_ids == [[7], [4]]
+
+
+def test_a_model_that_reads_its_step_may_fail_a_request_without_payload_keys(store, caplog):
+    """A text-only request reaches the entry stage without payload keys (the engine client
+    passes it to vLLM's AsyncLLM). The worker tracks such requests only for a model that
+    reads its step (``track_plain``), which may fail any request: the failure is logged
+    and the request emits its stop token; the rest of the batch goes on."""
+    plain_step = _step(new=[_new("plain"), _new("other")], scheduled={"plain": 2, "other": 1})
+    untracked = StageIO(0, store)
+    assert not untracked.begin_step(plain_step) and untracked.tracked("plain") is None
+
+    io = StageIO(0, store)
+    io.track_plain = True
+    io.begin_step(plain_step, always=True)
+    view = StageStep(io, _runner("plain", "other"), plain_step)
+    with caplog.at_level(logging.ERROR):
+        view.fail("plain", ValueError("bad row"))
+    assert view.failed("plain") and not view.failed("other")
+    assert "request plain failed: ValueError: bad row" in caplog.text
+    output = SimpleNamespace(req_ids=["plain", "other"], sampled_token_ids=[[3], [4]])
+    io.override_failed(output)
+    assert output.sampled_token_ids == [[7], [4]] and store.keys() == []
 
 
 def test_an_unreadable_input_payload_fails_its_request_only(store):

@@ -40,14 +40,18 @@ class OmniEngineClient(AsyncLLM):
         """The head's :class:`~vllm_omni_plugin.engine.orchestrator.Orchestrator`."""
         return self.head.orchestrator
 
-    async def generate(self, prompt, sampling_params, request_id, *args, **kwargs):
-        """``AsyncLLM.generate`` through the head's orchestrator, so that a pipeline request
-        also runs its downstream stages; starts the head on the first call."""
+    def generate(self, prompt, sampling_params, request_id, *args, **kwargs):
+        """The request's outputs (an async iterator of ``RequestOutput``, as
+        ``AsyncLLM.generate`` gives them); starts the head on the first call. A request the
+        orchestrator passes through (:meth:`~vllm_omni_plugin.engine.orchestrator.
+        Orchestrator.passes_through`: text alone, no prefill stage, no request timeout) is
+        ``AsyncLLM.generate`` itself, as in plain vLLM; any other goes through the head's
+        orchestrator, which also runs its downstream stages."""
         self.head.start()
-        async for output in self.head.orchestrator.generate(
-            prompt, sampling_params, request_id, *args, **kwargs
-        ):
-            yield output
+        orchestrator = self.head.orchestrator
+        if orchestrator.passes_through(sampling_params):
+            return super().generate(prompt, sampling_params, request_id, *args, **kwargs)
+        return orchestrator.generate(prompt, sampling_params, request_id, *args, **kwargs)
 
     def entry_generate(self, *args, **kwargs):
         """The entry stage's own ``AsyncLLM.generate``."""

@@ -3,8 +3,10 @@
 What a request asks beyond vLLM's fields comes from the API layer's
 :class:`~vllm_omni_plugin.engine.omni_request.OmniRequest` (never from the
 client's ``extra_args``: keys in the plugin's namespace are dropped here).
-For a request that asks only for text the entry stage's output is streamed
-unchanged (plain vLLM behaviour). When it asks for more (audio), the request
+A request that asks only for text does not come here (:meth:`Orchestrator.passes_through`:
+the engine client runs it on vLLM's ``AsyncLLM`` as plain vLLM does), unless the entry
+stage has a prefill stage or requests have a timeout; then the entry stage's output is
+streamed unchanged. When it asks for more (audio), the request
 passes the admission gate (HTTP 429 when the downstream stages stay full), the
 orchestrator holds back the entry stage's final output, runs each downstream
 stage in topological order — stage input processor, input payload, one
@@ -138,6 +140,18 @@ class Orchestrator:
         return MappingProxyType(self._runs)
 
     # -- request flow ---------------------------------------------------------
+    def passes_through(self, sampling_params) -> bool:
+        """Whether a request is plain vLLM generation on the entry stage, which the engine
+        client then runs without the orchestrator (no wrapper, no per-request state): it
+        asks for text alone (the current :class:`OmniRequest`, or none), carries no key in
+        the plugin's namespace (which :meth:`generate` drops), and the pipeline has neither
+        a prefill stage for the entry stage nor a request timeout."""
+        request = current_omni_request()
+        return (self.prefill is None and self.request_timeout is None
+                and (request is None or request.text_only)
+                and not (sampling_params.extra_args
+                         and xargs.reserved_keys(sampling_params.extra_args)))
+
     async def generate(self, prompt, sampling_params, request_id, *args, **kwargs):
         """The entry stage's outputs for the request; for a pipeline request the
         final one comes after every downstream stage ran (the result goes into

@@ -96,8 +96,9 @@ class OmniWorkerMixin:
 
     def load_model(self, *args, **kwargs):
         """vLLM's model loading, then the check that the model's stage outputs survive the
-        engine's CUDA graph mode, and the choice of the one publishing worker (TP rank 0
-        of the last PP rank; :attr:`omni_publishes`).
+        engine's CUDA graph mode, the choice of the one publishing worker (TP rank 0
+        of the last PP rank; :attr:`omni_publishes`), and, for a model that reads its step,
+        the tracking of requests without payload keys (:attr:`StageIO.track_plain`).
 
         Raises:
             ValueError: see :func:`check_graph_mode`.
@@ -105,9 +106,11 @@ class OmniWorkerMixin:
         from vllm.distributed import get_pp_group, get_tp_group
 
         super().load_model(*args, **kwargs)
-        check_graph_mode(_unwrapped(model_runner_of(self).get_model()),
-                         self.vllm_config.compilation_config.cudagraph_mode,
+        model = _unwrapped(model_runner_of(self).get_model())
+        check_graph_mode(model, self.vllm_config.compilation_config.cudagraph_mode,
                          self.omni_io.stage_id)
+        # a model that reads its step may fail any of its requests (StageStep.fail)
+        self.omni_io.track_plain = getattr(model, "uses_stage_step", False)
         # Every tensor-parallel rank computes the same rows (its outputs are all-reduced)
         # and only the last pipeline-parallel rank computes them at all: one worker
         # publishes, as one returns the step's output to the engine.

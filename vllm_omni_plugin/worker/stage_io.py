@@ -214,6 +214,10 @@ class StageIO:
         self.stage_id = stage_id
         self.store = store
         self._requests: dict[str, _Tracked] = {}
+        #: whether requests without payload keys are tracked too (set by the worker for a
+        #: model that reads its step, which may fail any request: such a request that fails
+        #: is logged and emits its stop token, as there is no failure key to report it)
+        self.track_plain = False
         #: req id -> first position fed this step (set by :meth:`begin_step`)
         self._computed: dict[str, int] = {}
 
@@ -255,7 +259,8 @@ class StageIO:
             return
         params = new.sampling_params
         keys, problem = request_payload_keys(new.req_id, params, self.store)
-        if problem is None and not keys.failure_key and not keys.input:
+        if problem is None and not keys.failure_key and not keys.input \
+                and not self.track_plain:
             return  # a plain request: nothing to track
         tracked = _Tracked(out_key=keys.output, failure_key=keys.failure_key,
                            stop_token=stop_token_of(params), params=params,
