@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import sys
 import tempfile
 import time
@@ -61,15 +60,13 @@ from _common import (  # noqa: E402
 )
 
 from plugin_tests.realtime_client import (  # noqa: E402
-    RATE,
     Events,
     chunks,
     session,
     speech_pcm,
     text_item,
 )
-from vllm_omni_plugin.entrypoints.audio_encoding import encode_audio  # noqa: E402
-from vllm_omni_plugin.entrypoints.realtime.conversation import MODEL_RATE  # noqa: E402
+from vllm_omni_plugin.entrypoints.realtime.input_audio import chat_audio_part  # noqa: E402
 
 MODES = ("commit", "VAD", "chat", "barge-in")
 
@@ -79,23 +76,16 @@ async def _turns(url: str, model: str, mode: str, turns: int, max_tokens: int
     """``turns`` turns of ``mode``, one after another, each on a realtime session of its
     own (for ``chat``: each a chat request); seconds per turn, None for a turn answered
     without speech."""
-    import numpy as np
     import openai
 
     speech = speech_pcm(before_s=0.3, after_s=1.0)
     if mode == "chat":
         import aiohttp  # a vLLM requirement
-        import soxr
 
         # the audio as the session hands it to the model (16 kHz WAV)
-        samples = soxr.resample(np.frombuffer(speech, "<i2").astype(np.float32) / 32768,
-                                RATE, MODEL_RATE)
-        wav = encode_audio(samples, MODEL_RATE, "wav")
         body = {"model": model, "max_tokens": max_tokens, "stream": True,
                 "modalities": ["text", "audio"], "audio": {"format": "pcm16"},
-                "messages": [{"role": "user", "content": [{"type": "input_audio",
-                              "input_audio": {"data": base64.b64encode(wav).decode(),
-                                              "format": "wav"}}]}]}
+                "messages": [{"role": "user", "content": [chat_audio_part(speech)]}]}
         times = []
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as http:
             for _ in range(turns):

@@ -12,16 +12,16 @@ How it measures, and why. On a 2-core host two servers side by side, or a head w
 processes float over both cores, swing up to 8x between trials (15.7-119.4 req/s for
 plain vLLM alone), far more than the difference sought. So each server runs alone (the
 other stopped), in alternating phases (``--phases``: plain, plugin, plain, plugin, ...),
-and on a host with 2 cores the head (API server and EngineCores) runs under
-``taskset -c 1`` (``--pin``): vLLM's CPU workers bind their OpenMP threads to core 0
-themselves. Each phase starts its server, warms it up with four waves of chats, then
+and on a host with 2 cores the server runs under ``taskset -c 1`` (``--pin``): its API
+server, EngineCores and workers (vLLM's CPU worker binds its OpenMP threads within the
+cores it may use) share core 1, and the load generator has core 0. Each phase starts its server, warms it up with four waves of chats, then
 runs ``--trials`` trials of ``--requests`` chats (``max_tokens`` ``--max-tokens``,
 ``ignore_eos``, greedy, so every chat generates the same number of tokens) with
 ``--concurrency`` in flight, and prints every trial: requests/s and the CPU time per
 request (user + system, ms; medians in the summary) of the API server, the entry stage's
 EngineCore, its worker, and all the server's processes together. CPU time per request
-holds still where requests/s swings with the host: the worker's (on core 0) is what sets
-the rate when the head is pinned. The summary compares the plugin's median with
+holds still where requests/s swings with the host, and on the one core the rate follows
+the CPU time of all the server's processes together. The summary compares the plugin's median with
 plain vLLM's, and its lowest trial with plain vLLM's median (targets: 0.97x and
 0.92x). ``--system-prompt-tokens N`` puts a system message of N tokens, the same for
 every chat, before each: the shared-prefix workload, which vLLM's prefix caching serves

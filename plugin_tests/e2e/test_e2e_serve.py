@@ -839,7 +839,9 @@ def test_realtime_barge_in_cancels_the_playing_response(server):
         await connection.input_audio_buffer.clear()
         await events.until("input_audio_buffer.cleared")
         await connection.conversation.item.create(item=text_item("Tell me a story"))
-        await connection.response.create()
+        # long enough to be playing still when the speech is detected (at 64 tokens it
+        # was all spoken by then once in a while); the answer after keeps the session's 64
+        await connection.response.create(response={"max_output_tokens": 512})
         first = await events.until("response.output_audio_transcript.delta")
         for piece in chunks(speech_pcm(before_s=0, after_s=1.0)):
             await connection.input_audio_buffer.append(audio=piece)

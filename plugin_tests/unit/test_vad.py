@@ -1,6 +1,7 @@
 """The Realtime API's input audio: server VAD (``entrypoints/realtime/vad.py``, Silero through its
 streaming wrapper, fed 24 kHz pcm16 resampled to 16 kHz) and the 24 -> 16 kHz WAV a user
-audio item becomes in every later prompt (``realtime.conversation.chat_audio_part``).
+audio item becomes in every later prompt (``realtime.input_audio``: the input audio
+buffer resampled as it is appended, and ``chat_audio_part`` for audio at hand).
 
 The speech is the fixture the end-to-end tests send (``fixtures/speech/hello.flac``,
 2.76 s of eSpeak NG): where it starts and ends is measured from its samples here (the
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import io
+import itertools
 
 import numpy as np
 import pytest
@@ -84,15 +86,55 @@ def test_silence_is_no_speech_and_a_stop_waits_for_enough_of_it():
 def test_a_user_audio_item_becomes_a_16_khz_wav_of_the_same_sound():
     """A 1 kHz tone of 1 s at 24 kHz: the WAV of its chat part is at 16 kHz, 1 s long, and
     its strongest frequency is still 1 kHz (rates swapped, it would be 1.5 s and 667 Hz)."""
-    from vllm_omni_plugin.entrypoints.realtime.conversation import MODEL_RATE, chat_audio_part
+    from vllm_omni_plugin.entrypoints.realtime.input_audio import MODEL_RATE, chat_audio_part
 
-    t = np.arange(INPUT_RATE) / INPUT_RATE
-    pcm = (0.5 * np.sin(2 * np.pi * 1000 * t) * 32767).astype("<i2").tobytes()
-    part = chat_audio_part(pcm)
-    assert part["type"] == "input_audio" and part["input_audio"]["format"] == "wav"
-    wav, rate = sf.read(io.BytesIO(base64.b64decode(part["input_audio"]["data"])),
-                        dtype="float32")
+    wav, rate = _wav_of(chat_audio_part(_tone_pcm(1.0)))
     assert rate == MODEL_RATE == 16000
     assert abs(len(wav) - MODEL_RATE) <= 1, len(wav)
     spectrum = np.abs(np.fft.rfft(wav))
     assert np.argmax(spectrum) * rate / len(wav) == pytest.approx(1000, abs=2)
+
+
+def test_the_input_audio_buffer_resampled_as_appended_equals_the_turn_resampled_whole():
+    """Appends of uneven sizes, resampled as they come (soxr's streaming resampler), give
+    the WAV of the whole turn resampled at once: the same length and the same samples
+    (to 16-bit rounding); a clear empties it, and with VAD's trimming only the last span
+    of audio is kept, as long at 16 kHz as at 24 kHz."""
+    from vllm_omni_plugin.entrypoints.realtime.input_audio import (
+        MODEL_RATE,
+        InputAudioBuffer,
+        chat_audio_part,
+    )
+
+    pcm = _tone_pcm(1.3)
+    whole, _ = _wav_of(chat_audio_part(pcm))
+    buffer = InputAudioBuffer()
+    buffer.append(_tone_pcm(0.2))
+    buffer.clear()
+    cut = [0, 2, 962, 4800, 4802, 17000, len(pcm)]  # bytes: whole samples
+    for begin, end in itertools.pairwise(cut):
+        buffer.append(pcm[begin:end])
+    assert len(buffer) == len(pcm) and buffer.ms == 1300
+    streamed, rate = _wav_of(buffer.take())
+    assert rate == MODEL_RATE and len(buffer) == 0
+    assert len(streamed) == len(whole)
+    assert np.max(np.abs(streamed - whole)) <= 2 / 32768
+
+    buffer.append(pcm)
+    buffer.keep_last(2 * INPUT_RATE // 2)  # the last 0.5 s
+    assert buffer.ms == 500
+    kept, _ = _wav_of(buffer.take())
+    assert abs(len(kept) - MODEL_RATE // 2) <= 1, len(kept)
+
+
+def _tone_pcm(seconds: float) -> bytes:
+    """A 1 kHz tone at half scale, audio/pcm at 24 kHz."""
+    t = np.arange(int(seconds * INPUT_RATE)) / INPUT_RATE
+    return (0.5 * np.sin(2 * np.pi * 1000 * t) * 32767).astype("<i2").tobytes()
+
+
+def _wav_of(part: dict) -> tuple[np.ndarray, int]:
+    """The samples and rate of an ``input_audio`` WAV chat part."""
+    assert part["type"] == "input_audio" and part["input_audio"]["format"] == "wav"
+    return sf.read(io.BytesIO(base64.b64decode(part["input_audio"]["data"])),
+                   dtype="float32")

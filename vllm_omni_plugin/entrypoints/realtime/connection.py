@@ -31,6 +31,7 @@ from vllm_omni_plugin.entrypoints.realtime.conversation import (
     conversation_item,
     user_audio_item,
 )
+from vllm_omni_plugin.entrypoints.realtime.input_audio import InputAudioBuffer
 from vllm_omni_plugin.entrypoints.realtime.protocol import (
     CLOSE_NORMAL,
     MAX_EVENT_BYTES,
@@ -78,7 +79,7 @@ class RealtimeConnection:
         self.model = ws.query_params.get("model")
         self.config = SessionConfig(voice=voices.default if voices else None)
         self.conversation = Conversation()
-        self.audio = bytearray()  # the input audio buffer: pcm16 at INPUT_RATE
+        self.audio = InputAudioBuffer()
         self.samples_in = 0  # samples of input audio appended in the session
         self.vad = None  # the turn detector over the input audio (ServerVad, SemanticVad)
         self.vad_origin_ms = 0  # the session's input audio (ms) before the detector's
@@ -221,7 +222,7 @@ class RealtimeConnection:
             # loaded with the first audio (Silero's model: about 2 MB; smart-turn's 9 MB)
             self.vad = await asyncio.to_thread(detection.detector)
             self.vad_origin_ms = self.samples_in * 1000 // INPUT_RATE
-        self.audio += pcm
+        self.audio.append(pcm)
         self.samples_in += len(pcm) // 2
         if self.vad is None:
             return
@@ -234,7 +235,7 @@ class RealtimeConnection:
             # no speech under way: keep only the padding a start would reach back into,
             # so that an open microphone's silence does not fill the buffer
             keep = 2 * (INPUT_RATE * self.vad.params.prefix_padding_ms // 1000)
-            del self.audio[:max(0, len(self.audio) - keep)]
+            self.audio.keep_last(keep)
 
     async def _speech_started(self, ms: int) -> None:
         self.speech_item = item_id()
@@ -256,20 +257,20 @@ class RealtimeConnection:
         self.speech_item = None
 
     async def _commit(self, committed: str) -> None:
-        ms = len(self.audio) // 2 * 1000 // INPUT_RATE
+        ms = self.audio.ms
         if ms < MIN_COMMIT_MS:
             raise RealtimeError(None, f"the input audio buffer holds {ms} ms of audio; at "
                                 f"least {MIN_COMMIT_MS} ms can be committed",
                                 code="input_audio_buffer_commit_empty")
-        pcm, self.audio = bytes(self.audio), bytearray()
         self.turn_ended = time.monotonic()
+        part = self.audio.take()
         await self.send(InputAudioCommitted(item_id=committed,
                                             previous_item_id=self.conversation.last_id()))
-        item, audio = user_audio_item(committed, pcm)
+        item, audio = user_audio_item(committed, part)
         await self._send_all(self.conversation.add(item, audio))
 
     async def _clear(self, event: dict) -> None:
-        self.audio = bytearray()
+        self.audio.clear()
         await self.send(InputAudioCleared())
 
     # -- conversation items --------------------------------------------------------------

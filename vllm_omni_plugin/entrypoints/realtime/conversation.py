@@ -4,7 +4,7 @@ conversation outgrows the model's context, and its chat form (the messages of a 
 completion).
 
 A user's audio is kept in the chat completion part it becomes in every prompt (a WAV at
-:data:`MODEL_RATE`, encoded once, when the item is added), beside the item: the item
+:data:`.input_audio.MODEL_RATE`, encoded once, when the item is added), beside the item: the item
 itself holds only what the client is sent. The methods that change the conversation
 return the server events that report the change; the caller sends them.
 """
@@ -14,10 +14,8 @@ from __future__ import annotations
 import base64
 import binascii
 
-import numpy as np
-
-from vllm_omni_plugin.entrypoints.audio_encoding import encode_audio
 from vllm_omni_plugin.entrypoints.media_input import is_choice
+from vllm_omni_plugin.entrypoints.realtime.input_audio import chat_audio_part
 from vllm_omni_plugin.entrypoints.realtime.protocol import (
     ContentPart,
     FunctionCallItem,
@@ -39,11 +37,6 @@ from vllm_omni_plugin.entrypoints.realtime.vad import INPUT_RATE
 from vllm_omni_plugin.logger import init_logger
 
 logger = init_logger(__name__)
-
-#: The rate (Hz) the user's audio goes to the model at: Whisper's, which Whisper-style
-#: audio encoders such as Qwen3-Omni's take. Resampled here (soxr), so that vLLM's
-#: processor has nothing to resample (its default resampler needs torchaudio).
-MODEL_RATE = 16000
 
 #: the content part types each role's message may hold
 ALLOWED_PARTS = {"user": ("input_text", "input_audio"), "system": ("input_text",),
@@ -179,22 +172,10 @@ class Conversation:
         return [{"role": item.role, "content": parts}]
 
 
-def chat_audio_part(pcm: bytes) -> dict:
-    """The chat completion part a user's audio ``pcm`` (audio/pcm at :data:`INPUT_RATE`)
-    becomes in every prompt: an ``input_audio`` WAV at :data:`MODEL_RATE`."""
-    import soxr
-
-    samples = np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768.0
-    wav = encode_audio(soxr.resample(samples, INPUT_RATE, MODEL_RATE), MODEL_RATE, "wav")
-    return {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(),
-                                                   "format": "wav"}}
-
-
-def user_audio_item(wanted: str, pcm: bytes) -> tuple[MessageItem, list[dict]]:
-    """The user message item of committed input audio ``pcm`` (audio/pcm), and its chat
-    part."""
-    return (MessageItem(id=wanted, role="user", content=[InputAudio()]),
-            [chat_audio_part(pcm)])
+def user_audio_item(wanted: str, part: dict) -> tuple[MessageItem, list[dict]]:
+    """The user message item of committed input audio, and its chat ``part``
+    (:meth:`.input_audio.InputAudioBuffer.take`)."""
+    return MessageItem(id=wanted, role="user", content=[InputAudio()]), [part]
 
 
 def conversation_item(item: dict) -> tuple[Item, list[dict]]:
