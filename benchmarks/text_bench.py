@@ -14,9 +14,10 @@ plain vLLM alone), far more than the difference sought. So each server runs alon
 other stopped), in alternating phases (``--phases``: plain, plugin, plain, plugin, ...),
 and on a host with 2 cores the server runs under ``taskset -c 1`` (``--pin``): its API
 server, EngineCores and workers (vLLM's CPU worker binds its OpenMP threads within the
-cores it may use) share core 1, and the load generator has core 0. Each phase starts its server, warms it up with four waves of chats, then
-runs ``--trials`` trials of ``--requests`` chats (``max_tokens`` ``--max-tokens``,
-``ignore_eos``, greedy, so every chat generates the same number of tokens) with
+cores it may use) share core 1, and the load generator has core 0. Each phase starts
+its server, warms it up with four waves of chats, then runs ``--trials`` trials of
+``--requests`` chats (``max_tokens`` ``--max-tokens``, ``ignore_eos``, greedy, so every
+chat generates the same number of tokens) with
 ``--concurrency`` in flight, and prints every trial: requests/s and the CPU time per
 request (user + system, ms; medians in the summary) of the API server, the entry stage's
 EngineCore, its worker, and all the server's processes together. CPU time per request
