@@ -292,7 +292,7 @@ def main() -> int:
                         help="thinker tokens of each spoken chat")
     parser.add_argument("--pin", action=argparse.BooleanOptionalAction,
                         default=os.cpu_count() == 2 and shutil.which("taskset") is not None,
-                        help="run each head under `taskset -c 1` (default: on a 2-core host)")
+                        help="run each server under `taskset -c 1` (default: on a 2-core host)")
     parser.add_argument("--profile", metavar="PY_SPY",
                         help="path of py-spy: profile one more trial per phase")
     parser.add_argument("--profile-requests", type=int, default=1024,
@@ -326,8 +326,8 @@ def main() -> int:
                  *(f"{what} CPU ms/request" for what in PROCESSES)],
                 rows, title=f"text chat, {args.requests} chats x {args.max_tokens} tokens"
                             f"{after} at concurrency {args.concurrency}, {args.phases} phases x "
-                            f"{args.trials} trials, head {'on core 1' if args.pin else 'unpinned'}"
-                            f" (logs: {tmp})"))
+                            f"{args.trials} trials, server "
+                            f"{'on core 1' if args.pin else 'unpinned'} (logs: {tmp})"))
     print(f"plugin / plain: median {ratio:.2f}x (target {TARGET_MEDIAN}x), lowest trial "
           f"{lowest:.2f}x (target {TARGET_LOWEST}x)")
     spoken = [p["spoken_cpu_ms"] for p in results["plugin"] if p["spoken_cpu_ms"] is not None]
