@@ -230,13 +230,15 @@ class StageIO:
             self._requests.pop(req_id, None)
         for new in scheduler_output.scheduled_new_reqs:
             self._add(new)
+        if not self._requests and not always:
+            return False  # plain requests only (a text-only batch): nothing to read or publish
         for req_id in scheduler_output.num_scheduled_tokens:
             tracked = self._requests.get(req_id)
             if tracked is not None and tracked.growing_key and not tracked.failed:
                 self._read_input(req_id, tracked)
-        if not always and (not self._requests or not any(
+        if not always and not any(
                 (t := self._requests.get(r)) is not None and t.out_key and not t.failed
-                for r in scheduler_output.num_scheduled_tokens)):
+                for r in scheduler_output.num_scheduled_tokens):
             return False
         cached = scheduler_output.scheduled_cached_reqs
         self._computed = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))

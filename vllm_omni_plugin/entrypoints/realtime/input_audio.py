@@ -16,17 +16,12 @@ import base64
 import numpy as np
 
 from vllm_omni_plugin.entrypoints.audio_encoding import encode_audio
-from vllm_omni_plugin.entrypoints.realtime.vad import INPUT_RATE
+from vllm_omni_plugin.entrypoints.realtime.vad import INPUT_RATE, pcm_samples
 
 #: The rate (Hz) the user's audio goes to the model at: Whisper's, which Whisper-style
 #: audio encoders such as Qwen3-Omni's take. Resampled here (soxr), so that vLLM's
 #: processor has nothing to resample (its default resampler needs torchaudio).
 MODEL_RATE = 16000
-
-
-def pcm_samples(pcm: bytes) -> np.ndarray:
-    """audio/pcm (16-bit little-endian) as float32 samples in [-1, 1)."""
-    return np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768.0
 
 
 def model_audio_part(samples: np.ndarray) -> dict:
@@ -47,33 +42,33 @@ def chat_audio_part(pcm: bytes) -> dict:
 
 class InputAudioBuffer:
     """The input audio buffer: what the client appended since the last commit or clear,
-    as audio/pcm, and the same audio at :data:`MODEL_RATE` (soxr's streaming resampler,
-    its high-quality default, fed append by append)."""
+    held at :data:`MODEL_RATE` (soxr's streaming resampler, its high-quality default, fed
+    append by append); its length is counted in the client's samples."""
 
     def __init__(self) -> None:
         self.clear()
 
     def clear(self) -> None:
         """Empty the buffer."""
-        self.pcm = bytearray()
         self._resampler = None
         self._model: list[np.ndarray] = []  # resampled chunks, in order
         self._model_samples = 0  # their samples
-        self._samples_in = 0  # samples appended
+        self._samples_in = 0  # samples appended (at INPUT_RATE)
+        self._held = 0  # of them, those held (not dropped by keep_last)
 
     def __len__(self) -> int:
         """The bytes of audio/pcm held."""
-        return len(self.pcm)
+        return 2 * self._held
 
     @property
     def ms(self) -> int:
         """The milliseconds of audio held (rounded down)."""
-        return len(self.pcm) // 2 * 1000 // INPUT_RATE
+        return self._held * 1000 // INPUT_RATE
 
     def append(self, pcm: bytes) -> None:
         """Add ``pcm`` (audio/pcm, whole 16-bit samples) and resample it."""
-        self.pcm += pcm
         self._samples_in += len(pcm) // 2
+        self._held += len(pcm) // 2
         out = self._stream().resample_chunk(pcm_samples(pcm))
         if len(out):
             self._model.append(out)
@@ -83,7 +78,7 @@ class InputAudioBuffer:
         """Drop all but the last ``nbytes`` of audio/pcm (and the resampled audio of the
         same span, to the sample: the resampler still holds the last few samples of its
         output, its delay)."""
-        del self.pcm[:max(0, len(self.pcm) - nbytes)]
+        self._held = min(self._held, nbytes // 2)
         out = self._samples_in * MODEL_RATE // INPUT_RATE  # all of them, once flushed
         drop = min(self._model_samples, out - nbytes // 2 * MODEL_RATE // INPUT_RATE)
         if drop > 0:

@@ -29,6 +29,11 @@ VAD_RATE = 16000
 WINDOW = 512
 
 
+def pcm_samples(pcm: bytes) -> np.ndarray:
+    """audio/pcm (16-bit little-endian) as float32 samples in [-1, 1)."""
+    return np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768.0
+
+
 @dataclass(frozen=True)
 class VadParams:
     """OpenAI's ``server_vad`` turn detection parameters (see the module docstring)."""
@@ -90,8 +95,8 @@ class ServerVad:
         samples that follow the ones fed before); the starts and stops found, in order."""
         import torch
 
-        samples = np.frombuffer(pcm16, dtype="<i2").astype(np.float32) / 32768.0
-        audio = np.concatenate([self._pending, self._resampler.resample_chunk(samples)])
+        resampled = self._resampler.resample_chunk(pcm_samples(pcm16))
+        audio = np.concatenate([self._pending, resampled])
         events = []
         whole = len(audio) - len(audio) % WINDOW
         for begin in range(0, whole, WINDOW):
