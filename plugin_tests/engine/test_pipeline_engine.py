@@ -150,6 +150,15 @@ def test_abort_and_disconnect_reach_every_stage(default_run):
     assert report["after_ok"]
 
 
+def test_each_stage_worker_runs_one_gloo_loop(default_run):
+    """Every stage's worker (world size 1) builds its process groups on one gloo device
+    (``compat.gloo_device``): one loop thread, where vLLM's groups would hold 15, each
+    waking 100 times a second while the stage idles."""
+    report, _ = default_run
+    assert {stage: s["gloo_loops"] for stage, s in report["settings"].items()} \
+        == {stage: [1] for stage in report["settings"]}, report["settings"]
+
+
 def test_liveness_canaries_on_a_real_engine_core(default_run):
     """What the stall watch relies on (``compat.internals``), on the talker's real engine:
     ``engine_processes`` (the processes a stall kills, with their children) is the pid of

@@ -297,7 +297,8 @@ def test_exit_gc_leaves_the_heap_to_the_operating_system(install):
 # -- every patch documents itself and reports whether it is on ----------------------
 @pytest.mark.parametrize("module", [*PATCH_MODULES, "vllm_omni_plugin.compat.model_runner",
                                     "vllm_omni_plugin.compat.mooncake",
-                                    "vllm_omni_plugin.compat.exit_gc"])
+                                    "vllm_omni_plugin.compat.exit_gc",
+                                    "vllm_omni_plugin.compat.gloo_device"])
 def test_shim_documents_why_and_when_to_remove(module):
     doc = importlib.import_module(module).__doc__ or ""
     assert "Why:" in doc and "Remove when:" in doc, module
@@ -421,3 +422,61 @@ def test_mooncake_methods_the_subclass_overrides():
     for fn in (m.should_launch_bootstrap_server, m.get_mooncake_bootstrap_addr):
         assert list(inspect.signature(fn).parameters) == ["vllm_config"]
     assert hasattr(m, "TransferEngine")  # None where Mooncake does not import
+
+
+# -- gloo_device: one gloo device for a single-rank worker's process groups ------------
+_GLOO_GROUPS = """
+import json, os, torch, torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from vllm_omni_plugin.compat.gloo_device import shared_gloo_device
+
+def loops():
+    tasks = f"/proc/{os.getpid()}/task"
+    return sum(open(f"{tasks}/{t}/comm").read().strip() == "gloo_tcp_loop"
+               for t in os.listdir(tasks))
+
+original = c10d.ProcessGroupGloo
+with shared_gloo_device(ENABLED):
+    dist.init_process_group("gloo", store=dist.HashStore(), world_size=1, rank=0)
+    groups = [dist.new_group([0], backend="gloo") for _ in range(6)]
+    options = original._Options()
+    options._devices = [original.create_default_device()]
+    explicit = c10d.ProcessGroupGloo(dist.HashStore(), 0, 1, options)
+seen = {"loops": loops(), "restored": c10d.ProcessGroupGloo is original,
+         "explicit_devices": len(explicit.options._devices)}
+tensor = torch.ones(3)
+for group in groups:
+    dist.all_reduce(tensor, group=group)
+    dist.barrier(group=group)
+seen["sum"] = tensor.tolist()
+for group in groups:
+    dist.destroy_process_group(group)
+dist.destroy_process_group()
+print(json.dumps(seen))
+"""
+
+
+def test_shim_needed_gloo_device_one_device_per_group():
+    """torch builds each gloo group with ``ProcessGroupGloo(store, rank, size, timeout=...)``,
+    which makes a device (and its loop thread) of its own."""
+    from vllm_omni_plugin.compat.gloo_device import needed
+
+    assert needed()
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_gloo_groups_of_one_rank_share_a_device(enabled):
+    """Seven gloo groups of one rank (the world and six more): seven loop threads, plus the
+    one of a device made outside the groups; inside ``shared_gloo_device`` they hold one,
+    plus that one. All-reduce, barrier and destroy work on every group; a call
+    with options of its own is torch's; the name is torch's again after the block."""
+    import json
+    import subprocess
+
+    code = _GLOO_GROUPS.replace("ENABLED", str(enabled))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    seen = json.loads(out.strip().splitlines()[-1])
+    assert seen["loops"] == (2 if enabled else 8), seen
+    assert seen["restored"] and seen["explicit_devices"] == 1, seen
+    assert seen["sum"] == [1.0, 1.0, 1.0], seen

@@ -13,6 +13,8 @@ chunked prefill, the paged KV cache and sampling. The subclass only
 * publishes, after each forward, the stage outputs of requests that carry an output
   payload key (:class:`~vllm_omni_plugin.worker.stage_io.StageIO`), and
 * makes a request that failed in the plugin's code emit its stop token, and
+* builds the process groups of a single-rank worker on one gloo device
+  (:meth:`OmniWorkerMixin.init_device`), and
 * sets ``stage_profiling`` on a stage model that declares it while vLLM profiles the
   engine's memory (:meth:`OmniWorkerMixin.determine_available_memory`): such a model
   answers forwards outside a step with zeros, so it runs its largest workload then, and
@@ -39,6 +41,7 @@ from typing import NamedTuple
 
 from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 
+from vllm_omni_plugin.compat.gloo_device import shared_gloo_device
 from vllm_omni_plugin.compat.internals import model_runner_of, profile_device_memory
 from vllm_omni_plugin.compat.model_runner import batch_req_ids, watch_step
 from vllm_omni_plugin.config.placement import GIB
@@ -93,6 +96,15 @@ class OmniWorkerMixin:
         self.omni_io = StageIO(settings.stage_id if settings else 0, store)
         logger.info("stage %d: %s (vLLM's %s with the stage payload channel)",
                     self.omni_io.stage_id, type(self).__name__, self.platform_worker.__name__)
+
+    def init_device(self, *args, **kwargs):
+        """vLLM's device and distributed set-up; a worker of world size 1 builds its gloo
+        process groups on one device (:func:`~vllm_omni_plugin.compat.gloo_device.
+        shared_gloo_device`): one gloo loop thread instead of 15, so an idle stage worker
+        takes no CPU from the stages serving beside it."""
+        parallel = self.vllm_config.parallel_config
+        with shared_gloo_device(parallel.world_size * parallel.data_parallel_size == 1):
+            return super().init_device(*args, **kwargs)
 
     def load_model(self, *args, **kwargs):
         """vLLM's model loading, then the check that the model's stage outputs survive the

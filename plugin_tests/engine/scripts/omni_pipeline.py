@@ -67,6 +67,13 @@ def _model_runner(worker) -> str:
     return f"{type(runner).__module__}.{type(runner).__qualname__}"
 
 
+def _gloo_loops(_worker) -> int:
+    """How many gloo loop threads (``gloo_tcp_loop``) the worker's process runs."""
+    tasks = f"/proc/{os.getpid()}/task"
+    return sum(open(f"{tasks}/{t}/comm").read().strip() == "gloo_tcp_loop"
+               for t in os.listdir(tasks))
+
+
 def _is_engine_core(process) -> bool:
     return "EngineCore" in " ".join([process.name(), *process.cmdline()])
 
@@ -112,10 +119,12 @@ async def liveness_canary(engine, other) -> dict:
 
 async def engine_settings(engine) -> dict:
     """What vLLM chose for a stage engine (an ``AsyncLLM``): its workers' model runner,
-    CUDA graph mode, async scheduling, tensor parallel size and dtype."""
+    CUDA graph mode, async scheduling, tensor parallel size and dtype; and how many gloo
+    loop threads each worker runs."""
     config = engine.vllm_config
     return {
         "model_runner": sorted(set(await engine.collective_rpc(_model_runner))),
+        "gloo_loops": await engine.collective_rpc(_gloo_loops),
         "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
         "async_scheduling": bool(config.scheduler_config.async_scheduling),
         "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
