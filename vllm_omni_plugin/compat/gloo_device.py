@@ -73,7 +73,7 @@ def shared_gloo_device(enabled: bool):
         has it and it is false). Any other call is torch's own."""
 
         def __init__(self, store, rank, size, *args, **kwargs):
-            named = dict(zip(("timeout", "enable_reconfigure"), args), **kwargs)
+            named = dict(zip(("timeout", "enable_reconfigure"), args, strict=False), **kwargs)
             if (len(args) > 2 or set(named) - {"timeout", "enable_reconfigure"}
                     or isinstance(named.get("timeout"), original._Options)
                     or named.get("enable_reconfigure")):
