@@ -89,3 +89,25 @@ def test_media_parts_are_found_without_decoding_anything():
     assert not has_media_parts({"messages": "not a list"})
     assert has_media_parts(chat("hi", [{"type": "image_url", "image_url": {"url": "x"}}]))
     assert has_media_parts(chat([{"type": "a_new_kind"}]))
+
+
+def test_without_decoding_the_fields_and_counts_are_still_checked():
+    """``decode=False`` (media the caller made itself): an undecodable clip, a too long
+    one or a broken image passes, as nothing is decoded; a bad format, a missing field
+    and one audio item too many are still refused, naming the field."""
+    undecodable = {"type": "input_audio", "input_audio": {"data": media.b64(b"x" * 400)}}
+    too_long = {"type": "input_audio",
+                "input_audio": {"data": media.b64(media.wav_bytes(11, rate=1000))}}
+    image = {"type": "image_url", "image_url": {"url": media.data_url("image/png", b"x")}}
+    check_media(_body(undecodable, too_long, image), LIMITS, decode=False)
+    for body, field in [
+            (_body({"type": "input_audio", "input_audio": {"data": "", "format": "au"}}),
+             "messages[1].content[0].input_audio.format"),
+            (_body({"type": "input_audio", "input_audio": {}}),
+             "messages[1].content[0].input_audio.data"),
+            (_body(AUDIO, AUDIO, AUDIO), "messages[1].content[2]")]:
+        with pytest.raises(RequestError) as info:
+            check_media(body, LIMITS, decode=False)
+        assert info.value.field == field
+    with pytest.raises(RequestError, match="cannot decode the audio"):
+        check_media(_body(undecodable), LIMITS)

@@ -123,3 +123,28 @@ def test_a_json_object_or_array_where_a_choice_goes_is_refused_naming_it(item, p
     with pytest.raises(p.RealtimeError) as info:
         conversation_item(item)
     assert info.value.param == param
+
+
+def test_user_audio_longer_than_the_model_takes_is_refused_as_it_joins():
+    """A clip checked as it joins the conversation (so that no response decodes the
+    conversation's audio again): an item's ``input_audio`` over the model's clip length is
+    refused naming its field; a committed buffer's, naming none (the buffer)."""
+    import base64
+
+    from vllm_omni_plugin.entrypoints.media_input import MediaLimits
+    from vllm_omni_plugin.entrypoints.realtime.conversation import clip_fits, conversation_item
+    from vllm_omni_plugin.entrypoints.realtime.vad import INPUT_RATE
+
+    limits = MediaLimits(max_audio_seconds=1.0)
+    pcm = base64.b64encode(b"\0\0" * (INPUT_RATE * 3 // 2)).decode()
+    item = {"type": "message", "role": "user",
+            "content": [{"type": "input_audio", "audio": pcm}]}
+    with pytest.raises(p.RealtimeError) as info:
+        conversation_item(item, limits)
+    assert info.value.param == "item.content[0].audio"
+    assert "1.5 s long; this model takes at most 1 s" in str(info.value)
+    conversation_item(item)  # no limit known
+    clip_fits(1.0, None, limits)
+    with pytest.raises(p.RealtimeError) as info:
+        clip_fits(1.2, None, limits)
+    assert info.value.param is None and str(info.value).startswith("the audio is 1.2 s")

@@ -127,8 +127,11 @@ def has_media_parts(body: dict) -> bool:
     return False
 
 
-def check_media(body: dict, limits: MediaLimits) -> None:
+def check_media(body: dict, limits: MediaLimits, decode: bool = True) -> None:
     """Check every content part of a chat request's ``messages``; see the module docstring.
+    ``decode=False`` checks the parts' types, fields and counts only, decoding nothing:
+    for media the caller made itself, whose clip lengths it checked
+    (:func:`check_clip_seconds`) as it made them.
 
     Raises:
         RequestError: naming the offending field, e.g. ``messages[0].content[1].image_url.url``.
@@ -163,10 +166,11 @@ def check_media(body: dict, limits: MediaLimits) -> None:
                         f"{counted} item {counts[counted]} of the request; this server takes "
                         f"at most {limit} {counted} item(s) per request "
                         "(--limit-mm-per-prompt)"))
-            _check_part(part.get(key), f"{where}.{key}", kind, mime, limits)
+            _check_part(part.get(key), f"{where}.{key}", kind, mime, limits, decode)
 
 
-def _check_part(value, where: str, kind: str, mime: str, limits: MediaLimits) -> None:
+def _check_part(value, where: str, kind: str, mime: str, limits: MediaLimits,
+                decode: bool) -> None:
     if kind == "input_audio":
         if not isinstance(value, dict) or not isinstance(value.get("data"), str):
             raise RequestError(f"{where}.data", "must be base64-encoded audio")
@@ -175,7 +179,8 @@ def _check_part(value, where: str, kind: str, mime: str, limits: MediaLimits) ->
             shown = str(fmt)[:_SHOWN]
             raise RequestError(f"{where}.format", (
                 f"unsupported audio format {shown!r}; use one of {', '.join(AUDIO_FORMATS)}"))
-        _check_audio(value["data"], f"{where}.data", limits)
+        if decode:
+            _check_audio(value["data"], f"{where}.data", limits)
         return
     url = value.get("url") if isinstance(value, dict) else value
     if not isinstance(url, str):
@@ -190,6 +195,8 @@ def _check_part(value, where: str, kind: str, mime: str, limits: MediaLimits) ->
         raise RequestError(f"{where}.url", (
             f"unsupported media type {media_type[:_SHOWN]!r} for a part of type {kind!r} "
             f"(expected {mime}*)"))
+    if not decode:
+        return
     if kind in ("image_url", "input_image"):
         _check_image(data, media_type, f"{where}.url")
     elif kind == "audio_url":
@@ -208,7 +215,15 @@ def _check_audio(data: str, where: str, limits: MediaLimits,
 
     samples, rate = _decode(lambda: AudioMediaIO().load_base64(media_type, data), where,
                             "audio")
-    seconds = samples.shape[-1] / float(rate)
+    check_clip_seconds(samples.shape[-1] / float(rate), where, limits)
+
+
+def check_clip_seconds(seconds: float, where: str, limits: MediaLimits) -> None:
+    """Check an audio clip's length (seconds) against the model's.
+
+    Raises:
+        RequestError: naming ``where``, when the clip is longer than the model takes.
+    """
     if limits.max_audio_seconds is not None and seconds > limits.max_audio_seconds:
         raise RequestError(where, (
             f"the audio is {seconds:.1f} s long; this model takes at most "

@@ -28,6 +28,7 @@ from vllm_omni_plugin.config.settings import RealtimeSettings
 from vllm_omni_plugin.entrypoints.realtime import session_config
 from vllm_omni_plugin.entrypoints.realtime.conversation import (
     Conversation,
+    clip_fits,
     conversation_item,
     user_audio_item,
 )
@@ -262,6 +263,7 @@ class RealtimeConnection:
             raise RealtimeError(None, f"the input audio buffer holds {ms} ms of audio; at "
                                 f"least {MIN_COMMIT_MS} ms can be committed",
                                 code="input_audio_buffer_commit_empty")
+        clip_fits(ms / 1000, None, self.chat.media_limits)
         self.turn_ended = time.monotonic()
         part = self.audio.take()
         await self.send(InputAudioCommitted(item_id=committed,
@@ -275,7 +277,8 @@ class RealtimeConnection:
 
     # -- conversation items --------------------------------------------------------------
     async def _item_create(self, event: dict) -> None:
-        item, audio = conversation_item(session_config.object_field(event, "item"))
+        item, audio = conversation_item(session_config.object_field(event, "item"),
+                                        self.chat.media_limits)
         previous = event.get("previous_item_id")
         await self._send_all(self.conversation.add(item, audio, previous,
                                                    insert=previous is not None))

@@ -14,7 +14,12 @@ from __future__ import annotations
 import base64
 import binascii
 
-from vllm_omni_plugin.entrypoints.media_input import is_choice
+from vllm_omni_plugin.entrypoints.media_input import (
+    MediaLimits,
+    RequestError,
+    check_clip_seconds,
+    is_choice,
+)
 from vllm_omni_plugin.entrypoints.realtime.input_audio import chat_audio_part
 from vllm_omni_plugin.entrypoints.realtime.protocol import (
     ContentPart,
@@ -172,15 +177,31 @@ class Conversation:
         return [{"role": item.role, "content": parts}]
 
 
+def clip_fits(seconds: float, where: str | None, limits: MediaLimits) -> None:
+    """Check a clip of user audio (``seconds`` long) as it joins the conversation, so
+    that a response sends the model no audio longer than it takes without decoding the
+    conversation's audio again.
+
+    Raises:
+        RealtimeError: naming ``where`` (None: the input audio buffer).
+    """
+    try:
+        check_clip_seconds(seconds, where or "input_audio_buffer", limits)
+    except RequestError as exc:
+        raise RealtimeError(where, exc.message) from None
+
+
 def user_audio_item(wanted: str, part: dict) -> tuple[MessageItem, list[dict]]:
     """The user message item of committed input audio, and its chat ``part``
     (:meth:`.input_audio.InputAudioBuffer.take`)."""
     return MessageItem(id=wanted, role="user", content=[InputAudio()]), [part]
 
 
-def conversation_item(item: dict) -> tuple[Item, list[dict]]:
-    """A ``conversation.item.create`` item, checked, with an id and status, and the chat
-    parts of its user audio.
+def conversation_item(item: dict, limits: MediaLimits | None = None
+                      ) -> tuple[Item, list[dict]]:
+    """A ``conversation.item.create`` item, checked (its audio clips against the served
+    model's ``limits``; None: no limit), with an id and status, and the chat parts of its
+    user audio.
 
     Raises:
         RealtimeError: naming the item's bad field.
@@ -208,14 +229,16 @@ def conversation_item(item: dict) -> tuple[Item, list[dict]]:
         raise RealtimeError("item.content", "must be a non-empty list of content parts")
     parts, audio = [], []
     for i, part in enumerate(content):
-        checked, chat = _content_part(part, role, f"item.content[{i}]")
+        checked, chat = _content_part(part, role, f"item.content[{i}]",
+                                      limits or MediaLimits())
         parts.append(checked)
         if chat is not None:
             audio.append(chat)
     return MessageItem(id=wanted, role=role, content=parts), audio
 
 
-def _content_part(part, role: str, where: str) -> tuple[ContentPart, dict | None]:
+def _content_part(part, role: str, where: str, limits: MediaLimits
+                  ) -> tuple[ContentPart, dict | None]:
     if not isinstance(part, dict) or not is_choice(part.get("type"), ALLOWED_PARTS[role]):
         got = part.get("type") if isinstance(part, dict) else part
         raise RealtimeError(f"{where}.type", f"{str(got)[:40]!r} is not allowed in a "
@@ -230,6 +253,7 @@ def _content_part(part, role: str, where: str) -> tuple[ContentPart, dict | None
         if not pcm or len(pcm) % 2:
             raise RealtimeError(f"{where}.audio", "must be base64 of audio/pcm, 16-bit "
                                 f"mono at {INPUT_RATE} Hz")
+        clip_fits(len(pcm) // 2 / INPUT_RATE, f"{where}.audio", limits)
         return InputAudio(), chat_audio_part(pcm)
     if kind in ("output_audio", "audio"):
         return OutputAudio(str(part.get("transcript") or "")), None

@@ -7,7 +7,6 @@ response.
 
 from __future__ import annotations
 
-import asyncio
 from contextlib import aclosing
 
 from vllm_omni_plugin.compat.internals import chat_serving
@@ -42,12 +41,14 @@ class RealtimeChat:
 
     async def stream(self, body: dict, sink: ResponseRun) -> ChatEnd:
         """Run the chat completion ``body`` (streamed, with audio when it asks) and hand
-        its deltas to ``sink``; how it ended. A conversation the chat refuses (its media
-        over the limits, vLLM's own refusal), the pipeline's failure, or an error of
-        ours end it with a failure; nothing is raised."""
+        its deltas to ``sink``; how it ended. A conversation the chat refuses (more
+        media items than the model takes, vLLM's own refusal), the pipeline's failure,
+        or an error of ours end it with a failure; nothing is raised. The conversation's
+        audio is not decoded again: the session made each clip and checked its length as
+        it joined the conversation (:func:`.conversation.clip_fits`)."""
         try:
             asked = parse_audio_request(body)
-            await asyncio.to_thread(check_media, body, self.media_limits)
+            check_media(body, self.media_limits, decode=False)
         except RequestError as exc:
             return ChatEnd(f"the conversation cannot be sent to the model: {exc}")
         if self.serving is None:
