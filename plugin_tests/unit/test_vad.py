@@ -41,8 +41,9 @@ def _speech_bounds_ms() -> tuple[int, int]:
     return int(loud[0]) * 1000 // rate, int(loud[-1]) * 1000 // rate
 
 
-def _events(params: VadParams, pcm: bytes, piece_ms: int | None = None) -> list:
-    vad = ServerVad(params)
+def _events(params: VadParams, pcm: bytes, piece_ms: int | None = None,
+            onnx: bool | None = None) -> list:
+    vad = ServerVad(params, onnx=onnx)
     if piece_ms is None:
         return vad.feed(pcm)
     size = 2 * INPUT_RATE * piece_ms // 1000
@@ -53,13 +54,15 @@ def test_the_realtime_input_rate_is_openais():
     assert INPUT_RATE == RATE == 24000
 
 
+@pytest.mark.parametrize("onnx", [False, True], ids=["torchscript", "onnx"])
 @pytest.mark.parametrize("pad,silence", [(300, 500), (100, 200)])
-def test_speech_start_and_stop_are_where_the_speech_is(pad, silence):
+def test_speech_start_and_stop_are_where_the_speech_is(pad, silence, onnx):
     """``start`` at the speech's onset less ``prefix_padding_ms``, ``stop`` at its end plus
-    it (Silero pads both sides), each within the detector's windows."""
+    it (Silero pads both sides), each within the detector's windows; with Silero's
+    TorchScript and ONNX models alike."""
     onset, offset = _speech_bounds_ms()
     events = _events(VadParams(prefix_padding_ms=pad, silence_duration_ms=silence),
-                     speech_pcm(before_s=BEFORE_MS / 1000, after_s=1.0))
+                     speech_pcm(before_s=BEFORE_MS / 1000, after_s=1.0), onnx=onnx)
     assert [e.kind for e in events] == ["start", "stop"], events
     start, stop = events[0].ms + pad, events[1].ms - pad
     assert BEFORE_MS + onset - WINDOW_MS <= start <= BEFORE_MS + onset + 2 * WINDOW_MS, events
@@ -73,6 +76,16 @@ def test_appends_of_any_size_find_what_one_append_finds():
     whole = _events(VadParams(), pcm)
     assert _events(VadParams(), pcm, piece_ms=37) == whole
     assert _events(VadParams(), pcm, piece_ms=100) == whole
+
+
+def test_the_onnx_model_runs_where_onnxruntime_is_and_decides_as_torchscript():
+    """With ``onnxruntime`` installed (the test extra has it) a session's detector runs
+    Silero's ONNX model, and finds the events TorchScript finds, fed in 100 ms appends."""
+    assert ServerVad(VadParams()).backend == "onnx"
+    assert ServerVad(VadParams(), onnx=False).backend == "torchscript"
+    pcm = speech_pcm(before_s=BEFORE_MS / 1000, after_s=1.0)
+    assert _events(VadParams(), pcm, 100, onnx=True) == _events(VadParams(), pcm, 100,
+                                                                onnx=False)
 
 
 def test_silence_is_no_speech_and_a_stop_waits_for_enough_of_it():
