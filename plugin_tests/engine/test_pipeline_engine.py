@@ -30,16 +30,17 @@ pytestmark = pytest.mark.engine
 @pytest.fixture(scope="module")
 def default_run(tiny_qwen3_omni, hf_reference):
     """One run of the script on the shipped pipeline (talker at TALKER_MAX_TOKENS) for the
-    scenarios that need no other engine settings: streamed, parity, media, then cancel
-    and abort (each stopped while the talker holds the request), then the liveness
-    canaries on the idle talker. ``(report, OUT_DIR)``.
+    scenarios that need no other engine settings: streamed, parity, media, prefix (spoken
+    answers cold and warm), then cancel and abort (each stopped while the talker holds
+    the request), then the liveness canaries on the idle talker. ``(report, OUT_DIR)``.
 
     Its thinker is compiled with inductor (:func:`inductor_env`: `.ci/run` skips
     inductor's code generation elsewhere), so each release checks parity with the
     compiled thinker."""
     out = hf_reference.media_dir.parent
     report, _ = run_script(tiny_qwen3_omni, pipeline_yaml(out, TALKER_MAX_TOKENS), out,
-                           ("streamed", "parity", "media", "cancel", "abort", "liveness"),
+                           ("streamed", "parity", "media", "prefix", "cancel", "abort",
+                            "liveness"),
                            env=inductor_env())
     return report, out
 
@@ -157,6 +158,28 @@ def test_each_stage_worker_runs_one_gloo_loop(default_run):
     report, _ = default_run
     assert {stage: s["gloo_loops"] for stage, s in report["settings"].items()} \
         == {stage: [1] for stage in report["settings"]}, report["settings"]
+
+
+@pytest.mark.parametrize("case", ["text", "audio", "two_turns"])
+def test_spoken_answers_read_the_prefix_cache(default_run, case):
+    """A spoken answer (its rows feed the talker) reads vLLM's prefix cache: the same
+    prompt again (``text``, ``audio``: a long system message, then a text or an audio
+    turn), or a second audio turn after the first (``two_turns``), skips at least one KV
+    block of positions, and its thinker tokens, talker codes and waveform equal those of
+    the same prompt computed cold (a cache salt of its own): the skipped positions' rows
+    come from the worker's row cache."""
+    report, out = default_run
+    seen = report["prefix"][case]
+    block = report["settings"]["0"]["block_size"]
+    cold, warm = seen["cold"], seen["warm"]
+    assert cold["cached"] == 0 and warm["cached"] >= block, seen
+    if case == "two_turns":  # turn 1's blocks, its audio included
+        assert warm["cached"] >= report["prefix"]["audio"]["warm"]["cached"], report["prefix"]
+    assert warm["tokens"] == cold["tokens"], seen
+    arrays = np.load(out / "prefix.npz")
+    np.testing.assert_array_equal(arrays[f"{case}_warm_codes"], arrays[f"{case}_cold_codes"])
+    np.testing.assert_allclose(arrays[f"{case}_warm_waveform"],
+                               arrays[f"{case}_cold_waveform"], atol=WAVEFORM_ATOL)
 
 
 def test_liveness_canaries_on_a_real_engine_core(default_run):

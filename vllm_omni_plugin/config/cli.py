@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from vllm_omni_plugin import envs
 from vllm_omni_plugin.config.pipelines import AUTO, builtin_pipelines, resolve_stage_configs
 from vllm_omni_plugin.config.placement import (
+    GIB,
     PLACEMENT_MODES,
     Host,
     apply_cpu_kv_cache,
@@ -40,6 +41,7 @@ MIDDLEWARE_QUALNAME = "vllm_omni_plugin.entrypoints.middleware.OmniApiMiddleware
 GROUP_TITLE = "Omni"
 _CLUSTER = ClusterSettings()  # the defaults of the head's flags
 _REALTIME = RealtimeSettings()
+_SETTINGS_ROW_CACHE = OmniSettings.model_fields["row_cache_bytes"].default
 
 
 def add_omni_args(parser: argparse.ArgumentParser) -> None:
@@ -139,6 +141,14 @@ def add_omni_args(parser: argparse.ArgumentParser) -> None:
         "input_audio_buffer.append past it gets an error event and is dropped, the "
         "session goes on (commit or clear the buffer).")
     group.add_argument(
+        "--omni-row-cache-gib", type=float, default=_SETTINGS_ROW_CACHE / GIB,
+        metavar="GIB",
+        help="Host memory each engine of a stage whose requests hand rows to the next "
+        "stage (the Qwen3-Omni thinker) keeps for the rows of prefix-cached KV blocks, so "
+        "that spoken answers read vLLM's prefix cache as text answers do (a conversation's "
+        "later turns compute their new tokens only). 0: such requests compute every "
+        "position.")
+    group.add_argument(
         "--omni-replica-address", "-ora", type=str, default=None, metavar="HOST",
         help="Headless: the address its replicas bind to and the head connects to "
         "(default: this host's address on the route to the master).")
@@ -196,7 +206,8 @@ FLAG_DEFAULTS = {"stage_id": None, "omni_master_address": _CLUSTER.host,
                  "omni_placement": "auto",
                  "omni_realtime_max_sessions": _REALTIME.max_sessions,
                  "omni_realtime_idle_timeout": _REALTIME.idle_timeout,
-                 "omni_realtime_max_input_audio": _REALTIME.max_input_audio}
+                 "omni_realtime_max_input_audio": _REALTIME.max_input_audio,
+                 "omni_row_cache_gib": _SETTINGS_ROW_CACHE / GIB}
 
 
 def validate_omni_args(args: argparse.Namespace) -> None:
@@ -226,6 +237,8 @@ def validate_omni_args(args: argparse.Namespace) -> None:
     _positive("--omni-realtime-max-sessions", args.omni_realtime_max_sessions)
     _positive("--omni-realtime-idle-timeout", args.omni_realtime_idle_timeout)
     _positive("--omni-realtime-max-input-audio", args.omni_realtime_max_input_audio)
+    if not args.omni_row_cache_gib >= 0:
+        raise ValueError(f"--omni-row-cache-gib must be >= 0, got {args.omni_row_cache_gib!r}")
     if not args.omni_admission_timeout >= 0:
         raise ValueError("--omni-admission-timeout must be >= 0, got "
                          f"{args.omni_admission_timeout!r}")
@@ -385,7 +398,8 @@ def headless_plan(args: argparse.Namespace) -> HeadlessPlan:
         stage=stage,
         settings=OmniSettings(stage_configs_path=os.path.abspath(path),
                               stage_id=stage.stage_id, entry=False,
-                              cluster=ClusterSettings(stall_timeout=args.omni_stall_timeout)),
+                              cluster=ClusterSettings(stall_timeout=args.omni_stall_timeout),
+                              row_cache_bytes=int(args.omni_row_cache_gib * GIB)),
         base_args=base,
         master_host=args.omni_master_address,
         master_port=args.omni_master_port,
@@ -478,7 +492,8 @@ def apply_omni_args(args: argparse.Namespace, engine_args) -> None:
             request_timeout=args.omni_request_timeout, insecure=args.omni_cluster_insecure),
         realtime=RealtimeSettings(max_sessions=args.omni_realtime_max_sessions,
                                   idle_timeout=args.omni_realtime_idle_timeout,
-                                  max_input_audio=args.omni_realtime_max_input_audio))
+                                  max_input_audio=args.omni_realtime_max_input_audio),
+        row_cache_bytes=int(args.omni_row_cache_gib * GIB))
     engine_args.additional_config = settings.additional_config(
         engine_args.additional_config if isinstance(engine_args.additional_config, dict)
         else None)

@@ -96,6 +96,10 @@ class OmniSettings(BaseModel):
             "0|1"}``; see :mod:`vllm_omni_plugin.worker.placement`), or None.
         cluster: the head's control-plane settings.
         realtime: the Realtime API's limits.
+        row_cache_bytes: host memory (bytes) each engine of a stage whose requests
+            publish rows (the Qwen3-Omni thinker) keeps for the rows of prefix-cached KV
+            blocks, so that such requests read the prefix cache
+            (:mod:`vllm_omni_plugin.worker.row_cache`); 0: they compute every position.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -107,6 +111,7 @@ class OmniSettings(BaseModel):
     placement_env: dict[str, str] | None = None
     cluster: ClusterSettings = Field(default_factory=ClusterSettings)
     realtime: RealtimeSettings = Field(default_factory=RealtimeSettings)
+    row_cache_bytes: int = Field(default=1 << 30, ge=0)
 
     def for_stage(self, stage_id: int, **changes: Any) -> OmniSettings:
         """These settings for a downstream engine of ``stage_id``."""

@@ -48,6 +48,7 @@ from vllm_omni_plugin.config.placement import GIB
 from vllm_omni_plugin.config.settings import OmniSettings
 from vllm_omni_plugin.logger import init_logger
 from vllm_omni_plugin.payload_store import PayloadStore
+from vllm_omni_plugin.worker.row_cache import RowBlockIndex, RowCache, row_cache_blocks
 from vllm_omni_plugin.worker.stage_io import StageIO, StageStep
 
 logger = init_logger(__name__)
@@ -110,7 +111,9 @@ class OmniWorkerMixin:
         """vLLM's model loading, then the check that the model's stage outputs survive the
         engine's CUDA graph mode, the choice of the one publishing worker (TP rank 0
         of the last PP rank; :attr:`omni_publishes`), and, for a model that reads its step,
-        the tracking of requests without payload keys (:attr:`StageIO.track_plain`).
+        the tracking of requests without payload keys (:attr:`StageIO.track_plain`), and,
+        for a model that publishes rows where its requests may read the prefix cache, the
+        row cache (:mod:`~vllm_omni_plugin.worker.row_cache`).
 
         Raises:
             ValueError: see :func:`check_graph_mode`.
@@ -128,6 +131,11 @@ class OmniWorkerMixin:
         # publishes, as one returns the step's output to the engine.
         tp, pp = get_tp_group(), get_pp_group()
         self.omni_publishes = tp.rank_in_group == 0 and pp.is_last_rank
+        blocks = row_cache_blocks(self.vllm_config) if self.omni_publishes else 0
+        if blocks and hasattr(model, "stage_output_rows"):
+            # the same index as the scheduler's (OmniScheduler), from the same steps
+            self.omni_io.rows = RowCache(RowBlockIndex(
+                self.vllm_config.cache_config.block_size, blocks))
         if not self.omni_publishes:
             logger.info("stage %d: worker of TP rank %d, PP rank %d publishes no stage "
                         "outputs (TP rank 0 of the last PP rank does)", self.omni_io.stage_id,

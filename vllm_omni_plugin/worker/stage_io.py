@@ -35,6 +35,7 @@ from vllm_omni_plugin import extra_args as xargs
 from vllm_omni_plugin.compat.model_runner import batch_req_ids
 from vllm_omni_plugin.logger import init_logger
 from vllm_omni_plugin.payload_store import GrowingPayload, PayloadStore
+from vllm_omni_plugin.worker.row_cache import RowCache
 
 logger = init_logger(__name__)
 
@@ -56,6 +57,8 @@ class _Tracked:
     growing_key: str | None = None
     input_chunks: int = 0
     growing: GrowingPayload = field(default_factory=GrowingPayload)
+    #: the rows of the positions a prefix-cache hit skipped, published with its first rows
+    cached: dict[str, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -220,16 +223,20 @@ class StageIO:
         self.track_plain = False
         #: req id -> first position fed this step (set by :meth:`begin_step`)
         self._computed: dict[str, int] = {}
+        #: the rows of prefix-cached blocks (set by the worker where requests that publish
+        #: rows may read the prefix cache; :mod:`~vllm_omni_plugin.worker.row_cache`)
+        self.rows: RowCache | None = None
 
     # -- scheduling ---------------------------------------------------------------
     def begin_step(self, scheduler_output, *, always: bool = False) -> bool:
         """Track the step's new and finished requests; True when a request scheduled
         this step publishes (the caller then calls :meth:`publish` after the forward),
         or when ``always`` (the model reads a :class:`StageStep`)."""
+        hits = self.rows.begin_step(scheduler_output) if self.rows is not None else {}
         for req_id in scheduler_output.finished_req_ids:
             self._requests.pop(req_id, None)
         for new in scheduler_output.scheduled_new_reqs:
-            self._add(new)
+            self._add(new, hits.get(new.req_id))
         if not self._requests and not always:
             return False  # plain requests only (a text-only batch): nothing to read or publish
         for req_id in scheduler_output.num_scheduled_tokens:
@@ -238,7 +245,8 @@ class StageIO:
                 self._read_input(req_id, tracked)
         if not always and not any(
                 (t := self._requests.get(r)) is not None and t.out_key and not t.failed
-                for r in scheduler_output.num_scheduled_tokens):
+                for r in scheduler_output.num_scheduled_tokens) \
+                and not (self.rows is not None and self.rows.step.filled):
             return False
         cached = scheduler_output.scheduled_cached_reqs
         self._computed = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
@@ -256,7 +264,9 @@ class StageIO:
         request without payload keys, or one already finished)."""
         return self._requests.get(req_id)
 
-    def _add(self, new) -> None:
+    def _add(self, new, hit=None) -> None:
+        """Track a new request; ``hit``: the rows of its prefix-cache hit (or the error
+        that fails it) where the row cache gave them."""
         if new.req_id in self._requests:  # resumed after preemption (model runner V2)
             return
         params = new.sampling_params
@@ -274,6 +284,10 @@ class StageIO:
             # The prompt's KV came from a prefill stage, which published the prompt's
             # rows: this engine publishes the generated positions only.
             tracked.published = tracked.num_prompt_tokens
+        elif isinstance(hit, Exception):
+            self.fail(new.req_id, tracked, hit)
+        elif hit is not None and keys.output and not keys.input:
+            tracked.cached = hit  # the skipped positions' rows, from the row cache
         elif (keys.output or keys.input) and new.num_computed_tokens:
             # Payload rows map one-to-one to fed positions; a prefix-cache hit skips some.
             self.fail(new.req_id, tracked, RuntimeError(
@@ -326,17 +340,18 @@ class StageIO:
         requests_of = getattr(model, "stage_output_requests", None)
         outputs = None if rows_of is None and requests_of is None else (
             rows_of() if rows_of else {}, requests_of() if requests_of else {})
-        # (req id, tracked, its new rows [begin, end) of the step's, first fed position, its
-        # scheduled tokens)
+        # (req id, tracked, its rows [begin, end) of the step's, the first of them not
+        # published before (a recompute after preemption), first fed position, its
+        # scheduled tokens); a failed request's rows still go to the row cache
         publishing, offset = [], 0
         for req_id in batch_req_ids:
             n = scheduler_output.num_scheduled_tokens[req_id]
             tracked = self._requests.get(req_id)
-            if tracked is not None and tracked.out_key and not tracked.failed:
+            if tracked is not None and tracked.out_key and (
+                    not tracked.failed or self.rows is not None):
                 start = self._computed[req_id]
-                # rows published before (a recompute after preemption) are skipped
                 skip = min(n, max(0, tracked.published - start))
-                publishing.append((req_id, tracked, offset + skip, offset + n, start, n))
+                publishing.append((req_id, tracked, offset, offset + n, skip, start, n))
             offset += n
         if not publishing:
             return
@@ -344,18 +359,33 @@ class StageIO:
             error = RuntimeError(f"stage {self.stage_id}: {type(model).__name__} publishes no "
                                  "stage outputs, but the request asks for them")
             for req_id, tracked, *_ in publishing:
-                self.fail(req_id, tracked, error)
+                if not tracked.failed:
+                    self.fail(req_id, tracked, error)
             return
         rows, per_request = outputs
-        on_host = _rows_on_host(rows, [(p[2], p[3]) for p in publishing])
+        keeping = self.rows is not None and bool(rows)
+        on_host = _rows_on_host(rows, [(p[2] + (0 if keeping else p[4]), p[3])
+                                       for p in publishing])
         once = getattr(model, "stage_output_once", None)
         chunks, first = {}, 0  # out key -> its chunk; the request's first row in on_host
-        for req_id, tracked, begin, end, start, n in publishing:
-            chunk = {name: t[first:first + end - begin] for name, t in on_host.items()} \
-                if end > begin else {}
-            first += end - begin
+        for req_id, tracked, _begin, _end, skip, start, n in publishing:
+            if keeping:
+                computed = {name: t[first:first + n] for name, t in on_host.items()}
+                self.rows.keep(req_id, start, computed)
+                first += n
+                chunk = {name: t[skip:] for name, t in computed.items()} if n > skip else {}
+            else:
+                chunk = {name: t[first:first + n - skip] for name, t in on_host.items()} \
+                    if n > skip else {}
+                first += n - skip
+            if tracked.failed:
+                continue
+            if tracked.cached is not None:  # the positions a prefix-cache hit skipped
+                chunk = {name: torch.cat([t, chunk[name]]) if name in chunk else t
+                         for name, t in tracked.cached.items()}
+                tracked.cached = None
             try:
-                if chunk and start == 0 and tracked.published == 0 and once is not None:
+                if chunk and tracked.published == 0 and once is not None:
                     chunk.update({k: v.to("cpu") for k, v in once().items()})
                 if req_id in per_request:
                     chunk.update({k: v.to("cpu") for k, v in per_request[req_id].items()})

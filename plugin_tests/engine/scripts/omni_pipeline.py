@@ -34,6 +34,10 @@ CONCURRENT = 8
 MEDIA_TEXT = "What is this?"
 
 
+#: A system message of a few hundred tokens: the prompts of the prefix-caching scenario
+#: fill whole KV blocks (128 positions on vLLM's CPU build) with it
+LONG_SYSTEM = " ".join(["the quick brown fox jumps over the lazy dog"] * 40)
+
 #: Seconds: bound on waiting for a request to reach the talker, and for the pipeline to
 #: clean up after an abort
 WAIT_S = 120.0
@@ -125,6 +129,7 @@ async def engine_settings(engine) -> dict:
     return {
         "model_runner": sorted(set(await engine.collective_rpc(_model_runner))),
         "gloo_loops": await engine.collective_rpc(_gloo_loops),
+        "block_size": config.cache_config.block_size,
         "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
         "async_scheduling": bool(config.scheduler_config.async_scheduling),
         "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
@@ -250,6 +255,31 @@ async def main(ckpt, yaml_path, out_dir, scenarios, dtype="float32",
                 report["media"][kind] = {"prompt_ids": list(final.prompt_token_ids),
                                          "thinker_tokens": list(final.outputs[0].token_ids)}
             np.savez(os.path.join(out_dir, "media.npz"), **served)
+        if "prefix" in scenarios:
+            report["prefix"], served = {}, {}
+
+            async def cold_then_warm(case, cold, warm):
+                for kind, prompt in (("cold", cold), ("warm", warm)):
+                    final = await run(f"{case}_{kind}", prompt=prompt)
+                    result = results.pop(f"{case}_{kind}")
+                    assert result.error is None, (case, kind, result)
+                    served[f"{case}_{kind}_codes"] = \
+                        result.stage_outputs[1].payload["codes"].numpy()
+                    served[f"{case}_{kind}_waveform"] = result.payload["waveform"].numpy()
+                    report["prefix"].setdefault(case, {})[kind] = {
+                        "tokens": list(final.outputs[0].token_ids),
+                        "prompt_tokens": len(final.prompt_token_ids),
+                        "cached": final.num_cached_tokens}
+
+            cases = _prefix_prompts(tokenizer, os.path.join(out_dir, "media"))
+            for case in ("text", "audio"):  # the same prompt twice: warm the second time
+                await cold_then_warm(case, cases[case], cases[case])
+            first = await run("turn1", prompt=cases["turn1"])
+            results.pop("turn1")
+            answer = tokenizer.decode(first.outputs[0].token_ids, skip_special_tokens=True)
+            await cold_then_warm("two_turns", cases["turn2"](answer, "conversation-cold"),
+                                 cases["turn2"](answer, "conversation"))
+            np.savez(os.path.join(out_dir, "prefix.npz"), **served)
         for scenario in ("cancel", "abort"):
             if scenario not in scenarios:
                 continue
@@ -289,6 +319,36 @@ async def main(ckpt, yaml_path, out_dir, scenarios, dtype="float32",
     finally:
         client.shutdown()
     print(json.dumps(report))
+
+
+def _prefix_prompts(tokenizer, folder) -> dict:
+    """The prefix-caching scenario's prompts, each after :data:`LONG_SYSTEM`: ``text`` and
+    ``audio`` (one user turn, with an audio clip for ``audio``), ``turn1`` (the same audio
+    turn, under the cache salt ``conversation``) and ``turn2(answer, salt)``: turn 1, the
+    assistant's ``answer``, a second audio turn."""
+    import soundfile as sf
+
+    clip = sf.read(os.path.join(folder, "audio.wav"), dtype="float32")
+    system = {"role": "system", "content": LONG_SYSTEM}
+    heard = {"role": "user", "content": [{"type": "audio"},
+                                         {"type": "text", "text": MEDIA_TEXT}]}
+
+    def prompt(messages, salt, clips=()):
+        out = {"prompt": tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                       tokenize=False),
+               "cache_salt": salt}
+        if clips:
+            out["multi_modal_data"] = {"audio": clips[0] if len(clips) == 1 else list(clips)}
+        return out
+
+    return {
+        "text": prompt([system, {"role": "user", "content": "Say hello"}], "text"),
+        "audio": prompt([system, heard], "audio", [clip]),
+        "turn1": prompt([system, heard], "conversation", [clip]),
+        "turn2": lambda answer, salt: prompt(
+            [system, heard, {"role": "assistant", "content": answer}, heard], salt,
+            [clip, clip]),
+    }
 
 
 def _media(tokenizer, folder) -> dict:

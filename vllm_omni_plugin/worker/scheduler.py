@@ -1,0 +1,105 @@
+"""``OmniScheduler``: vLLM's scheduler, letting requests that publish rows read the
+prefix cache where their rows are held.
+
+Selected per stage through vLLM's ``scheduler_cls`` engine argument (the Qwen3-Omni
+thinker's ``engine_args.scheduler_cls`` in the shipped pipelines). The name resolves to
+a subclass of the scheduler vLLM would use, ``AsyncScheduler`` under async scheduling,
+``Scheduler`` otherwise, so scheduling itself is vLLM's. The subclass
+
+* lets a request that publishes its rows for the next stage
+  (:func:`~vllm_omni_plugin.worker.row_cache.publishes_rows`) read the prefix cache: the
+  plugin's orchestrator marks such requests ``skip_reading_prefix_cache`` (their rows
+  map one to one to the positions they compute); here the mark goes back to vLLM's own
+  rule (only prompt logprobs skip the cache);
+* cuts such a request's hit (vLLM's ``KVCacheManager.get_computed_blocks``) to the
+  blocks whose rows the publishing worker holds (:mod:`~vllm_omni_plugin.worker.row_cache`):
+  the worker publishes those rows for the positions the hit skips;
+* keeps the index of those blocks from every ``SchedulerOutput`` it hands the workers.
+
+Where it cannot (prefix caching off, a KV connector, more than one KV cache group, a row
+cache of size 0) it is vLLM's scheduler unchanged, and the requests that publish rows
+keep skipping the cache.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from vllm_omni_plugin.logger import init_logger
+from vllm_omni_plugin.worker.row_cache import RowBlockIndex, publishes_rows, row_cache_blocks
+
+logger = init_logger(__name__)
+
+
+class OmniSchedulerMixin:
+    """Methods layered over vLLM's scheduler (see the module docstring)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.omni_rows: RowBlockIndex | None = None
+        config = self.vllm_config
+        blocks = row_cache_blocks(config)
+        if not blocks or len(self.kv_cache_config.kv_cache_groups) != 1 \
+                or self.connector is not None:
+            return
+        block_size = config.cache_config.block_size
+        self.omni_rows = RowBlockIndex(block_size, blocks)
+        manager = self.kv_cache_manager
+        manager.get_computed_blocks = self._rows_held(manager.get_computed_blocks)
+        logger.info("requests that publish rows read the prefix cache: the rows of up to "
+                    "%d KV blocks of %d positions are kept", blocks, block_size)
+
+    def add_request(self, request) -> None:
+        """vLLM's, after which a request publishing rows reads the prefix cache by vLLM's
+        own rule (see the module docstring)."""
+        super().add_request(request)
+        params = request.sampling_params
+        if self.omni_rows is not None and publishes_rows(params):
+            request.skip_reading_prefix_cache = (
+                params.prompt_logprobs is not None
+                or getattr(params, "prompt_logprob_token_ids", None) is not None)
+
+    def schedule(self, *args, **kwargs):
+        """vLLM's step, then the row index updated from it."""
+        out = super().schedule(*args, **kwargs)
+        if self.omni_rows is not None:
+            self.omni_rows.update(out)
+        return out
+
+    def _rows_held(self, lookup):
+        """``get_computed_blocks`` whose hit, for a request that publishes rows, ends at the
+        first block whose rows are not held."""
+        rows, manager = self.omni_rows, self.kv_cache_manager
+
+        def get_computed_blocks(request):
+            blocks, hit_tokens, *rest = lookup(request)
+            if not hit_tokens or not publishes_rows(request.sampling_params):
+                return (blocks, hit_tokens, *rest)
+            held = rows.held_prefix([block.block_id for block in blocks.blocks[0]])
+            if held * rows.block_size >= hit_tokens:
+                return (blocks, hit_tokens, *rest)
+            cut = manager.truncate_computed_blocks(blocks, held * rows.block_size) \
+                if held else manager.empty_kv_cache_blocks
+            return (cut, held * rows.block_size, *(0 for _ in rest))
+
+        return get_computed_blocks
+
+
+@functools.cache
+def _scheduler_cls(base: type) -> type:
+    return type(f"Omni{base.__name__}", (OmniSchedulerMixin, base),
+                {"__module__": __name__, "__qualname__": f"Omni{base.__name__}"})
+
+
+class OmniScheduler:
+    """The name ``engine_args.scheduler_cls`` gives: built with the engine's
+    ``vllm_config``, it is an instance of :class:`OmniSchedulerMixin` over
+    ``AsyncScheduler`` (async scheduling) or ``Scheduler``."""
+
+    def __new__(cls, *args, vllm_config, **kwargs):
+        """vLLM's scheduler for ``vllm_config``, with the mixin (arguments as vLLM's)."""
+        if vllm_config.scheduler_config.async_scheduling:
+            from vllm.v1.core.sched.async_scheduler import AsyncScheduler as base
+        else:
+            from vllm.v1.core.sched.scheduler import Scheduler as base
+        return _scheduler_cls(base)(*args, vllm_config=vllm_config, **kwargs)
