@@ -426,15 +426,30 @@ def test_mooncake_methods_the_subclass_overrides():
 
 # -- gloo_device: one gloo device for a single-rank worker's process groups ------------
 _GLOO_GROUPS = """
-import json, os, torch, torch.distributed as dist
+import json, os, time, torch, torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from vllm_omni_plugin.compat.gloo_device import shared_gloo_device
 
-def loops():
-    tasks = f"/proc/{os.getpid()}/task"
-    return sum(open(f"{tasks}/{t}/comm").read().strip() == "gloo_tcp_loop"
-               for t in os.listdir(tasks))
+TASKS = f"/proc/{os.getpid()}/task"
 
+def names():
+    return {t: open(f"{TASKS}/{t}/comm").read().strip() for t in os.listdir(TASKS)}
+
+def loops():
+    # a new thread has the process's name until it names itself: wait until every thread
+    # that was not there at the start has renamed itself (gloo's and torch's all do)
+    deadline = time.monotonic() + 30
+    while True:
+        now = names()
+        if all(name != NAME for t, name in now.items() if t not in BEFORE):
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError(now)
+        time.sleep(0.01)
+    return sum(name == "gloo_tcp_loop" for name in now.values())
+
+NAME = open(f"/proc/{os.getpid()}/comm").read().strip()
+BEFORE = names()
 original = c10d.ProcessGroupGloo
 with shared_gloo_device(ENABLED):
     dist.init_process_group("gloo", store=dist.HashStore(), world_size=1, rank=0)

@@ -118,18 +118,20 @@ def test_qwen3_omni_pd_config_loads():
     assert [s.name for s in cfg.topological_order()] == ["thinker", "talker", "code2wav"]
     # the same stages as without PD, apart from the pd blocks, the prefill stage, the
     # talker fed while the thinker runs (only without PD), the memory shares (four
-    # engines on one GPU) and the thinker's prefix caching (off on both PD roles: vLLM's
-    # Mooncake connector refuses it on the decode side)
+    # engines on one GPU) and the thinker's prefix caching and its scheduler for spoken
+    # answers' hits (off on both PD roles: vLLM's Mooncake connector refuses it on the
+    # decode side)
     plain = load_pipeline_config(builtin_pipeline("qwen3_omni_moe"))
     assert plain.stage(1).stream_input and not cfg.stage(1).stream_input
     assert plain.stage(0).engine_args["enable_prefix_caching"]
+    assert plain.stage(0).engine_args["scheduler_cls"].endswith(".OmniScheduler")
     assert not cfg.stage(0).engine_args["enable_prefix_caching"]
     assert not prefill.engine_args["enable_prefix_caching"]
 
     def unshared(stage) -> dict:
         dump = stage.model_dump(exclude={"pd", "stream_input"})
-        dump["engine_args"].pop("gpu_memory_utilization")
-        dump["engine_args"].pop("enable_prefix_caching")
+        for arg in ("gpu_memory_utilization", "enable_prefix_caching", "scheduler_cls"):
+            dump["engine_args"].pop(arg, None)
         return dump
 
     assert [unshared(s) for s in cfg.stages if not s.is_prefill] == [

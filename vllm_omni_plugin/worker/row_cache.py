@@ -209,10 +209,11 @@ class RowCache:
         self.bytes = 0
 
     def begin_step(self, out) -> dict[str, dict[str, torch.Tensor] | Exception]:
-        """Apply the step's ``SchedulerOutput`` to the index; the rows of each new hit
-        (``{name: [hit positions, ...]}``) by request id, or the error that fails the
-        request: a hit block without rows here (the scheduler's index and this one
-        disagree, a bug)."""
+        """Apply the step's ``SchedulerOutput`` to the index; the rows of each new hit by
+        request id (``{name: [hit positions, ...]}`` host tensors in the dtypes the model
+        published, e.g. ``embed`` ``[n, hidden]``, ``positions`` ``[n, 3]`` int64), or the
+        error that fails the request: a hit block without rows here (the scheduler's
+        index and this one disagree, a bug)."""
         self.step = self.index.update(out)
         for block_id in self.step.dropped:
             self._free(block_id)
@@ -232,8 +233,9 @@ class RowCache:
         return hits
 
     def keep(self, req_id: str, start: int, rows: dict[str, torch.Tensor]) -> None:
-        """The rows a publishing request computed this step (host tensors, positions from
-        ``start``); the blocks the step fills get theirs."""
+        """The rows a publishing request computed this step: ``{name: [n, ...]}`` host
+        tensors of any dtype, the rows of positions ``start`` to ``start + n - 1``; the
+        blocks the step fills get theirs (``[block_size, ...]`` copies)."""
         first, pending = self._pending.get(req_id, (start, {}))
         if first + _length(pending) != start:  # recomputed from elsewhere (a resume)
             first, pending = start, {}
