@@ -495,3 +495,50 @@ def test_gloo_groups_of_one_rank_share_a_device(enabled):
     assert seen["loops"] == (2 if enabled else 8), seen
     assert seen["restored"] and seen["explicit_devices"] == 1, seen
     assert seen["sum"] == [1.0, 1.0, 1.0], seen
+
+
+# -- the row cache's scheduler: what OmniScheduler and RowBlockIndex read of vLLM --------
+def _class(module: str, name: str) -> ast.ClassDef:
+    return next(n for n in ast.walk(_vllm_source(module))
+                if isinstance(n, ast.ClassDef) and n.name == name)
+
+
+def _assigned_in_init(module: str, cls: str) -> set[str]:
+    init = _function(_class(module, cls), "__init__")
+    return {t.attr for n in ast.walk(init) if isinstance(n, (ast.Assign, ast.AnnAssign))
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+            if isinstance(t, ast.Attribute)}
+
+
+def test_what_the_row_cache_scheduler_reads_is_where_vllm_keeps_it():
+    """``worker/scheduler.py`` and ``worker/row_cache.py`` (no accessor: a subclass and
+    the index it feeds) read, on every release row: the scheduler's ``kv_cache_manager``,
+    ``kv_cache_config`` and ``connector``; ``KVCacheManager.get_computed_blocks``
+    (called through the instance attribute the subclass wraps, with the request first,
+    returning the blocks and the hit's tokens first), ``truncate_computed_blocks`` and ``empty_kv_cache_blocks``;
+    ``KVCacheBlocks.blocks`` of ``KVCacheBlock.block_id``s; ``Request``'s
+    ``skip_reading_prefix_cache``; and the ``SchedulerOutput`` fields the index is fed."""
+    sched = "vllm.v1.core.sched.scheduler"
+    assert {"kv_cache_manager", "kv_cache_config", "connector"} <= _assigned_in_init(
+        sched, "Scheduler")
+    calls = ast.unparse(_class(sched, "Scheduler"))
+    assert "self.kv_cache_manager.get_computed_blocks(request" in calls  # 0.33: and a limit
+    for method in ("schedule", "add_request"):
+        _function(_class(sched, "Scheduler"), method)
+    manager = _class("vllm.v1.core.kv_cache_manager", "KVCacheManager")
+    lookup = _function(manager, "get_computed_blocks")
+    assert ast.unparse(lookup.returns).startswith("tuple[KVCacheBlocks, int")
+    _function(manager, "truncate_computed_blocks")
+    assert "empty_kv_cache_blocks" in _assigned_in_init("vllm.v1.core.kv_cache_manager",
+                                                        "KVCacheManager")
+    assert "blocks" in _class_fields("vllm.v1.core.kv_cache_manager", "KVCacheBlocks")
+    assert "block_id" in _class_fields("vllm.v1.core.kv_cache_utils", "KVCacheBlock")
+    assert "skip_reading_prefix_cache" in _assigned_in_init("vllm.v1.request", "Request")
+    output = "vllm.v1.core.sched.output"
+    assert {"scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens",
+            "finished_req_ids", "preempted_req_ids"} <= set(_class_fields(output,
+                                                                          "SchedulerOutput"))
+    assert {"req_id", "sampling_params", "block_ids", "num_computed_tokens"} <= set(
+        _class_fields(output, "NewRequestData"))
+    assert {"req_ids", "resumed_req_ids", "new_block_ids", "num_computed_tokens"} <= set(
+        _class_fields(output, "CachedRequestData"))

@@ -71,8 +71,8 @@ class OmniSchedulerMixin:
         first block whose rows are not held."""
         rows, manager = self.omni_rows, self.kv_cache_manager
 
-        def get_computed_blocks(request):
-            blocks, hit_tokens, *rest = lookup(request)
+        def get_computed_blocks(request, *args, **kwargs):
+            blocks, hit_tokens, *rest = lookup(request, *args, **kwargs)
             if not hit_tokens or not publishes_rows(request.sampling_params):
                 return (blocks, hit_tokens, *rest)
             held = rows.held_prefix([block.block_id for block in blocks.blocks[0]])
