@@ -515,8 +515,9 @@ def test_what_the_row_cache_scheduler_reads_is_where_vllm_keeps_it():
     the index it feeds) read, on every release row: the scheduler's ``kv_cache_manager``,
     ``kv_cache_config`` and ``connector``; ``KVCacheManager.get_computed_blocks``
     (called through the instance attribute the subclass wraps, with the request first,
-    returning the blocks and the hit's tokens first), ``truncate_computed_blocks`` and ``empty_kv_cache_blocks``;
-    ``KVCacheBlocks.blocks`` of ``KVCacheBlock.block_id``s; ``Request``'s
+    returning the blocks and the hit's tokens first), ``truncate_computed_blocks`` and
+    ``empty_kv_cache_blocks``; ``KVCacheBlocks.blocks`` of ``KVCacheBlock.block_id``s;
+    ``Request``'s
     ``skip_reading_prefix_cache``; and the ``SchedulerOutput`` fields the index is fed."""
     sched = "vllm.v1.core.sched.scheduler"
     assert {"kv_cache_manager", "kv_cache_config", "connector"} <= _assigned_in_init(
