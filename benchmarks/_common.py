@@ -445,3 +445,30 @@ def audio_chat_load(url: str, model: str, requests: int, concurrency: int,
 
     rate = chat_load(url, body, requests, concurrency, check)
     return rate, latencies, speech
+
+
+def prefix_cache_counters(url: str) -> tuple[float, float]:
+    """vLLM's prefix-cache counters on ``/metrics`` (the entry stage's engine): tokens
+    looked up, tokens found."""
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+    totals = {"vllm:prefix_cache_queries_total": 0.0, "vllm:prefix_cache_hits_total": 0.0}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals["vllm:prefix_cache_queries_total"], totals["vllm:prefix_cache_hits_total"]
+
+
+def system_prompt(ckpt: Path, tokens: int) -> str:
+    """A system message of at least ``tokens`` tokens of ``ckpt``'s tokenizer (a sentence
+    repeated); empty for 0."""
+    from transformers import AutoTokenizer
+
+    if tokens <= 0:
+        return ""
+    tokenizer = AutoTokenizer.from_pretrained(ckpt)
+    sentence = "You are a helpful assistant who answers questions about the weather. "
+    text = sentence
+    while len(tokenizer(text)["input_ids"]) < tokens:
+        text += sentence
+    return text

@@ -18,6 +18,12 @@ Per turn:
 * **barge-in**: seconds from sending speech while a response plays (after its first
   audio delta) to its ``response.done`` with status ``cancelled``.
 
+Then ``--trials`` conversations of ``--conversation`` speech turns (12; commit mode, one
+session each, the conversation growing): per turn, commit to first audio, the prompt's
+tokens and, from vLLM's prefix-cache counters, those read from the cache and those
+computed (target: turn 12 within 1.2x of turn 2, each turn computing about its new
+tokens).
+
 Each of ``--trials`` trials runs ``--turns`` turns per (concurrency, mode),
 ``concurrency`` clients at once, each doing its turns one after another, each turn on a
 session of its own (so that its prompt is the chat request's: one audio turn; the
@@ -55,6 +61,7 @@ from _common import (  # noqa: E402
     fmt,
     install_sigterm_as_interrupt,
     percentile,
+    prefix_cache_counters,
     table,
     wait_health,
 )
@@ -138,6 +145,39 @@ async def _turns(url: str, model: str, mode: str, turns: int, max_tokens: int
     return times
 
 
+async def _conversation(url: str, model: str, turns: int, max_tokens: int) -> list[dict]:
+    """One session of ``turns`` speech turns (commit mode), each answered before the next;
+    per turn: seconds from the commit to the first audio delta (None: answered without
+    speech), the prompt's tokens, and of them those read from the prefix cache and those
+    computed (vLLM's counters, read between turns)."""
+    import openai
+
+    speech = speech_pcm(before_s=0.3, after_s=1.0)
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="-")
+    out = []
+    async with client.realtime.connect(model=model) as connection:
+        events = Events(connection, validate=False)
+        await events.until("session.created")
+        await connection.session.update(session=session(max_output_tokens=max_tokens))
+        await events.until("session.updated")
+        for _ in range(turns):
+            for piece in chunks(speech, ms=1000):
+                await connection.input_audio_buffer.append(audio=piece)
+            before = await asyncio.to_thread(prefix_cache_counters, url)
+            start = time.perf_counter()
+            await connection.input_audio_buffer.commit()
+            await connection.response.create()
+            spoke = await _first_audio(events)
+            first = time.perf_counter() - start if spoke else None
+            done = (await events.until("response.done", timeout=300))[-1]
+            after = await asyncio.to_thread(prefix_cache_counters, url)
+            usage = done["response"].get("usage") or {}
+            queried, hits = after[0] - before[0], after[1] - before[1]
+            out.append({"first_audio": first, "prompt": usage.get("input_tokens"),
+                        "cached": hits, "computed": queried - hits})
+    return out
+
+
 async def _first_audio(events: Events) -> bool:
     """Wait for the response's first audio delta (True) or its end without one (False:
     a reply too short to speak, which the sampled tiny model sometimes gives)."""
@@ -158,6 +198,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_audio_chat_args(parser)
     parser.add_argument("--turns", type=int, default=8, help="turns per measurement")
+    parser.add_argument("--conversation", type=int, default=12, metavar="TURNS",
+                        help="then --trials sessions of this many speech turns each, the "
+                        "conversation growing (0: none)")
     parser.set_defaults(concurrency=[1, 4], max_tokens=8, talker_frames=16)
     args = parser.parse_args()
     install_sigterm_as_interrupt()
@@ -182,6 +225,9 @@ def main() -> int:
                 timed = [t for t in got if t is not None]
                 print(f"trial {trial + 1}, c={c}, {mode}: p50 "
                       f"{fmt(percentile(timed, 0.5) if timed else None, '.3f')} s", flush=True)
+        conversations = [asyncio.run(_conversation(url, str(ckpt), args.conversation,
+                                                   args.max_tokens))
+                         for _ in range(args.trials if args.conversation else 0)]
     silent = {cell: sum(t is None for t in got) for cell, got in samples.items()}
     samples = {cell: [t for t in got if t is not None] for cell, got in samples.items()}
     rows = [[str(c), mode, str(len(samples[(c, mode)])), str(silent[(c, mode)]),
@@ -198,7 +244,31 @@ def main() -> int:
     print()
     print(table(["concurrency", "commit / chat (p50)", "VAD stop / chat (p50)"], ratios,
                 title="target: <= 1.0"))
+    if conversations:
+        _print_conversations(conversations)
     return 0
+
+
+def _print_conversations(conversations: list[list[dict]]) -> None:
+    """Per turn, the medians over the conversations; then turn N over turn 2."""
+    rows, firsts = [], []
+    for turn in range(len(conversations[0])):
+        got = [c[turn] for c in conversations]
+        first = percentile([g["first_audio"] for g in got if g["first_audio"] is not None],
+                           0.5) if any(g["first_audio"] for g in got) else None
+        firsts.append(first)
+        rows.append([str(turn + 1), fmt(first, ".3f"),
+                     *(fmt(percentile([g[key] for g in got if g[key] is not None], 0.5)
+                           if any(g[key] is not None for g in got) else None, ".0f")
+                       for key in ("prompt", "cached", "computed"))])
+    print()
+    print(table(["turn", "commit -> first audio s (p50)", "prompt tokens", "read from cache",
+                 "computed"], rows, left=1,
+                title=f"{len(conversations)} conversations of {len(rows)} speech turns "
+                      "(one session each; tokens: vLLM's prefix-cache counters)"))
+    if len(firsts) >= 2 and firsts[1] and firsts[-1]:
+        print(f"turn {len(firsts)} / turn 2 (commit -> first audio): "
+              f"{firsts[-1] / firsts[1]:.2f} (target <= 1.2)")
 
 
 if __name__ == "__main__":

@@ -71,6 +71,7 @@ from _common import (  # noqa: E402
     install_sigterm_as_interrupt,
     make_checkpoint,
     median,
+    system_prompt,
     table,
     venv_bin,
     wait_health,
@@ -202,21 +203,6 @@ def _profiled_trial(server: Server, url: str, model: str, args, out: Path) -> No
     print(f"{out.name} profiled trial: {rate:.1f} req/s", flush=True)
     for what, (path, _) in spies.items():
         print(f" {what} ({path}):", *profile_summary(path), sep="\n", flush=True)
-
-
-def system_prompt(ckpt: Path, tokens: int) -> str:
-    """A system message of at least ``tokens`` tokens of ``ckpt``'s tokenizer (a sentence
-    repeated); empty for 0."""
-    from transformers import AutoTokenizer
-
-    if tokens <= 0:
-        return ""
-    tokenizer = AutoTokenizer.from_pretrained(ckpt)
-    sentence = "You are a helpful assistant who answers questions about the weather. "
-    text = sentence
-    while len(tokenizer(text)["input_ids"]) < tokens:
-        text += sentence
-    return text
 
 
 def start(name: str, ckpt: Path, args, logdir: Path, phase: int) -> tuple[Server, str]:
