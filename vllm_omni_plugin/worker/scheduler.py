@@ -24,11 +24,15 @@ keep skipping the cache.
 from __future__ import annotations
 
 import functools
+import time
 
 from vllm_omni_plugin.logger import init_logger
 from vllm_omni_plugin.worker.row_cache import RowBlockIndex, publishes_rows, row_cache_blocks
 
 logger = init_logger(__name__)
+
+#: Seconds between the row cache's log lines (at most; only while it changes)
+REPORT_INTERVAL_S = 60.0
 
 
 class OmniSchedulerMixin:
@@ -37,6 +41,8 @@ class OmniSchedulerMixin:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.omni_rows: RowBlockIndex | None = None
+        self._omni_hit_blocks = 0  # blocks hit since the last log line
+        self._omni_reported = 0.0  # time.monotonic() of the last log line
         config = self.vllm_config
         blocks = row_cache_blocks(config)
         if not blocks or len(self.kv_cache_config.kv_cache_groups) != 1 \
@@ -60,10 +66,21 @@ class OmniSchedulerMixin:
                 or getattr(params, "prompt_logprob_token_ids", None) is not None)
 
     def schedule(self, *args, **kwargs):
-        """vLLM's step, then the row index updated from it."""
+        """vLLM's step, then the row index updated from it; every
+        :data:`REPORT_INTERVAL_S` at most, a log line of what the row cache holds and the
+        blocks requests publishing rows read from it since the last one."""
         out = super().schedule(*args, **kwargs)
-        if self.omni_rows is not None:
-            self.omni_rows.update(out)
+        rows = self.omni_rows
+        if rows is not None:
+            step = rows.update(out)
+            self._omni_hit_blocks += sum(len(blocks) for blocks in step.hits.values())
+            now = time.monotonic()
+            if now - self._omni_reported >= REPORT_INTERVAL_S and (
+                    self._omni_hit_blocks or step.filled):
+                logger.info("row cache: %d of %d KV blocks' rows held; %d blocks read by "
+                            "requests publishing rows since the last report", len(rows.held),
+                            rows.max_blocks, self._omni_hit_blocks)
+                self._omni_reported, self._omni_hit_blocks = now, 0
         return out
 
     def _rows_held(self, lookup):
