@@ -4,7 +4,7 @@ vLLM's prefix cache, the skipped positions' rows from the thinker's row cache).
 One ``vllm serve CKPT --stage-configs-path qwen3_omni_moe`` on the tiny Qwen3-Omni
 checkpoint (talker capped at ``--talker-frames``). Every chat is streamed, asks for text
 and audio, and starts with the same system message of ``--system-prompt-tokens`` tokens
-followed by a short user turn of its own. A **cold** chat carries a ``cache_salt`` of its
+followed by a user turn of its own (never seen before). A **cold** chat carries a ``cache_salt`` of its
 own (vLLM's request field: its blocks hash apart from every other request's), so it
 computes its whole prompt; a **warm** chat carries the shared salt, so the system
 message's blocks are read from the cache once the first warm chat computed them. Chats
@@ -78,7 +78,7 @@ def main() -> int:
     ckpt, argv, env, url = audio_pipeline_serve(args, tmp)
     system = system_prompt(ckpt, args.system_prompt_tokens)
 
-    def body(i: int, salt: str) -> dict:
+    def body(i: str, salt: str) -> dict:
         return {"model": str(ckpt), "max_tokens": args.max_tokens, "temperature": 0,
                 "stream": True, "modalities": ["text", "audio"],
                 "audio": {"format": "pcm16"}, "cache_salt": salt,
@@ -89,13 +89,13 @@ def main() -> int:
     with Server(argv, env, tmp / "serve.log") as server:
         ready = wait_health(server, f"{url}/health", timeout=args.timeout)
         print(f"server ready in {ready:.1f} s (log {tmp / 'serve.log'})", flush=True)
-        asyncio.run(_chat(url, body(-1, "shared")))  # warm-up; the shared prefix computed
+        asyncio.run(_chat(url, body("warm-up", "shared")))  # the shared prefix computed
         for trial in range(args.trials):
             got: dict[str, list[dict]] = {"cold": [], "warm": []}
             for i in range(args.requests):
                 for kind in ("cold", "warm"):
                     salt = f"cold-{trial}-{i}" if kind == "cold" else "shared"
-                    got[kind].append(asyncio.run(_chat(url, body(i, salt))))
+                    got[kind].append(asyncio.run(_chat(url, body(f"{trial}.{i}", salt))))
             for kind, chats in got.items():
                 seen[kind].extend(chats)
                 print(f"trial {trial + 1}, {kind}: first audio p50 "
