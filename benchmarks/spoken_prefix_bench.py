@@ -4,8 +4,9 @@ vLLM's prefix cache, the skipped positions' rows from the thinker's row cache).
 One ``vllm serve CKPT --stage-configs-path qwen3_omni_moe`` on the tiny Qwen3-Omni
 checkpoint (talker capped at ``--talker-frames``). Every chat is streamed, asks for text
 and audio, and starts with the same system message of ``--system-prompt-tokens`` tokens
-followed by a user turn of its own (never seen before). A **cold** chat carries a ``cache_salt`` of its
-own (vLLM's request field: its blocks hash apart from every other request's), so it
+followed by a user turn of its own (never seen before). A **cold** chat carries a
+``cache_salt`` of its own (vLLM's request field: its blocks hash apart from every other
+request's), so it
 computes its whole prompt; a **warm** chat carries the shared salt, so the system
 message's blocks are read from the cache once the first warm chat computed them. Chats
 run one at a time, cold and warm alternating, ``--requests`` of each per trial.
