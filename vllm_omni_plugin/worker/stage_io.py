@@ -340,8 +340,8 @@ class StageIO:
         requests_of = getattr(model, "stage_output_requests", None)
         outputs = None if rows_of is None and requests_of is None else (
             rows_of() if rows_of else {}, requests_of() if requests_of else {})
-        # (req id, tracked, its rows [begin, end) of the step's, the first of them not
-        # published before (a recompute after preemption), first fed position, its
+        # (req id, tracked, its first row in the step's, how many of its rows were
+        # published before (a recompute after preemption), its first fed position, its
         # scheduled tokens); a failed request's rows still go to the row cache
         publishing, offset = [], 0
         for req_id in batch_req_ids:
@@ -351,7 +351,7 @@ class StageIO:
                     not tracked.failed or self.rows is not None):
                 start = self._computed[req_id]
                 skip = min(n, max(0, tracked.published - start))
-                publishing.append((req_id, tracked, offset, offset + n, skip, start, n))
+                publishing.append((req_id, tracked, offset, skip, start, n))
             offset += n
         if not publishing:
             return
@@ -363,12 +363,13 @@ class StageIO:
                     self.fail(req_id, tracked, error)
             return
         rows, per_request = outputs
+        # the row cache keeps every computed row; the payload, the rows not published yet
         keeping = self.rows is not None and bool(rows)
-        on_host = _rows_on_host(rows, [(p[2] + (0 if keeping else p[4]), p[3])
-                                       for p in publishing])
+        on_host = _rows_on_host(rows, [(row if keeping else row + skip, row + n)
+                                       for _, _, row, skip, _, n in publishing])
         once = getattr(model, "stage_output_once", None)
         chunks, first = {}, 0  # out key -> its chunk; the request's first row in on_host
-        for req_id, tracked, _begin, _end, skip, start, n in publishing:
+        for req_id, tracked, _, skip, start, n in publishing:
             if keeping:
                 computed = {name: t[first:first + n] for name, t in on_host.items()}
                 self.rows.keep(req_id, start, computed)
