@@ -146,6 +146,18 @@ def test_a_hit_publishes_the_rows_the_request_that_filled_the_blocks_computed(st
     assert not io.tracked("b").failed
 
 
+def test_the_worker_holds_the_rows_of_the_blocks_the_index_holds_only(store):
+    """A limit of one block: of the two blocks a request fills in one step, the index
+    keeps the second, and the worker stores that one's rows only."""
+    io, model = _io(store, max_blocks=1), _Model()
+    store.create("ka")
+    _step_of(io, model, _step(new=[_new("a", [1, 2, 3], out="ka")], scheduled={"a": 8}),
+             ["a"], range(8))
+    assert list(io.rows.index.held) == [2] and list(io.rows._blocks) == [2]
+    assert io.rows._blocks[2]["embed"].flatten().tolist() == [4, 5, 6, 7]
+    assert io.rows.bytes == 4 * 4
+
+
 def test_a_hit_on_blocks_the_worker_lacks_fails_that_request_only(store, caplog):
     """The scheduler's index and the worker's out of step (a bug): the request that hit
     fails with an error naming the blocks; the others go on."""

@@ -243,8 +243,8 @@ class RowCache:
                    for name, t in rows.items()}
         size = self.index.block_size
         for owner, k, block_id in self.step.filled:
-            if owner != req_id or k * size < first:
-                continue
+            if owner != req_id or k * size < first or block_id not in self.index.held:
+                continue  # (not held: evicted in the step that filled it)
             at = k * size - first
             self._free(block_id)
             block = {name: t[at:at + size].clone() for name, t in pending.items()}
