@@ -158,6 +158,20 @@ def test_the_worker_holds_the_rows_of_the_blocks_the_index_holds_only(store):
     assert io.rows.bytes == 4 * 4
 
 
+def test_a_block_filled_over_decode_steps_gets_the_rows_of_each(store):
+    """A 6-token prompt fills block 1 and leaves positions 4-5 waiting; two decode steps
+    (positions 6, 7) fill block 2 with the rows of all three steps, in order."""
+    io, model = _io(store), _Model()
+    store.create("ka")
+    _step_of(io, model, _step(new=[_new("a", [1, 2], out="ka")], scheduled={"a": 6}),
+             ["a"], range(6))
+    for position in (6, 7):
+        _step_of(io, model, _step(cached=[("a", position, None)], scheduled={"a": 1}),
+                 ["a"], range(position, position + 1))
+    assert io.rows._blocks[2]["embed"].flatten().tolist() == [4, 5, 6, 7]
+    assert store.get("ka")["embed"].flatten().tolist() == list(range(8))
+
+
 def test_a_hit_on_blocks_the_worker_lacks_fails_that_request_only(store, caplog):
     """The scheduler's index and the worker's out of step (a bug): the request that hit
     fails with an error naming the blocks; the others go on."""

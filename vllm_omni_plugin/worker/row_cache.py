@@ -203,8 +203,8 @@ class RowCache:
         self.index = index
         self.step = StepBlocks()
         self._blocks: dict[int, dict[str, torch.Tensor]] = {}
-        #: request id -> (position of its first pending row, {name: rows})
-        self._pending: dict[str, tuple[int, dict[str, torch.Tensor]]] = {}
+        #: request id -> (position of its first pending row, its pending rows as they came)
+        self._pending: dict[str, tuple[int, list[dict[str, torch.Tensor]]]] = {}
         #: bytes of the rows held
         self.bytes = 0
 
@@ -235,25 +235,30 @@ class RowCache:
     def keep(self, req_id: str, start: int, rows: dict[str, torch.Tensor]) -> None:
         """The rows a publishing request computed this step: ``{name: [n, ...]}`` host
         tensors of any dtype, the rows of positions ``start`` to ``start + n - 1``; the
-        blocks the step fills get theirs (``[block_size, ...]`` copies)."""
-        first, pending = self._pending.get(req_id, (start, {}))
-        if first + _length(pending) != start:  # recomputed from elsewhere (a resume)
-            first, pending = start, {}
-        pending = {name: torch.cat([pending[name], t]) if name in pending else t
-                   for name, t in rows.items()}
+        blocks the step fills get theirs (``[block_size, ...]`` copies). Rows short of a
+        block wait as they came (joined once their block fills, not at every step)."""
+        first, pieces = self._pending.get(req_id, (start, []))
+        if first + sum(_length(p) for p in pieces) != start:  # recomputed (a resume)
+            first, pieces = start, []
+        pieces.append(rows)
         size = self.index.block_size
-        for owner, k, block_id in self.step.filled:
-            if owner != req_id or k * size < first or block_id not in self.index.held:
-                continue  # (not held: evicted in the step that filled it)
-            at = k * size - first
-            self._free(block_id)
-            block = {name: t[at:at + size].clone() for name, t in pending.items()}
-            self._blocks[block_id] = block
-            self.bytes += sum(t.nbytes for t in block.values())
-        end = first + _length(pending)
-        keep_from = max(first, end // size * size)
-        self._pending[req_id] = (keep_from, {name: t[keep_from - first:]
-                                             for name, t in pending.items()})
+        filled = [(k, block_id) for owner, k, block_id in self.step.filled
+                  if owner == req_id and k * size >= first]
+        if filled:
+            joined = {name: torch.cat([p[name] for p in pieces]) for name in rows}
+            for k, block_id in filled:
+                if block_id not in self.index.held:
+                    continue  # evicted in the step that filled it
+                at = k * size - first
+                self._free(block_id)
+                block = {name: t[at:at + size].clone() for name, t in joined.items()}
+                self._blocks[block_id] = block
+                self.bytes += sum(t.nbytes for t in block.values())
+            end = first + _length(joined)
+            keep_from = max(first, end // size * size)
+            first, pieces = keep_from, [{name: t[keep_from - first:]
+                                         for name, t in joined.items()}]
+        self._pending[req_id] = (first, pieces)
 
     def _free(self, block_id: int) -> None:
         block = self._blocks.pop(block_id, None)
