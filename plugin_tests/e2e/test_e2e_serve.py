@@ -505,12 +505,14 @@ def _prefix_cache_hits(server) -> float:
                if name == "vllm:prefix_cache_hits_total")
 
 
-def test_a_repeated_long_prompt_reads_the_prefix_cache_as_text_and_not_as_speech(server):
-    """vLLM's prefix caching on the thinker, as in plain vLLM: the same long prompt
-    (several KV blocks of 128 positions, the CPU build's block size) as text a second
-    time reads its cached blocks and answers the same. As speech it reads none (its rows
-    feed the talker, so it computes every position; with the cache on and no such skip,
-    the worker failed it) and gives the same text and audio both times."""
+def test_a_repeated_long_prompt_reads_the_prefix_cache_as_text_and_as_speech(server):
+    """vLLM's prefix caching on the thinker: the same long prompt (several KV blocks of
+    128 positions, the CPU build's block size) as text a second time reads its cached
+    blocks and answers the same, as in plain vLLM. As speech, the first time reads none
+    (the blocks text computed have no rows for the talker) and computes the prompt again;
+    the second time reads those blocks (the row cache's twins of the text's), and both
+    give the same text and audio. ``/metrics`` then shows the row cache's blocks, bytes
+    and the blocks it handed out."""
     messages = [{"role": "user",
                  "content": " ".join(["tell me a story about the sea and the stars"] * 40)}]
     text = server.chat_body(messages=messages, return_token_ids=True)
@@ -525,12 +527,19 @@ def test_a_repeated_long_prompt_reads_the_prefix_cache_as_text_and_not_as_speech
     assert second.json()["choices"][0]["message"]["content"] == answer
 
     hits = _prefix_cache_hits(server)
-    spoken = [server.chat(server.audio_body(messages=messages)) for _ in range(2)]
-    assert [r.status_code for r in spoken] == [200, 200], spoken[-1].text
-    assert _prefix_cache_hits(server) == hits
-    a, b = (r.json()["choices"][0]["message"] for r in spoken)
+    spoken = server.chat(server.audio_body(messages=messages))
+    assert spoken.status_code == 200, spoken.text
+    assert _prefix_cache_hits(server) == hits  # the text's blocks hold no rows
+    again = server.chat(server.audio_body(messages=messages))
+    assert again.status_code == 200, again.text
+    server.wait_until(lambda: _prefix_cache_hits(server) >= hits + 2 * 128, timeout=30)
+    a, b = (r.json()["choices"][0]["message"] for r in (spoken, again))
     assert a["content"] == b["content"] == answer
     assert a["audio"]["data"] == b["audio"]["data"]
+    server.wait_until(lambda: (server.metric("vllm_omni:row_cache_hit_blocks_total",
+                                             stage=0) or 0) >= 2, timeout=60)
+    assert server.metric("vllm_omni:row_cache_blocks", stage=0) >= 3
+    assert server.metric("vllm_omni:row_cache_bytes", stage=0) > 0
 
 
 def test_parity_with_hf_reference(server):

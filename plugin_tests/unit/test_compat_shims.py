@@ -515,7 +515,7 @@ def test_what_the_row_cache_scheduler_reads_is_where_vllm_keeps_it():
     the index it feeds) read, on every release row: the scheduler's ``kv_cache_manager``,
     ``kv_cache_config`` and ``connector``; ``KVCacheManager.get_computed_blocks``
     (called through the instance attribute the subclass wraps, with the request first,
-    returning the blocks and the hit's tokens first), ``truncate_computed_blocks`` and
+    returning the blocks and the hit's tokens first), ``create_kv_cache_blocks`` and
     ``empty_kv_cache_blocks``; ``KVCacheBlocks.blocks`` of ``KVCacheBlock.block_id``s;
     ``Request``'s
     ``skip_reading_prefix_cache``; and the ``SchedulerOutput`` fields the index is fed."""
@@ -529,7 +529,7 @@ def test_what_the_row_cache_scheduler_reads_is_where_vllm_keeps_it():
     manager = _class("vllm.v1.core.kv_cache_manager", "KVCacheManager")
     lookup = _function(manager, "get_computed_blocks")
     assert ast.unparse(lookup.returns).startswith("tuple[KVCacheBlocks, int")
-    _function(manager, "truncate_computed_blocks")
+    _function(manager, "create_kv_cache_blocks")
     assert "empty_kv_cache_blocks" in _assigned_in_init("vllm.v1.core.kv_cache_manager",
                                                         "KVCacheManager")
     assert "blocks" in _class_fields("vllm.v1.core.kv_cache_manager", "KVCacheBlocks")

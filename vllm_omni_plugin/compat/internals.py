@@ -508,6 +508,25 @@ def mooncake_fail_receives(worker, pull_metas: dict, req_ids: list[str], reason:
     handle(pull_metas, req_ids, reason)
 
 
+def cached_twins(kv_cache_manager, block) -> list:
+    """The cached KV blocks of the scheduler's ``kv_cache_manager`` (a ``KVCacheManager``)
+    holding the same tokens as ``block`` (its block hash), ``block`` included: vLLM keeps
+    a block that fills with an already cached hash beside the first
+    (``BlockHashToBlockMap``: no de-duplication), and its lookup returns the first.
+
+    Reads ``KVCacheManager.block_pool``, ``BlockPool.cached_block_hash_to_block``,
+    ``BlockHashToBlockMap._cache`` (a block, or a dict of them by block id, per key) and
+    ``KVCacheBlock.block_hash`` (the key: the hash with its group id) (vLLM 0.30-0.33).
+    """
+    key = block.block_hash
+    if key is None:
+        return [block]
+    found = kv_cache_manager.block_pool.cached_block_hash_to_block._cache.get(key)
+    if found is None:
+        return [block]
+    return list(found.values()) if isinstance(found, dict) else [found]
+
+
 # -- the index ----------------------------------------------------------------------------
 _ASYNC_LLM = "vllm.v1.engine.async_llm:AsyncLLM"
 _CORE_CLIENT = "vllm.v1.engine.core_client"
@@ -661,6 +680,15 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(f"{_HERE}.gpu_batch_defaults",
              "vllm.engine.arg_utils:EngineArgs.get_batch_defaults", METHOD, ("cls", "world_size")),
     Internal(f"{_HERE}.gpu_batch_defaults", "vllm.engine.arg_utils:current_platform", FUNCTION),
+    # the prefix cache's duplicate blocks, for the row cache's scheduler
+    Internal(f"{_HERE}.cached_twins", "vllm.v1.core.kv_cache_manager:KVCacheManager.block_pool",
+             ATTRIBUTE),
+    Internal(f"{_HERE}.cached_twins",
+             "vllm.v1.core.block_pool:BlockPool.cached_block_hash_to_block", ATTRIBUTE),
+    Internal(f"{_HERE}.cached_twins", "vllm.v1.core.block_pool:BlockHashToBlockMap._cache",
+             ATTRIBUTE),
+    Internal(f"{_HERE}.cached_twins", "vllm.v1.core.kv_cache_utils:KVCacheBlock.block_hash",
+             METHOD, ("self",)),
     # vLLM's Mooncake connector: read here, and overridden by the plugin's subclass
     Internal(f"{_HERE}.mooncake_transfer_engine_available", f"{_MOONCAKE}:TransferEngine",
              FUNCTION),

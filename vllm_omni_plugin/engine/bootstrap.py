@@ -43,6 +43,7 @@ class Head:
     metrics: object  # the /metrics collector
     supervisors: list = field(default_factory=list)  # LocalReplicaSupervisor each
     entry_watch: object = None  # the entry engine's StallWatch, if probed
+    row_cache: object = None  # the entry engine's RowCacheWatch
     _started: bool = False
 
     def start(self) -> None:
@@ -56,6 +57,8 @@ class Head:
             supervisor.watch(loop)
         if self.entry_watch is not None:
             self.entry_watch.start()
+        if self.row_cache is not None:
+            self.row_cache.start()
         self.cluster.start(self.pools)
 
     def shutdown(self) -> None:
@@ -67,6 +70,8 @@ class Head:
         unregister_collector(self.metrics)
         if self.entry_watch is not None:
             self.entry_watch.stop()
+        if self.row_cache is not None:
+            self.row_cache.stop()
         for supervisor in self.supervisors:
             supervisor.close()
         self.cluster.close()
@@ -145,7 +150,7 @@ def build_head(entry_client, vllm_config, settings: OmniSettings, cluster) -> He
     from vllm_omni_plugin.processors.registry import get_processor
     from vllm_omni_plugin.replicas.engines import start_stage_engine
     from vllm_omni_plugin.replicas.liveness import StallWatch, stall_timeout_of
-    from vllm_omni_plugin.replicas.metrics import register_collector
+    from vllm_omni_plugin.replicas.metrics import RowCacheWatch, register_collector
     from vllm_omni_plugin.replicas.pool import StagePool
     from vllm_omni_plugin.replicas.replica import LocalReplica
     from vllm_omni_plugin.replicas.supervisor import LocalReplicaSupervisor
@@ -218,11 +223,15 @@ def build_head(entry_client, vllm_config, settings: OmniSettings, cluster) -> He
                                                reason),
         busy=entry_client.get_num_unfinished_requests) \
         if entry_timeout > 0 else None
+    row_cache = RowCacheWatch(entry_client, entry.stage_id) \
+        if vllm_config.cache_config.enable_prefix_caching and settings.row_cache_bytes \
+        else None
     head = Head(settings=settings, pipeline=pipeline, store=store, cluster=cluster,
                 pools=pools, admission=admission, orchestrator=orchestrator,
-                metrics=register_collector(pools, admission, insecure=conf.insecure),
+                metrics=register_collector(pools, admission, insecure=conf.insecure,
+                                           row_cache=row_cache),
                 supervisors=supervisors,
-                entry_watch=entry_watch)
+                entry_watch=entry_watch, row_cache=row_cache)
     try:
         asyncio.get_running_loop()
     except RuntimeError:

@@ -27,11 +27,70 @@ are read from the stage pools at scrape time:
   (counter): requests waiting for admission, and refused with HTTP 429.
 * ``vllm_omni:cluster_insecure`` (gauge): 1 when the head's omni master and coordinator
   listen on a network address without a cluster token (``--omni-cluster-insecure``).
+* ``vllm_omni:row_cache_blocks{stage}``, ``vllm_omni:row_cache_bytes{stage}`` (gauges) and
+  ``vllm_omni:row_cache_hit_blocks_total{stage}`` (counter): the head's entry engine's
+  row cache (:mod:`~vllm_omni_plugin.worker.row_cache`): KV blocks whose rows it holds,
+  their bytes, and the blocks handed to spoken requests that hit the prefix cache; read
+  every :data:`ROW_CACHE_POLL_S` by :class:`RowCacheWatch` (absent where the engine keeps
+  none).
 """
 
 from __future__ import annotations
 
+import asyncio
+
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from vllm_omni_plugin.logger import init_logger
+
+logger = init_logger(__name__)
+
+#: Seconds between two reads of the entry engine's row cache counts
+ROW_CACHE_POLL_S = 10.0
+
+
+class RowCacheWatch:
+    """Reads the entry engine's row cache counts every :data:`ROW_CACHE_POLL_S` (through
+    vLLM's ``collective_rpc`` of the worker's ``omni_row_cache_stats``), for the
+    collector to show; stops reading where no worker keeps a row cache.
+
+    Args:
+        engine: the head's entry engine (an ``AsyncLLM``).
+        stage_id: its stage.
+    """
+
+    def __init__(self, engine, stage_id: int) -> None:
+        self.engine = engine
+        self.stage_id = stage_id
+        #: the last counts read (:meth:`RowCache.stats`), None before the first
+        self.stats: dict[str, int] | None = None
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Start reading (needs the running event loop)."""
+        self._task = asyncio.get_running_loop().create_task(self._poll())
+
+    def stop(self) -> None:
+        """Stop reading (idempotent)."""
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    async def _poll(self) -> None:
+        while True:
+            try:
+                answers = await asyncio.wait_for(
+                    self.engine.collective_rpc("omni_row_cache_stats"), ROW_CACHE_POLL_S)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the engine restarting or gone: try again later
+                logger.debug("row cache counts of stage %d not read: %s", self.stage_id, exc)
+            else:
+                kept = [a for a in answers if a]
+                if not kept:
+                    return  # no worker keeps a row cache
+                self.stats = kept[0]
+            await asyncio.sleep(ROW_CACHE_POLL_S)
 
 STATUSES = ("up", "starting", "error", "down")
 
@@ -39,10 +98,12 @@ STATUSES = ("up", "starting", "error", "down")
 class PoolCollector:
     """Reads one head's stage pools and admission gate at scrape time."""
 
-    def __init__(self, pools: dict, gate=None, insecure: bool = False) -> None:
+    def __init__(self, pools: dict, gate=None, insecure: bool = False,
+                 row_cache: RowCacheWatch | None = None) -> None:
         self.pools = pools
         self.gate = gate
         self.insecure = insecure
+        self.row_cache = row_cache
 
     def collect(self):
         """The metric families listed in the module docstring, with the current values of the
@@ -109,16 +170,36 @@ class PoolCollector:
                     status.add_metric([*values, name], float(replica.status == name))
         yield from (total, running, queue, status, resub, failed, restarts, stalls,
                     in_flight, bound, waiting, refused, insecure)
+        yield from self._row_cache()
+
+    def _row_cache(self):
+        watch = self.row_cache
+        stats = watch.stats if watch is not None else None
+        if stats is None:
+            return
+        stage = [str(watch.stage_id)]
+        for name, kind, doc, key in (
+                ("row_cache_blocks", GaugeMetricFamily,
+                 "KV blocks whose rows the entry engine's row cache holds.", "blocks"),
+                ("row_cache_bytes", GaugeMetricFamily,
+                 "Bytes of rows the entry engine's row cache holds.", "bytes"),
+                ("row_cache_hit_blocks", CounterMetricFamily,
+                 "KV blocks whose rows were handed to requests that hit the prefix cache.",
+                 "hit_blocks")):
+            family = kind(f"vllm_omni:{name}", doc, labels=["stage"])
+            family.add_metric(stage, stats[key])
+            yield family
 
 
-def register_collector(pools: dict, gate=None, insecure: bool = False) -> PoolCollector:
+def register_collector(pools: dict, gate=None, insecure: bool = False,
+                       row_cache: RowCacheWatch | None = None) -> PoolCollector:
     """Expose ``pools`` (stage id -> StagePool), the admission ``gate`` (an
-    ``AdmissionGate``) and whether the control plane is ``insecure`` in
-    ``prometheus_client``'s default registry, the one vLLM's ``/metrics`` serves; returns
-    the collector for :func:`unregister_collector`."""
+    ``AdmissionGate``), whether the control plane is ``insecure`` and the entry engine's
+    ``row_cache`` counts in ``prometheus_client``'s default registry, the one vLLM's
+    ``/metrics`` serves; returns the collector for :func:`unregister_collector`."""
     from prometheus_client import REGISTRY
 
-    collector = PoolCollector(pools, gate, insecure)
+    collector = PoolCollector(pools, gate, insecure, row_cache)
     REGISTRY.register(collector)
     return collector
 

@@ -141,6 +141,13 @@ class OmniWorkerMixin:
                         "outputs (TP rank 0 of the last PP rank does)", self.omni_io.stage_id,
                         tp.rank_in_group, pp.rank_in_group)
 
+    def omni_row_cache_stats(self) -> dict[str, int] | None:
+        """The row cache's counts (:meth:`~vllm_omni_plugin.worker.row_cache.RowCache.
+        stats`), None on a worker without one; what the head's ``/metrics`` reads, through
+        vLLM's ``collective_rpc``."""
+        rows = self.omni_io.rows
+        return rows.stats() if rows is not None else None
+
     def determine_available_memory(self):
         """vLLM's memory profile (its profiling forward: ``profile_run``), with
         ``stage_profiling`` set on a stage model that has it (see the module docstring).

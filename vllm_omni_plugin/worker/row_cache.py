@@ -207,6 +207,8 @@ class RowCache:
         self._pending: dict[str, tuple[int, list[dict[str, torch.Tensor]]]] = {}
         #: bytes of the rows held
         self.bytes = 0
+        #: blocks whose rows requests that hit the prefix cache were given, in all
+        self.hit_blocks = 0
 
     def begin_step(self, out) -> dict[str, dict[str, torch.Tensor] | Exception]:
         """Apply the step's ``SchedulerOutput`` to the index; the rows of each new hit by
@@ -230,7 +232,14 @@ class RowCache:
                 continue
             blocks = [self._blocks[b] for b in block_ids]
             hits[req_id] = {name: torch.cat([b[name] for b in blocks]) for name in blocks[0]}
+            self.hit_blocks += len(blocks)
         return hits
+
+    def stats(self) -> dict[str, int]:
+        """What the cache holds: ``blocks`` (and ``max_blocks``), ``bytes`` of rows, and
+        ``hit_blocks``, the blocks handed to requests that hit the cache so far."""
+        return {"blocks": len(self._blocks), "max_blocks": self.index.max_blocks,
+                "bytes": self.bytes, "hit_blocks": self.hit_blocks}
 
     def keep(self, req_id: str, start: int, rows: dict[str, torch.Tensor]) -> None:
         """The rows a publishing request computed this step: ``{name: [n, ...]}`` host

@@ -11,9 +11,11 @@ a subclass of the scheduler vLLM would use, ``AsyncScheduler`` under async sched
   plugin's orchestrator marks such requests ``skip_reading_prefix_cache`` (their rows
   map one to one to the positions they compute); here the mark goes back to vLLM's own
   rule (only prompt logprobs skip the cache);
-* cuts such a request's hit (vLLM's ``KVCacheManager.get_computed_blocks``) to the
-  blocks whose rows the publishing worker holds (:mod:`~vllm_omni_plugin.worker.row_cache`):
-  the worker publishes those rows for the positions the hit skips;
+* keeps such a request's hit (vLLM's ``KVCacheManager.get_computed_blocks``) on blocks
+  whose rows the publishing worker holds (:mod:`~vllm_omni_plugin.worker.row_cache`),
+  taking a cached twin of a block vLLM found without rows (the same tokens, computed
+  again by a request that published them: vLLM keeps both) and ending the hit where
+  there is none; the worker publishes the rows for the positions the hit skips;
 * keeps the index of those blocks from every ``SchedulerOutput`` it hands the workers.
 
 Where it cannot (prefix caching off, a KV connector, more than one KV cache group, a row
@@ -26,6 +28,7 @@ from __future__ import annotations
 import functools
 import time
 
+from vllm_omni_plugin.compat.internals import cached_twins
 from vllm_omni_plugin.logger import init_logger
 from vllm_omni_plugin.worker.row_cache import RowBlockIndex, publishes_rows, row_cache_blocks
 
@@ -84,20 +87,32 @@ class OmniSchedulerMixin:
         return out
 
     def _rows_held(self, lookup):
-        """``get_computed_blocks`` whose hit, for a request that publishes rows, ends at the
-        first block whose rows are not held."""
+        """``get_computed_blocks`` whose hit, for a request that publishes rows, runs over
+        blocks whose rows are held: where vLLM found a block without rows, a cached twin
+        of it (the same tokens, filled by a request that published rows) takes its place
+        (:func:`~vllm_omni_plugin.compat.internals.cached_twins`); the hit ends at the
+        first block with neither."""
         rows, manager = self.omni_rows, self.kv_cache_manager
 
         def get_computed_blocks(request, *args, **kwargs):
             blocks, hit_tokens, *rest = lookup(request, *args, **kwargs)
             if not hit_tokens or not publishes_rows(request.sampling_params):
                 return (blocks, hit_tokens, *rest)
-            held = rows.held_prefix([block.block_id for block in blocks.blocks[0]])
-            if held * rows.block_size >= hit_tokens:
+            found = list(blocks.blocks[0])
+            chosen = []
+            for block in found:
+                if block.block_id not in rows.held:
+                    block = next((twin for twin in cached_twins(manager, block)
+                                  if twin.block_id in rows.held), None)
+                    if block is None:
+                        break
+                chosen.append(block)
+            if chosen == found:
                 return (blocks, hit_tokens, *rest)
-            cut = manager.truncate_computed_blocks(blocks, held * rows.block_size) \
-                if held else manager.empty_kv_cache_blocks
-            return (cut, held * rows.block_size, *(0 for _ in rest))
+            cut = manager.create_kv_cache_blocks((chosen,)) if chosen \
+                else manager.empty_kv_cache_blocks
+            tokens = len(chosen) * rows.block_size
+            return (cut, tokens, *(r if tokens == hit_tokens else 0 for r in rest))
 
         return get_computed_blocks
 
