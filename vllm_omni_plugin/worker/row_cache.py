@@ -11,7 +11,7 @@ same ``SchedulerOutput`` of every step, so they agree without talking:
 
 * in the EngineCore, :class:`~vllm_omni_plugin.worker.scheduler.OmniScheduler` lets a
   publishing request's prefix-cache hit cover only blocks whose rows are held (vLLM's
-  own lookup, ``KVCacheManager.get_computed_blocks``, cut to that prefix);
+  own lookup, ``KVCacheManager.get_computed_blocks``, kept on such blocks or cut);
 * in the publishing worker, :class:`RowCache` holds the rows themselves and hands a
   request that hit the cache the rows of its hit blocks (:mod:`.stage_io` publishes them
   before the rows it computes).
@@ -21,8 +21,8 @@ hit, a running request's added blocks, a resumed request's blocks past its hit) 
 rows, as its KV is about to be rewritten; a block whose last position a publishing
 request computes in a step gains them; a hit refreshes its blocks' recency; past
 ``max_blocks`` the least recently used block loses its rows. A request whose KV comes
-from elsewhere (a KV connector) is never scheduled on an engine that uses this: the
-scheduler turns it off where a connector is configured.
+from elsewhere (a KV connector) is never scheduled on an engine that uses this: the row
+cache is off where a connector is configured (:func:`row_cache_blocks`).
 
 Why blocks and not vLLM's block hashes: a hit names the physical blocks whose KV it
 reuses, and a block's rows are valid exactly as long as its KV is, so the block id is
