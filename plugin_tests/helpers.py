@@ -233,3 +233,26 @@ def ci_matrix() -> list[tuple[str, str, str]]:
         kinds.setdefault((release, build or "cpu"), []).extend(row.split(","))
     return [(release, build, ", ".join(kinds[release, build]))
             for release, build in sorted(kinds, key=lambda k: Version(k[0]))]
+
+
+class RowsModel:
+    """A stage model's outputs for the worker's payload channel, scripted: each
+    :meth:`forward` keeps ``embed`` rows ``[n, 1]`` (float32) holding the values of the
+    ranges it is given (the rows' positions, or their indexes in the step), so slicing
+    and ordering are visible; ``tts_embed`` ``[3, 1]`` once per request."""
+
+    def __init__(self):
+        self.rows = {}
+
+    def forward(self, *positions: range):
+        import torch
+
+        self.rows = {"embed": torch.tensor([float(p) for r in positions for p in r])[:, None]}
+
+    def stage_output_rows(self):
+        return self.rows
+
+    def stage_output_once(self):
+        import torch
+
+        return {"tts_embed": torch.ones(3, 1)}

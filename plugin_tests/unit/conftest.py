@@ -1,4 +1,4 @@
-"""Fixtures of the unit tests' control-plane sockets."""
+"""Fixtures of the unit tests: their control-plane sockets, and a payload store."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
+from vllm_omni_plugin.payload_store import PayloadStore
 from vllm_omni_plugin.wire.auth import CLUSTER_TOKEN_ENV
 
 
@@ -22,3 +23,9 @@ def zctx() -> Iterator[zmq.Context]:
     ctx = zmq.Context()
     yield ctx
     ctx.destroy(linger=0)
+
+
+@pytest.fixture
+def store(tmp_path) -> PayloadStore:
+    """A payload store of the test's own (the worker's payload channel tests)."""
+    return PayloadStore(str(tmp_path / "payloads"))

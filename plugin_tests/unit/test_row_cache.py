@@ -8,11 +8,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
-import torch
-
+from plugin_tests.helpers import RowsModel
 from vllm_omni_plugin.extra_args import PAYLOAD
-from vllm_omni_plugin.payload_store import PayloadStore
 from vllm_omni_plugin.worker.row_cache import RowBlockIndex, RowCache, publishes_rows
 from vllm_omni_plugin.worker.stage_io import StageIO
 
@@ -91,27 +88,6 @@ def test_a_preempted_request_fills_its_new_blocks_once_resumed():
     assert step.hits == {"a": [1]} and step.filled == [("a", 1, 7), ("a", 2, 8)]
 
 
-class _Model:
-    """Rows ``[n, 1]`` holding each row's position, plus a fixed ``tts_embed``."""
-
-    def __init__(self):
-        self.rows = {}
-
-    def forward(self, *positions: range):
-        self.rows = {"embed": torch.tensor([float(p) for r in positions for p in r])[:, None]}
-
-    def stage_output_rows(self):
-        return self.rows
-
-    def stage_output_once(self):
-        return {"tts_embed": torch.ones(3, 1)}
-
-
-@pytest.fixture
-def store(tmp_path):
-    return PayloadStore(str(tmp_path / "payloads"))
-
-
 def _io(store, max_blocks=10) -> StageIO:
     io = StageIO(0, store)
     io.rows = RowCache(RowBlockIndex(SIZE, max_blocks))
@@ -128,13 +104,13 @@ def test_a_hit_publishes_the_rows_the_request_that_filled_the_blocks_computed(st
     """Request ``a`` computes 10 positions (two full blocks); ``b`` hits both and computes
     2 more: its payload holds ``a``'s rows of positions 0-7, then its own, with the
     ``tts_embed`` once; the worker keeps the rows of ``a``'s blocks only."""
-    io, model = _io(store), _Model()
+    io, model = _io(store), RowsModel()
     for key in ("ka", "kb"):
         store.create(key)
     _step_of(io, model, _step(new=[_new("a", [1, 2, 3], out="ka")], scheduled={"a": 10}),
              ["a"], range(10))
     assert io.rows.bytes == 8 * 4
-    model_b = _Model()
+    model_b = RowsModel()
     step = _step(new=[_new("b", [1, 2, 4], computed=8, out="kb")],
                  cached=[("a", 10, None)], scheduled={"a": 1, "b": 2})
     assert io.begin_step(step)
@@ -149,7 +125,7 @@ def test_a_hit_publishes_the_rows_the_request_that_filled_the_blocks_computed(st
 def test_the_worker_holds_the_rows_of_the_blocks_the_index_holds_only(store):
     """A limit of one block: of the two blocks a request fills in one step, the index
     keeps the second, and the worker stores that one's rows only."""
-    io, model = _io(store, max_blocks=1), _Model()
+    io, model = _io(store, max_blocks=1), RowsModel()
     store.create("ka")
     _step_of(io, model, _step(new=[_new("a", [1, 2, 3], out="ka")], scheduled={"a": 8}),
              ["a"], range(8))
@@ -161,7 +137,7 @@ def test_the_worker_holds_the_rows_of_the_blocks_the_index_holds_only(store):
 def test_a_block_filled_over_decode_steps_gets_the_rows_of_each(store):
     """A 6-token prompt fills block 1 and leaves positions 4-5 waiting; two decode steps
     (positions 6, 7) fill block 2 with the rows of all three steps, in order."""
-    io, model = _io(store), _Model()
+    io, model = _io(store), RowsModel()
     store.create("ka")
     _step_of(io, model, _step(new=[_new("a", [1, 2], out="ka")], scheduled={"a": 6}),
              ["a"], range(6))
@@ -175,7 +151,7 @@ def test_a_block_filled_over_decode_steps_gets_the_rows_of_each(store):
 def test_a_hit_on_blocks_the_worker_lacks_fails_that_request_only(store, caplog):
     """The scheduler's index and the worker's out of step (a bug): the request that hit
     fails with an error naming the blocks; the others go on."""
-    io, model = _io(store), _Model()
+    io, model = _io(store), RowsModel()
     for key in ("ka", "kb"):
         store.create(key)
     _step_of(io, model, _step(new=[_new("a", [1, 2], out="ka")], scheduled={"a": 8}),

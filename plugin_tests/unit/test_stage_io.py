@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from plugin_tests.helpers import RowsModel
 from vllm_omni_plugin.compat.model_runner import batch_req_ids, watch_step
 from vllm_omni_plugin.extra_args import PAYLOAD
-from vllm_omni_plugin.payload_store import PayloadStore
 from vllm_omni_plugin.worker.omni_worker import check_graph_mode
 from vllm_omni_plugin.worker.stage_io import ScheduledRequest, StageIO, StageStep, keep_rows
 
@@ -40,38 +40,17 @@ def _step(new=(), cached=(), scheduled=None, finished=()):
         total_num_scheduled_tokens=sum((scheduled or {}).values()))
 
 
-class _Model:
-    """Rows ``[n, 1]`` holding each row's global index, so slicing is visible."""
-
-    def __init__(self):
-        self.rows = {}
-
-    def forward(self, n: int):
-        self.rows = {"embed": torch.arange(n, dtype=torch.float32)[:, None]}
-
-    def stage_output_rows(self):
-        return self.rows
-
-    def stage_output_once(self):
-        return {"tts_embed": torch.ones(3, 1)}
-
-
-@pytest.fixture
-def store(tmp_path):
-    return PayloadStore(str(tmp_path / "payloads"))
-
-
 def _out(store, key):
     store.create(key)
     return {PAYLOAD: {"out": key, "err": key + ".err"}}
 
 
 def test_rows_follow_the_runner_order_and_skip_plain_requests(store):
-    io, model = StageIO(0, store), _Model()
+    io, model = StageIO(0, store), RowsModel()
     step = _step(new=[_new("a", _out(store, "ka")), _new("plain"), _new("b", _out(store, "kb"))],
                  scheduled={"a": 3, "plain": 2, "b": 4})
     assert io.begin_step(step)
-    model.forward(9)
+    model.forward(range(9))
     io.publish(model, ["b", "plain", "a"], step)  # the runner's row order
     assert store.get("kb")["embed"].flatten().tolist() == [0, 1, 2, 3]
     assert store.get("ka")["embed"].flatten().tolist() == [6, 7, 8]
@@ -79,7 +58,7 @@ def test_rows_follow_the_runner_order_and_skip_plain_requests(store):
     # a decode step: one row each, no second tts_embed
     step = _step(cached=[("a", 3), ("b", 4), ("plain", 2)], scheduled={"a": 1, "b": 1, "plain": 1})
     assert io.begin_step(step)
-    model.forward(3)
+    model.forward(range(3))
     io.publish(model, ["a", "b", "plain"], step)
     assert store.get("ka")["embed"].flatten().tolist() == [6, 7, 8, 0]
     assert store.get("ka")["tts_embed"].shape == (3, 1)
@@ -92,11 +71,11 @@ def test_a_step_publishes_one_file_for_all_its_requests(store):
     the keys are deleted nothing is left."""
     import os
 
-    io, model = StageIO(0, store), _Model()
+    io, model = StageIO(0, store), RowsModel()
     keys = {r: _out(store, f"k{r}") for r in "abc"}
     step = _step(new=[_new(r, keys[r]) for r in "abc"], scheduled=dict.fromkeys("abc", 2))
     io.begin_step(step)
-    model.forward(6)
+    model.forward(range(6))
     io.publish(model, list("abc"), step)
     files = [os.path.join(store.root, f"k{r}", "00000000.st") for r in "abc"]
     assert len({os.stat(f).st_ino for f in files}) == 1
@@ -114,16 +93,16 @@ def test_plain_requests_alone_publish_nothing(store):
 
 
 def test_recompute_after_preemption_publishes_no_row_twice(store):
-    io, model = StageIO(0, store), _Model()
+    io, model = StageIO(0, store), RowsModel()
     step = _step(new=[_new("a", _out(store, "ka"))], scheduled={"a": 5})
     io.begin_step(step)
-    model.forward(5)
+    model.forward(range(5))
     io.publish(model, ["a"], step)
     # preempted, then recomputed from 0 in two chunks of 4, then it goes on
     for computed, n in ((0, 4), (4, 4)):
         step = _step(cached=[("a", computed)], scheduled={"a": n})
         io.begin_step(step)
-        model.forward(n)
+        model.forward(range(n))
         io.publish(model, ["a"], step)
     assert store.get("ka")["embed"].flatten().tolist() == [0, 1, 2, 3, 4, 1, 2, 3]
 
@@ -166,18 +145,18 @@ def test_a_prefilled_request_publishes_only_its_generated_positions(store):
     """A decode-stage request whose prompt KV came from the prefill stage starts at the
     last prompt position; the prefill stage published the prompt's rows (and the
     once-per-request tensors), so this engine publishes from the first generated token."""
-    io, model = StageIO(0, store), _Model()
+    io, model = StageIO(0, store), RowsModel()
     keys = _out(store, "k")
     keys[PAYLOAD]["prefilled"] = True
     step = _step(new=[_new("a", keys, computed=3, prompt_len=4)], scheduled={"a": 1})
     assert io.begin_step(step)
-    model.forward(1)
+    model.forward(range(1))
     io.publish(model, ["a"], step)
     assert store.error("k") is None and store.get("k") == {}
     for computed in (4, 5):  # decode steps feed the generated tokens
         step = _step(cached=[("a", computed)], scheduled={"a": 1})
         io.begin_step(step)
-        model.forward(1)
+        model.forward(range(1))
         io.publish(model, ["a"], step)
     assert store.get("k")["embed"].flatten().tolist() == [0, 0]
     assert "tts_embed" not in store.get("k")
