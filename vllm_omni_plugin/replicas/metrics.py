@@ -45,6 +45,7 @@ from vllm_omni_plugin.logger import init_logger
 
 logger = init_logger(__name__)
 
+STATUSES = ("up", "starting", "error", "down")
 #: Seconds between two reads of the entry engine's row cache counts
 ROW_CACHE_POLL_S = 10.0
 
@@ -81,8 +82,6 @@ class RowCacheWatch:
             try:
                 answers = await asyncio.wait_for(
                     self.engine.collective_rpc("omni_row_cache_stats"), ROW_CACHE_POLL_S)
-            except asyncio.CancelledError:
-                raise
             except Exception as exc:  # the engine restarting or gone: try again later
                 logger.debug("row cache counts of stage %d not read: %s", self.stage_id, exc)
             else:
@@ -91,8 +90,6 @@ class RowCacheWatch:
                     return  # no worker keeps a row cache
                 self.stats = kept[0]
             await asyncio.sleep(ROW_CACHE_POLL_S)
-
-STATUSES = ("up", "starting", "error", "down")
 
 
 class PoolCollector:
