@@ -31,7 +31,11 @@ own or trail HF's top logit by less than the dtype's near-tie gap (``NEAR_TIES``
 the waveform must be HF's decode of the same codes. HF's talker takes no audio prompt,
 so the audio request's thinker tokens alone are compared; media prompt ids must equal
 HF's processor's; the image answer's talker codes are held to a wider near-tie gap in
-float32 (:func:`media_near_ties`).
+float32 (:func:`media_near_ties`). The ``prefix`` scenario's spoken answers (a text, an
+audio and a second audio turn, each after a long system message) are compared with
+themselves: served again, reading the thinker's prefix cache (at least one block), their
+thinker tokens and codes must be the cold run's, the waveform within the dtype's
+rounding (:func:`prefix_problems`).
 
 Each case must also report the modes expected (:data:`EXPECTED_MODES`, checked by
 :func:`mode_problems`): on a GPU every stage on vLLM's V2 model runner with async
@@ -88,7 +92,7 @@ CASES = (Case("fp32", "float32"), Case("bf16", "bfloat16"), Case("tp2", "float32
          Case("bagel", "float32", pipeline="bagel"))
 
 #: the engine script's scenarios a Qwen3-Omni case can serve and compare
-SCENARIOS = ("parity", "streamed", "media")
+SCENARIOS = ("parity", "streamed", "media", "prefix")
 
 #: Max |served - HF's decode of the same codes| of a waveform, per dtype and device.
 #: float32 on the CPU: rounding only (7.5e-8 observed, TP 2). On a GPU, cuDNN's
@@ -248,7 +252,7 @@ def case_yaml(case: Case, root: Path, device: str) -> str:
 def _empty_result(settings: dict) -> dict:
     return {"settings": settings, "answers": 0, "agreed": 0, "choices": 0, "exact": 0,
             "media_choices": 0, "media_exact": 0, "worst": {}, "waveform_err": 0.0,
-            "problems": []}
+            "prefix": {}, "problems": []}
 
 
 def _count(result: dict, name: str, got) -> None:
@@ -266,6 +270,31 @@ def _count(result: dict, name: str, got) -> None:
     result["waveform_err"] = max(result["waveform_err"], got.waveform_err)
     if got.problem:
         result["problems"].append(f"{name}: {got.problem}")
+
+
+def prefix_problems(report: dict, served, atol: float) -> tuple[dict, list[str]]:
+    """The ``prefix`` scenario's answers, warm against cold (``served``: its
+    ``prefix.npz``): ``({case: {"cached": tokens, "waveform_err": max |diff|}}, problems)``;
+    a problem where the warm answer read less than one KV block from the cache or its
+    thinker tokens, codes or waveform (beyond ``atol``) differ from the cold one's."""
+    block = report["settings"]["0"]["block_size"]
+    seen, problems = {}, []
+    for case, runs in report.get("prefix", {}).items():
+        cold, warm = runs["cold"], runs["warm"]
+        err = float(np.abs(served[f"{case}_warm_waveform"]
+                           - served[f"{case}_cold_waveform"]).max())
+        seen[case] = {"cached": warm["cached"], "waveform_err": err}
+        name = f"prefix {case}"
+        if warm["cached"] < block:
+            problems.append(f"{name}: read {warm['cached']} tokens from the prefix cache, "
+                            f"less than a block ({block})")
+        if warm["tokens"] != cold["tokens"]:
+            problems.append(f"{name}: thinker tokens differ from the cold run's")
+        if not np.array_equal(served[f"{case}_warm_codes"], served[f"{case}_cold_codes"]):
+            problems.append(f"{name}: codes differ from the cold run's")
+        elif err > atol:
+            problems.append(f"{name}: waveform differs from the cold run's by {err:.1e}")
+    return seen, problems
 
 
 def _on(inputs: dict, model) -> dict:
@@ -350,7 +379,7 @@ def check_case(case: Case, ckpt: str, root: Path, device: str, scenarios: list[s
 
     out = root / case.name
     out.mkdir()
-    if "media" in scenarios:
+    if "media" in scenarios or "prefix" in scenarios:
         _write_media(out / "media")
     gpu_memory_utilization = "0.25" if device == "cuda" else "0.3"
     yaml_path = case_yaml(case, root, device)
@@ -396,6 +425,9 @@ def check_case(case: Case, ckpt: str, root: Path, device: str, scenarios: list[s
                           **_on(inputs, model))
         _count(result, name, agreement(got["thinker_tokens"], codes, wav, forced, model,
                                        case.dtype, atol, media_near_ties(case.dtype)))
+    if "prefix" in report:
+        result["prefix"], problems = prefix_problems(report, np.load(out / "prefix.npz"), atol)
+        result["problems"].extend(problems)
     return result
 
 
@@ -602,6 +634,10 @@ def render(results: dict, device: str, expected_name: str, environment: dict) ->
                          f"agree with HF; {result['exact']}/{result['choices']} greedy "
                          f"choices HF's own, largest gap to HF's: {worst}; waveform "
                          f"{result['waveform_err']:.1e}")
+            if result.get("prefix"):
+                lines.append("      prefix cache, warm as cold: " + ", ".join(
+                    f"{case} ({seen['cached']} tokens cached, waveform "
+                    f"{seen['waveform_err']:.1e})" for case, seen in result["prefix"].items()))
         for stage, settings in sorted(result["settings"].items(), key=lambda i: int(i[0])):
             lines.append(f"      stage {stage}: {_short(settings)}")
         lines.extend(f"      {problem}" for problem in problems[:5])

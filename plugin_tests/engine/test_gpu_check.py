@@ -2,15 +2,15 @@
 plugin_tests.gpu_check --cpu``) in the cases this host can run: the thinker on tensor
 parallelism 2 (two worker processes, one core each) and the whole pipeline in bfloat16
 (where the CPU computes in it: AVX-512 BF16 or AMX), each on the media requests (an
-image, an audio clip: ``--cases tp2:media bf16:media``), and the tiny BAGEL pipeline (AR,
+image, an audio clip), the bfloat16 one also on spoken answers cold and warm from the
+prefix cache (``--cases tp2:media bf16:media,prefix``), and the tiny BAGEL pipeline (AR,
 then the DiT with CFG) at 64 and 512 px. Every answer is compared with HF transformers
 teacher-forced along it (``pipeline_reference.agreement``); the parity requests (alone
 and 8 at once), which a GPU run serves too, took the dry run's longest minutes here and
 are the float32 pipeline's parity test on every engine row (test_pipeline_engine.py).
-BAGEL's images
-with the CPU's float32 record the GPU run is compared with
+BAGEL's images are compared with the CPU's float32 record the GPU run is compared with
 (``plugin_tests/fixtures/gpu_check/``): this keeps the record current. Each case must
-report the CPU build's modes, and the same reports fail the GPU's expectation. The
+report the CPU build's modes, and the same reports fail the GPU's expectation.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ def dry_run(tmp_path_factory) -> tuple[dict, str]:
     """``(results, report)``: the dry run's JSON results and its printed report."""
     out = tmp_path_factory.mktemp("gpu-check")
     proc = run_process_group(
-        [PYTHON, "-m", "plugin_tests.gpu_check", "--cpu", "--cases", "tp2:media", "bf16:media",
-         "bagel", "--allow-skip", "--json",
+        [PYTHON, "-m", "plugin_tests.gpu_check", "--cpu", "--cases", "tp2:media",
+         "bf16:media,prefix", "bagel", "--allow-skip", "--json",
          str(out / "results.json"), "--out", str(out)],
         timeout=2 * ENGINE_TIMEOUT_S, cwd=REPO, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
@@ -74,7 +74,10 @@ def test_a_tp2_thinker_speaks_as_hf(dry_run):
 def test_a_bf16_pipeline_speaks_as_hf_within_bf16_rounding(dry_run):
     """Every stage in bfloat16, on the media requests: each choice is HF's own (bfloat16
     too) or trails it by less than bfloat16's near-tie gap for media; the waveform is
-    HF's decode of the same codes within bfloat16's rounding."""
+    HF's decode of the same codes within bfloat16's rounding. Its spoken answers after a
+    long system message (a text turn, an audio turn, a second audio turn), served again
+    reading the thinker's prefix cache, are the cold ones (``gpu_check.prefix_problems``:
+    thinker tokens and codes equal, the waveform within bfloat16's rounding)."""
     results, report = dry_run
     result = results["bf16"]
     if "skipped" in result:
@@ -85,6 +88,7 @@ def test_a_bf16_pipeline_speaks_as_hf_within_bf16_rounding(dry_run):
     ties = NEAR_TIES["bfloat16"]
     assert all(result["worst"][kind] <= getattr(ties, kind) for kind in ties._fields)
     assert result["exact"] >= 0.9 * result["choices"], result  # most choices are HF's
+    assert sorted(result["prefix"]) == ["audio", "text", "two_turns"], result["prefix"]
     assert "bf16  ok" in report
 
 

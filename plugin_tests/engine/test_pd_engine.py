@@ -1,13 +1,14 @@
 """Prefill/decode disaggregation between two real vLLM engines through ``OmniMooncakeConnector``.
 
-A child process (``scripts/pd_generate.py``) starts a prefill engine (``kv_producer``) and a
-decode engine (``kv_consumer``) of the thinker stage on vLLM's own worker and model runner,
-with Mooncake's real transfer engine over TCP on loopback. The decode engine's own
-generation (no KV transfer) is the reference; with PD the decode engine computes only the
-last prompt token and pulls the rest of the prompt's KV cache from the prefill engine. Writes
-are limited to a few descriptors per batch, so the connector's batching is exercised too.
-Both engines have the plugin's transfer timeout; after the batches, the same pair goes
-through the failure cases (``scripts/pd_failures.py``), the prefill engine's kill last.
+A child process (``scripts/pd_generate.py``) starts a prefill engine (``kv_producer``, with
+vLLM's prefix caching) and a decode engine (``kv_consumer``) of the thinker stage on vLLM's
+own worker and model runner, with Mooncake's real transfer engine over TCP on loopback.
+The decode engine's own generation (no KV transfer) is the reference; with PD the decode
+engine computes only the last prompt token and pulls the rest of the prompt's KV cache
+from the prefill engine. Writes are limited to a few descriptors per batch, so the
+connector's batching is exercised too. Both engines have the plugin's transfer timeout;
+after the batches, the same pair goes through the failure cases
+(``scripts/pd_failures.py``), the prefill engine's kill last.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ BATCHES = (
     + [{"mode": "pd", "prompts": CONCURRENT, "max_tokens": NEW}]
     + [{"mode": "pd", "prompts": [p], "max_tokens": NEW} for p in ALONE]
     + [{"mode": "pd", "prompts": [ALONE[3]], "prefill_prompts": [OTHER], "max_tokens": NEW}]
+    # the longest prompt again: the prefill engine reads its full blocks from the cache
+    + [{"mode": "pd", "prompts": [ALONE[3]], "max_tokens": NEW}]
 )
 
 #: The transfer timeout both engines get (``omni_plugin_transfer_timeout_s``); vLLM's own
@@ -79,6 +82,8 @@ def pd_run(pd_result):
 
 
 def _split(batches):
+    """``(local, pd, control)``: the batches run locally, the same through PD, and the
+    negative control."""
     n = 1 + len(ALONE)
     return batches[:n], batches[n:2 * n], batches[2 * n]
 
@@ -107,6 +112,21 @@ def test_pd_uses_the_transferred_kv(pd_run):
     assert control["finish"] == ["length"]
     assert len(control["token_ids"][0]) == NEW
     assert control["token_ids"][0] != want
+
+
+@pytest.mark.engine
+def test_pd_prefill_engine_reads_its_prefix_cache_and_sends_those_blocks_too(pd_run):
+    """The prefill engine caches (as the shipped PD pipeline's prefill stage): a prompt it
+    prefilled before is served from its cache (its full blocks), computed cold the first
+    time; the decode engine, pulling the cached blocks with the computed one, generates
+    the tokens of a local prefill."""
+    local, pd, _ = _split(pd_run)
+    warm = pd_run[-1]
+    assert pd[-1]["prefill_cached"] == [0]  # ALONE[3] the first time
+    assert all(c == 0 for c in pd[0]["prefill_cached"]), pd[0]  # random prompts
+    assert warm["prefill_cached"] == [len(ALONE[3]) // BLOCK * BLOCK], warm
+    assert warm["finish"] == ["length"]
+    assert warm["token_ids"] == local[-1]["token_ids"]
 
 
 # -- failures: real processes, the connector's transfer timeout -------------------------

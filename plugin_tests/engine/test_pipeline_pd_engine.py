@@ -3,11 +3,14 @@
 OmniEngineClient: thinker tokens, codec codes and waveforms equal HF's, with the
 thinker's KV cache pulled from the prefill engine and the talker chunked and preempted.
 
-One run of the engine script (:func:`tight_run`) serves both tests; the shipped
-pipeline's tests are in test_pipeline_engine.py (a module of its own, so that `-n 2`
-runs the two pipelines side by side)."""
+One run of the engine script (:func:`tight_run`) serves both parity tests, a second
+(:func:`prefix_run`, the shipped talker) the prefill stage's prefix caching; the
+pipeline's tests without PD are in test_pipeline_engine.py (a module of its own, so that
+`-n 2` runs the two pipelines side by side)."""
 
 from __future__ import annotations
+
+import shutil
 
 import numpy as np
 import pytest
@@ -15,6 +18,7 @@ import pytest
 from plugin_tests.conftest import QWEN3_OMNI_PD_YAML, QWEN3_OMNI_YAML
 from plugin_tests.engine.pipeline_reference import (
     TALKER_MAX_TOKENS,
+    WAVEFORM_ATOL,
     assert_served_equal_hf,
     pipeline_yaml,
     run_script,
@@ -81,3 +85,38 @@ def test_talker_chunked_prefill_and_preemption_keep_parity(tight_run, hf_referen
     assert resumed, "the talker was never preempted"
     served = np.load(out / "served.npz")
     assert_served_equal_hf(report, served, text_reference(report, hf_reference))
+
+
+@pytest.fixture(scope="module")
+def prefix_run(tiny_qwen3_omni, hf_reference, tmp_path_factory):
+    """The prefix-caching scenario (``omni_pipeline.py``: each prompt after a long system
+    message, cold then warm) on the built-in ``qwen3_omni_moe_pd``: ``(report, OUT_DIR)``."""
+    pytest.importorskip("mooncake.engine", reason="the plugin's `pd` extra is not installed")
+    out = tmp_path_factory.mktemp("pipeline-pd-prefix")
+    shutil.copytree(hf_reference.media_dir, out / "media")
+    report, _ = run_script(
+        tiny_qwen3_omni, pipeline_yaml(out, TALKER_MAX_TOKENS, source=QWEN3_OMNI_PD_YAML),
+        out, ("prefix",), env=inductor_env())
+    return report, out
+
+
+def test_the_prefill_stage_reads_its_prefix_cache_for_spoken_answers(prefix_run):
+    """With PD the prefill stage caches: a spoken answer to a text prompt seen before reads
+    at least one block of rows from the prefill stage's row cache (none cold), and its
+    thinker tokens, talker codes and waveform equal the cold run's. Prompts with audio are
+    prefilled by the decode stage itself (not plain token ids), which does not cache: the
+    same answers, no cached block."""
+    report, out = prefix_run
+    arrays = np.load(out / "prefix.npz")
+    for case in ("text", "audio", "two_turns"):
+        seen = report["prefix"][case]
+        cold, warm = seen["cold"], seen["warm"]
+        assert cold["prefill_hit_blocks"] == 0, (case, seen)
+        assert warm["prefill_hit_blocks"] >= (1 if case == "text" else 0), (case, seen)
+        if case != "text":
+            assert warm["prefill_hit_blocks"] == 0 and warm["cached"] == 0, (case, seen)
+        assert warm["tokens"] == cold["tokens"], (case, seen)
+        np.testing.assert_array_equal(arrays[f"{case}_warm_codes"],
+                                      arrays[f"{case}_cold_codes"])
+        np.testing.assert_allclose(arrays[f"{case}_warm_waveform"],
+                                   arrays[f"{case}_cold_waveform"], atol=WAVEFORM_ATOL)

@@ -288,23 +288,25 @@ def test_sampling_param_fields_are_sampling_params_own():
     assert all(hasattr(params, name) for name in fields)
 
 
-def test_prompt_token_ids_of_engine_core_requests_and_engine_inputs():
-    """Token ids of the shapes vLLM's API server hands ``generate``: vLLM's own
-    ``EngineCoreRequest`` (built by keyword from its declared fields) and engine inputs;
-    None with multimodal features or embeddings."""
+def _engine_core_request(**values):
+    """vLLM's own ``EngineCoreRequest``, built by keyword from its declared fields (None for
+    the required ones not in ``values``)."""
     import msgspec
-    import torch
-    from vllm.inputs.engine import tokens_input
     from vllm.v1.engine import EngineCoreRequest
 
     fields = EngineCoreRequest.__struct_fields__
     required = {f: None for f, d in zip(fields, msgspec.structs.fields(EngineCoreRequest),
                                          strict=True) if d.required}
+    return EngineCoreRequest(**{**required, "request_id": "r", "arrival_time": 0.0, **values})
 
-    def request(**values):
-        return EngineCoreRequest(**{**required, "request_id": "r", "arrival_time": 0.0,
-                                    **values})
 
+def test_prompt_token_ids_of_engine_core_requests_and_engine_inputs():
+    """Token ids of the shapes vLLM's API server hands ``generate``: vLLM's own
+    ``EngineCoreRequest`` and engine inputs; None with multimodal features or embeddings."""
+    import torch
+    from vllm.inputs.engine import tokens_input
+
+    request = _engine_core_request
     assert internals.prompt_token_ids_of(request(prompt_token_ids=[1, 2])) == [1, 2]
     assert internals.prompt_token_ids_of(request(prompt_token_ids=[1], mm_features=[1])) is None
     assert internals.prompt_token_ids_of(
@@ -314,6 +316,18 @@ def test_prompt_token_ids_of_engine_core_requests_and_engine_inputs():
     assert internals.prompt_token_ids_of({"prompt_token_ids": [3]}) == [3]
     assert internals.prompt_token_ids_of({"prompt_token_ids": [3],
                                           "multi_modal_data": {"image": 1}}) is None
+
+
+def test_cache_salt_of_engine_core_requests_and_engine_inputs():
+    """The client's ``cache_salt`` where vLLM's API server keeps it: an ``EngineCoreRequest``
+    (the prefill stage of PD must cache under it), engine inputs and prompt mappings."""
+    from vllm.inputs.engine import tokens_input
+
+    request = _engine_core_request(prompt_token_ids=[1], cache_salt="tenant-a")
+    assert internals.cache_salt_of(request) == "tenant-a"
+    assert internals.cache_salt_of(tokens_input([5], cache_salt="tenant-b")) == "tenant-b"
+    assert internals.cache_salt_of(tokens_input([5])) is None
+    assert internals.cache_salt_of({"prompt": "hi", "cache_salt": "c"}) == "c"
 
 
 # -- nothing outside compat/ reads them itself ----------------------------------------------

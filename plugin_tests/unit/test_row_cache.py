@@ -161,3 +161,35 @@ def test_a_hit_on_blocks_the_worker_lacks_fails_that_request_only(store, caplog)
     io.begin_step(step)
     assert io.tracked("b").failed
     assert "hit KV blocks [1] whose rows this worker does not hold" in caplog.text
+
+
+def test_row_cache_size_follows_the_settings_prefix_caching_and_the_kv_role():
+    """Blocks of rows the row cache holds: the settings' bytes over one block's rows; none
+    outside omni mode, with prefix caching off or on a PD decode engine (a KV consumer: its
+    prompts' KV and rows come from the prefill stage), which a prefill engine (a KV
+    producer) is not."""
+    from vllm_omni_plugin.config.settings import OmniSettings
+    from vllm_omni_plugin.worker.row_cache import row_cache_blocks
+
+    class Model:
+        @staticmethod
+        def payload_bytes_per_position(model_config):
+            return 1024
+
+    def config(caching=True, role=None, row_cache_bytes=1 << 20, omni=True):
+        settings = OmniSettings(stage_configs_path="p.yaml", stage_id=0,
+                                row_cache_bytes=row_cache_bytes)
+        transfer = None if role is None else SimpleNamespace(
+            is_kv_consumer=role == "kv_consumer", is_kv_producer=role == "kv_producer")
+        return SimpleNamespace(
+            additional_config=settings.additional_config() if omni else {},
+            cache_config=SimpleNamespace(enable_prefix_caching=caching, block_size=16),
+            kv_transfer_config=transfer, model_config=None)
+
+    assert row_cache_blocks(config(), Model) == (1 << 20) // (16 * 1024)
+    assert row_cache_blocks(config(role="kv_producer"), Model) == 64
+    assert row_cache_blocks(config(role="kv_consumer"), Model) == 0
+    assert row_cache_blocks(config(caching=False), Model) == 0
+    assert row_cache_blocks(config(omni=False), Model) == 0
+    assert row_cache_blocks(config(row_cache_bytes=0), Model) == 0
+    assert row_cache_blocks(config(), object) == 0  # a model that publishes no rows

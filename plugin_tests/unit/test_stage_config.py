@@ -119,14 +119,15 @@ def test_qwen3_omni_pd_config_loads():
     # the same stages as without PD, apart from the pd blocks, the prefill stage, the
     # talker fed while the thinker runs (only without PD), the memory shares (four
     # engines on one GPU) and the thinker's prefix caching and its scheduler for spoken
-    # answers' hits (off on both PD roles: vLLM's Mooncake connector refuses it on the
-    # decode side)
+    # answers' hits (on the prefill role; off on the decode role, whose prompts' KV and
+    # rows come from the prefill stage)
     plain = load_pipeline_config(builtin_pipeline("qwen3_omni_moe"))
     assert plain.stage(1).stream_input and not cfg.stage(1).stream_input
     assert plain.stage(0).engine_args["enable_prefix_caching"]
     assert plain.stage(0).engine_args["scheduler_cls"].endswith(".OmniScheduler")
     assert not cfg.stage(0).engine_args["enable_prefix_caching"]
-    assert not prefill.engine_args["enable_prefix_caching"]
+    assert prefill.engine_args["enable_prefix_caching"]
+    assert prefill.engine_args["scheduler_cls"] == plain.stage(0).engine_args["scheduler_cls"]
 
     def unshared(stage) -> dict:
         dump = stage.model_dump(exclude={"pd", "stream_input"})
@@ -183,8 +184,6 @@ def _pd_fed_talker():
      "takes block_size from its decode stage 0"),
     (_pd(prefill={"engine_args": {"kv_transfer_config": {}}}), _PREFILL,
      "engine_args.kv_transfer_config", "set by the plugin"),
-    (_pd(prefill={"engine_args": {"enable_prefix_caching": True}}), _PREFILL,
-     "engine_args.enable_prefix_caching", "must be false"),
     (_pd(prefill={"final_output": True, "final_output_type": "text"}), _PREFILL,
      "final_output", "no inputs, processor"),
     (_pd(prefill={"kind": "generation"}), _PREFILL, "kind", "differs from decode stage 0"),

@@ -138,6 +138,15 @@ def prompt_token_ids_of(prompt) -> list[int] | None:
     return list(ids)
 
 
+def cache_salt_of(prompt) -> str | None:
+    """The ``cache_salt`` of a prompt in the shapes :func:`prompt_token_ids_of` reads: a
+    mapping's ``cache_salt`` key (vLLM's prompt types and engine inputs) or an
+    ``EngineCoreRequest``'s ``cache_salt`` (vLLM 0.30-0.33); None when it has none."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else getattr(
+        prompt, "cache_salt", None)
+    return salt if isinstance(salt, str) else None
+
+
 def sampling_param_fields() -> tuple[str, ...]:
     """The field names of ``vllm.SamplingParams`` (imports vLLM), private ones included.
 
@@ -568,6 +577,8 @@ INTERNALS: tuple[Internal, ...] = (
              "vllm.inputs.engine:MultiModalInput.mm_placeholders", FIELD),
     Internal(f"{_HERE}.prompt_token_ids_of", "vllm.inputs.engine:EmbedsInput.prompt_embeds",
              FIELD),
+    Internal(f"{_HERE}.cache_salt_of", "vllm.v1.engine:EngineCoreRequest.cache_salt", FIELD),
+    Internal(f"{_HERE}.cache_salt_of", "vllm.inputs.engine:_InputOptions.cache_salt", FIELD),
     Internal(f"{_HERE}.sampling_param_fields", "vllm.sampling_params:SamplingParams", SOURCE,
              ("msgspec.Struct",)),
     # configs

@@ -287,9 +287,6 @@ class StageConfig(BaseModel):
                 raise self._error(f"engine_args.{shared[0]}",
                                   f"a prefill stage takes {', '.join(shared)} from its decode "
                                   f"stage {pd.decode_stage}; set it there")
-            if self.engine_args.get("enable_prefix_caching") is True:
-                raise self._error("engine_args.enable_prefix_caching",
-                                  "must be false on a prefill stage")
             for name in ("inputs", "input_processor", "final_output",
                          "default_sampling_params"):
                 if getattr(self, name):

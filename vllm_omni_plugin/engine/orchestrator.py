@@ -43,7 +43,7 @@ from types import MappingProxyType
 from vllm.sampling_params import RequestOutputKind
 
 from vllm_omni_plugin import extra_args as xargs
-from vllm_omni_plugin.compat.internals import prompt_token_ids_of
+from vllm_omni_plugin.compat.internals import cache_salt_of, prompt_token_ids_of
 from vllm_omni_plugin.engine.admission import AdmissionGate, AdmissionRefused
 from vllm_omni_plugin.engine.errors import StageError, record_failure
 from vllm_omni_plugin.engine.omni_request import (
@@ -420,7 +420,8 @@ class Orchestrator:
         (:meth:`.pd.RemotePrefill.run`); None when the entry stage has no prefill stage."""
         if self._pd is None:
             return None
-        return await self._pd.run(run, prompt_token_ids_of(prompt), params, publish)
+        return await self._pd.run(run, prompt_token_ids_of(prompt), params, publish,
+                                  cache_salt=cache_salt_of(prompt))
 
     async def _run_downstream(self, run: PipelineRun, outputs, extra, companions=None,
                               stream: InputStream | None = None) -> StageResult | None:

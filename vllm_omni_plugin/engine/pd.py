@@ -60,9 +60,11 @@ class RemotePrefill:
         self._decode = decode
         self._run_task = run_task
 
-    async def run(self, run: PipelineRun, token_ids: list[int] | None, params, publish: bool):
+    async def run(self, run: PipelineRun, token_ids: list[int] | None, params, publish: bool,
+                  cache_salt: str | None = None):
         """Run the request's prompt (``token_ids``) on the prefill stage; ``publish``: the
-        prefill stage publishes the prompt's rows (a pipeline request).
+        prefill stage publishes the prompt's rows (a pipeline request); ``cache_salt``: the
+        client's, under which the prefill engine's prefix cache serves the prompt.
 
         Returns the :class:`Prefilled` result; None when the decode stage prefills this
         request itself (a prompt given other than as token ids, such as one with
@@ -84,7 +86,7 @@ class RemotePrefill:
             sampling={"max_tokens": 1, "min_tokens": 0, "ignore_eos": True,
                       "temperature": 0.0, "extra_args": {
                           KV_TRANSFER_PARAMS: prefill_request_params(transfer_id)}},
-            publish=publish)
+            publish=publish, cache_salt=cache_salt)
         stage_run = await self._run_task(run, stage, task)
         if stage_run is None or run.aborted:
             return ABORTED

@@ -62,6 +62,7 @@ class TaskSubmit(msgspec.Struct, tag="task_submit", tag_field="type"):
         ready: For an input that is not complete yet, the output tokens it lets the
             stage generate in all; the rest comes as :class:`TaskGrow`. None: the
             payload is the whole input.
+        cache_salt: vLLM's ``cache_salt`` of the prompt (None: none).
     """
 
     request_id: _Id
@@ -71,6 +72,7 @@ class TaskSubmit(msgspec.Struct, tag="task_submit", tag_field="type"):
     publish: bool = True
     rows: bool = False
     ready: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    cache_salt: Annotated[str, msgspec.Meta(max_length=4096)] | None = None
     protocol_version: int = PROTOCOL_VERSION
 
 

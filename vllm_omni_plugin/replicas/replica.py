@@ -291,7 +291,8 @@ class RemoteReplica(Replica):
                                 sampling=dict(task.sampling), payload=blob,
                                 publish=task.publish,
                                 rows=on_rows is not None and task.publish,
-                                ready=task.ready if task.growth is not None else None)
+                                ready=task.ready if task.growth is not None else None,
+                                cache_salt=task.cache_salt)
             await self._socket.send_multipart(self._channel.frames(ToReplica(msg=submit)))
             if task.growth is not None:
                 feeder = asyncio.ensure_future(self._feed(task, pending))

@@ -184,7 +184,8 @@ class ReplicaServer:
             queue = self._growth.get(rid)
             task = StageTask(rid, list(submit.prompt_token_ids), dict(submit.sampling), payload,
                              publish=submit.publish, ready=submit.ready,
-                             growth=None if queue is None else _input_growth(queue))
+                             growth=None if queue is None else _input_growth(queue),
+                             cache_salt=submit.cache_salt)
             on_rows = _RowsSender(lambda blob: rows_sent.append(send(TaskRows(rid, blob)))) \
                 if submit.rows else None
             run = await run_on_engine(self.engine, self.store, task, progress,

@@ -38,6 +38,8 @@ class StageTask:
             stage generate in all; None when ``payload`` is the whole input.
         growth: for an input that is not complete yet, the rest of it, pulled as the
             stage needs it (see :class:`InputGrowth`); the last item has ``ready`` None.
+        cache_salt: vLLM's ``cache_salt`` of the prompt (the client's): the engine's
+            prefix cache serves it only blocks computed under the same salt.
     """
 
     request_id: str
@@ -48,6 +50,7 @@ class StageTask:
     publish: bool = True
     ready: int | None = None
     growth: AsyncIterator[InputGrowth] | None = None
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -176,8 +179,10 @@ async def run_on_engine(engine, store: PayloadStore, task: StageTask,
             params.extra_args[xargs.PAYLOAD]["input_grows"] = True
             outputs = _fed(engine, store, in_key, task, params)
         else:
-            outputs = engine.generate(TokensPrompt(prompt_token_ids=list(task.prompt_token_ids)),
-                                      params, task.request_id)
+            prompt = TokensPrompt(prompt_token_ids=list(task.prompt_token_ids))
+            if task.cache_salt is not None:
+                prompt["cache_salt"] = task.cache_salt
+            outputs = engine.generate(prompt, params, task.request_id)
         try:
             async with aclosing(outputs) as stream:
                 async for out in stream:

@@ -55,13 +55,15 @@ def row_cache_blocks(vllm_config, model_cls: type | None = None) -> int:
     """How many KV blocks' rows the row cache of an engine holds: the omni settings'
     ``row_cache_bytes`` over the rows of one block (the stage model's
     ``payload_bytes_per_position`` times ``cache_config.block_size``); 0 outside omni
-    mode, with prefix caching off, with a KV connector, or for a model that publishes no
-    rows. ``model_cls``: the stage model's class (default: the one vLLM resolves for the
+    mode, with prefix caching off, on a KV consumer (a PD decode engine: its prompts' KV
+    and rows come from the prefill stage), or for a model that publishes no rows.
+    ``model_cls``: the stage model's class (default: the one vLLM resolves for the
     engine's model)."""
     settings = OmniSettings.from_vllm_config(vllm_config)
+    transfer = vllm_config.kv_transfer_config
     if (settings is None or not settings.row_cache_bytes
             or not vllm_config.cache_config.enable_prefix_caching
-            or vllm_config.kv_transfer_config is not None):
+            or (transfer is not None and transfer.is_kv_consumer)):
         return 0
     model_config = vllm_config.model_config
     if model_cls is None:

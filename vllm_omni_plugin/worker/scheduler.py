@@ -18,9 +18,9 @@ a subclass of the scheduler vLLM would use, ``AsyncScheduler`` under async sched
   there is none; the worker publishes the rows for the positions the hit skips;
 * keeps the index of those blocks from every ``SchedulerOutput`` it hands the workers.
 
-Where it cannot (prefix caching off, a KV connector, more than one KV cache group, a row
-cache of size 0) it is vLLM's scheduler unchanged, and the requests that publish rows
-keep skipping the cache.
+Where it cannot (prefix caching off, a KV consumer: a PD decode engine, more than one KV
+cache group, a row cache of size 0) it is vLLM's scheduler unchanged, and the requests
+that publish rows keep skipping the cache.
 """
 
 from __future__ import annotations
@@ -48,8 +48,7 @@ class OmniSchedulerMixin:
         self._omni_reported = 0.0  # time.monotonic() of the last log line
         config = self.vllm_config
         blocks = row_cache_blocks(config)
-        if not blocks or len(self.kv_cache_config.kv_cache_groups) != 1 \
-                or self.connector is not None:
+        if not blocks or len(self.kv_cache_config.kv_cache_groups) != 1:
             return
         block_size = config.cache_config.block_size
         self.omni_rows = RowBlockIndex(block_size, blocks)

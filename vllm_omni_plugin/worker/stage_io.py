@@ -292,8 +292,9 @@ class StageIO:
             # Payload rows map one-to-one to fed positions; a prefix-cache hit skips some.
             self.fail(new.req_id, tracked, RuntimeError(
                 f"stage {self.stage_id}: a request carrying payloads hit the prefix cache "
-                f"({new.num_computed_tokens} tokens); set enable_prefix_caching: false in "
-                "this stage's engine_args"))
+                f"({new.num_computed_tokens} tokens); set scheduler_cls: "
+                "vllm_omni_plugin.worker.scheduler.OmniScheduler (a stage that publishes "
+                "rows) or enable_prefix_caching: false in this stage's engine_args"))
         elif keys.input and keys.input_grows:
             tracked.growing_key = keys.input  # read by begin_step, as it is scheduled
         elif keys.input:

@@ -257,19 +257,32 @@ async def main(ckpt, yaml_path, out_dir, scenarios, dtype="float32",
             np.savez(os.path.join(out_dir, "media.npz"), **served)
         if "prefix" in scenarios:
             report["prefix"], served = {}, {}
+            # with PD, the prefill stage's engine: the blocks its row cache served
+            prefill = orchestrator.prefill
+            prefill_engine = None if prefill is None else next(
+                iter(orchestrator.pools[prefill.stage_id].replicas.values())).engine
+
+            async def prefill_hit_blocks() -> int | None:
+                if prefill_engine is None:
+                    return None
+                stats = await prefill_engine.collective_rpc("omni_row_cache_stats")
+                return stats[0]["hit_blocks"] if stats[0] is not None else 0
 
             async def cold_then_warm(case, cold, warm):
                 for kind, prompt in (("cold", cold), ("warm", warm)):
+                    before = await prefill_hit_blocks()
                     final = await run(f"{case}_{kind}", prompt=prompt)
                     result = results.pop(f"{case}_{kind}")
                     assert result.error is None, (case, kind, result)
                     served[f"{case}_{kind}_codes"] = \
                         result.stage_outputs[1].payload["codes"].numpy()
                     served[f"{case}_{kind}_waveform"] = result.payload["waveform"].numpy()
+                    after = await prefill_hit_blocks()
                     report["prefix"].setdefault(case, {})[kind] = {
                         "tokens": list(final.outputs[0].token_ids),
                         "prompt_tokens": len(final.prompt_token_ids),
-                        "cached": final.num_cached_tokens}
+                        "cached": final.num_cached_tokens,
+                        "prefill_hit_blocks": None if after is None else after - before}
 
             cases = _prefix_prompts(tokenizer, os.path.join(out_dir, "media"))
             for case in ("text", "audio"):  # the same prompt twice: warm the second time
@@ -334,12 +347,14 @@ def _prefix_prompts(tokenizer, folder) -> dict:
                                          {"type": "text", "text": MEDIA_TEXT}]}
 
     def prompt(messages, salt, clips=()):
-        out = {"prompt": tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                       tokenize=False),
-               "cache_salt": salt}
-        if clips:
-            out["multi_modal_data"] = {"audio": clips[0] if len(clips) == 1 else list(clips)}
-        return out
+        # token ids without media, as vLLM's API server hands a text chat to the engine
+        # (and the PD pipeline to its prefill stage); text with them
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             tokenize=False)
+        if not clips:
+            return {"prompt_token_ids": tokenizer(text).input_ids, "cache_salt": salt}
+        return {"prompt": text, "cache_salt": salt,
+                "multi_modal_data": {"audio": clips[0] if len(clips) == 1 else list(clips)}}
 
     return {
         "text": prompt([system, {"role": "user", "content": "Say hello"}], "text"),

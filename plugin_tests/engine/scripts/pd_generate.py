@@ -4,7 +4,8 @@ Run as a subprocess by ``plugin_tests/engine/test_pd_engine.py``. Two engines of
 stage (the plugin's thinker architecture on its ``OmniWorker``, as ``thinker_generate.py``
 builds them), each with its engine core in its own process, both running
 ``OmniMooncakeConnector`` over Mooncake's TCP transport on loopback: ``prefill``
-(``kv_role="kv_producer"``) and ``decode`` (``"kv_consumer"``).
+(``kv_role="kv_producer"``, with vLLM's prefix caching, as the shipped PD pipeline's
+prefill stage) and ``decode`` (``"kv_consumer"``, without).
 
 Each batch runs one of two ways:
 
@@ -32,7 +33,7 @@ Input (``argv[1]`` or stdin)::
      "failures": {"prompt": [ids], "max_tokens": N}}
 
 Output: the last stdout line is ``{"engines": {"pd": {"batches": [{"token_ids": [...],
-"finish": [...], "prefill_finish": [...]}], "engine_ids": {...},
+"finish": [...], "prefill_finish": [...], "prefill_cached": [...]}], "engine_ids": {...},
 "failures": {...}}}}`` (``failures``: ``pd_failures.run_failures``'s result, or
 ``{"error": traceback}`` when the failure cases raised), or ``{"error": traceback}``.
 """
@@ -59,9 +60,9 @@ def _free_port() -> int:
 def _llm(model: str, spec: dict, kv_transfer_config=None, **engine_args):
     from vllm import LLM
 
-    return LLM(model, **BASE_ENGINE_ARGS, enable_prefix_caching=False,
+    return LLM(model, **{**BASE_ENGINE_ARGS, "enable_prefix_caching": False, **engine_args},
                block_size=spec["block_size"], kv_cache_memory_bytes=16 * 1024 * 1024,
-               kv_transfer_config=kv_transfer_config, **engine_args)
+               kv_transfer_config=kv_transfer_config)
 
 
 def _shutdown(*llms) -> None:
@@ -99,7 +100,8 @@ def run_pd(spec: dict) -> dict:
     before = children()
     prefill = _llm(spec["model"], spec, KVTransferConfig(
         kv_connector=CONNECTOR_NAME, kv_role="kv_producer", engine_id=ids["prefill"],
-        kv_connector_extra_config=extra), served_model_name="pd-prefill")
+        kv_connector_extra_config=extra), served_model_name="pd-prefill",
+        enable_prefix_caching=True)
     prefill_procs = engine_processes(before)
     print("prefill engine processes:", [(p.pid, p.name()) for p in prefill_procs],
           file=sys.stderr, flush=True)
@@ -133,6 +135,7 @@ def run_pd(spec: dict) -> dict:
                 "token_ids": [list(o.outputs[0].token_ids) for o in outs],
                 "finish": [o.outputs[0].finish_reason for o in outs],
                 "prefill_finish": [o.outputs[0].finish_reason for o in pre],
+                "prefill_cached": [o.num_cached_tokens for o in pre],
             })
         try:
             failures = run_failures(spec["failures"], prefill, decode, prefill_procs,
