@@ -110,6 +110,38 @@ def test_rows_published_while_a_task_runs_reach_the_head_before_its_result(tmp_p
     asyncio.run(main())
 
 
+class _PromptRecordingEngine(FrameEngine):
+    """:class:`FrameEngine` that keeps the prompts it was given."""
+
+    def __init__(self, store: PayloadStore) -> None:
+        super().__init__(store)
+        self.prompts: list[dict] = []
+
+    def generate(self, prompt, params, request_id):
+        self.prompts.append(dict(prompt))
+        return super().generate(prompt, params, request_id)
+
+
+@pytest.mark.parametrize("salt", ["tenant-a", None])
+def test_the_cache_salt_reaches_the_headless_replicas_engine(tmp_path, salt):
+    """A task's ``cache_salt`` (the client's, on a PD prefill stage's task) travels in
+    TaskSubmit and is the engine prompt's, whose prefix cache it partitions; a task
+    without one gives a prompt without one."""
+    async def main():
+        served = _ServedReplica(tmp_path, _PromptRecordingEngine)
+        try:
+            task = StageTask(request_id="r-1", prompt_token_ids=[5, 6],
+                             sampling={"max_tokens": STEPS}, cache_salt=salt)
+            await asyncio.wait_for(served.replica.run(task), WAIT_S)
+            [prompt] = served.engine.prompts
+            assert prompt["prompt_token_ids"] == [5, 6]
+            assert prompt.get("cache_salt") == salt and ("cache_salt" in prompt) == bool(salt)
+        finally:
+            served.close()
+
+    asyncio.run(main())
+
+
 def test_a_growing_input_feeds_one_request_on_a_headless_replica(tmp_path):
     """A task whose input grows (a talker fed while the thinker runs) runs on a headless
     replica as one resumable request fed chunk by chunk (TaskGrow frames), as on a local
