@@ -262,10 +262,11 @@ def _stalls(server) -> float:
 
 
 def test_eight_concurrent_images_under_the_dit_cap_equal_serial_ones(server):
-    """Eight image requests at once against the shipped pipeline's DiT cap of two images
-    a step (``max_num_seqs: 2``, ``dit.MAX_IMAGES_PER_STEP``; review 2, N4): the head's
-    admission bound at the DiT is 2 (``/metrics``), every request is answered 200, no
-    replica stalls, and each image is the bytes the same request gives alone. The run's
+    """Eight image requests at once against the shipped pipeline's DiT cap of four images
+    a step (``max_num_seqs: 4``, ``dit.MAX_IMAGES_PER_STEP``; review 2, N4): the head's
+    admission bound at the DiT is 4 (``/metrics``), every request is answered 200, no
+    replica stalls, and each image, denoised beside others (the DiT batches them), is
+    the bytes the same request gives alone. The run's
     wall time and latencies go to ``eight_requests.json`` beside the server log (for
     the record; no timing is asserted)."""
     import time
@@ -276,7 +277,7 @@ def test_eight_concurrent_images_under_the_dit_cap_equal_serial_ones(server):
     from vllm_omni_plugin.models.bagel.dit import MAX_IMAGES_PER_STEP
 
     assert server.metrics()[("vllm_omni:stage_admission_bound",
-                             frozenset({("stage", "1")}))] == MAX_IMAGES_PER_STEP == 2
+                             frozenset({("stage", "1")}))] == MAX_IMAGES_PER_STEP == 4
     stalls = _stalls(server)
 
     def post(i: int) -> tuple[int, bytes, float]:
@@ -309,8 +310,8 @@ def test_eight_concurrent_images_under_the_dit_cap_equal_serial_ones(server):
 
 def test_a_stalled_dit_is_restarted_and_its_request_answered(server):
     """SIGSTOP of the DiT's EngineCore with an image request in it: see
-    :func:`check_stall_recovery`; ``--omni-stall-timeout`` wins over the pipeline's own
-    420 s for the DiT. The module's last test (it restarts the DiT)."""
+    :func:`check_stall_recovery` (``--omni-stall-timeout``). The module's last test (it
+    restarts the DiT)."""
     import requests
 
     def image():

@@ -127,8 +127,9 @@ def test_a_missing_branch_fails_the_request_naming_it(results):
 def test_memory_profile_runs_a_step_and_the_decoder_at_the_largest_image(run, tiny_bagel):
     """The DiT has no KV cache, so vLLM's start-up never calls the worker's
     ``determine_available_memory``; the worker's ``compile_or_warm_up_model`` (called
-    for every engine) runs the memory profile instead: one denoising step of the largest
-    image with the three CFG branches, then that image decoded, so their peak is counted
+    for every engine) runs the memory profile instead: one denoising step of
+    ``max_num_seqs`` (4) images of the largest size with the three CFG branches in one
+    forward (what a step may batch), then an image decoded, so their peak is counted
     (review 2, N3: in a served engine nothing ran). vLLM's profiling forward outside it
     runs nothing."""
     from vllm_omni_plugin.models.bagel.dit import latent_token_pixels, max_image_side
@@ -137,8 +138,9 @@ def test_memory_profile_runs_a_step_and_the_decoder_at_the_largest_image(run, ti
     side, token = max_image_side(config), latent_token_pixels(config)
     hw = (side // token) ** 2
     profile = run["memory_profile"]
-    # the query: 3 branches of the markers and the latent tokens, one row each
-    assert profile["startup"].get("layer") == [[3 * (hw + 2), config.llm_config.hidden_size]]
+    # the query: 4 images x 3 branches of the markers and the latent tokens, a row each
+    assert profile["startup"].get("layer") == [[4 * 3 * (hw + 2),
+                                                config.llm_config.hidden_size]]
     ((_, _, height, width),) = profile["startup"]["decoder"]
     assert height * config.vae_config["downsample"] == width * config.vae_config[
         "downsample"] == side
@@ -157,15 +159,15 @@ def test_a_velocity_step_gathers_rows_by_index_not_by_mask(run):
 
 
 def test_a_step_beyond_max_num_seqs_refuses_the_extra_image(run):
-    """A DiT step renders at most the engine's ``max_num_seqs`` images (the shipped
-    pipelines': ``dit.MAX_IMAGES_PER_STEP``, 2, as this engine), which bounds the step's
+    """A DiT step advances at most the engine's ``max_num_seqs`` images (the shipped
+    pipelines': ``dit.MAX_IMAGES_PER_STEP``, 4, as this engine), which bounds the step's
     time under the stall timeout (review 2, N4). vLLM's scheduler never puts more in a
     step; a step that held more (a stand-in step here) fails the extra request naming the
     bound, and works on the others (their empty payloads fail on their own)."""
     from vllm_omni_plugin.models.bagel import dit
 
     failures = run["cap"]["failures"]
-    assert set(failures) == {"r0", "r1", "r2"}, failures
-    assert all("lacks 'noise'" in failures[r] for r in ("r0", "r1")), failures
-    assert "more than its max_num_seqs (2)" in failures["r2"], failures
-    assert run["cap"]["cap"] == dit.MAX_IMAGES_PER_STEP == 2
+    assert set(failures) == {"r0", "r1", "r2", "r3", "r4"}, failures
+    assert all("lacks 'noise'" in failures[f"r{i}"] for i in range(4)), failures
+    assert "more than its max_num_seqs (4)" in failures["r4"], failures
+    assert run["cap"]["cap"] == dit.MAX_IMAGES_PER_STEP == 4

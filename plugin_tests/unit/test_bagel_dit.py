@@ -3,6 +3,7 @@ their combination, latent positions, the autoencoder's decoder and weight names.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -152,7 +153,8 @@ def _velocities(model, lengths: list[int]):
     x = torch.randn(16, model.latent_dim, generator=generator)
     pos_embed = torch.randn(16, model.hidden_size, generator=generator)
     with torch.inference_mode():
-        return model.velocities(x, 0.7, pos_embed, packed), packed.mask is not None
+        return model.velocities([x], [0.7], [pos_embed], [len(lengths)], packed), \
+            packed.mask is not None
 
 
 def test_masked_attention_repeats_kv_heads_instead_of_gqa(tiny_dit, monkeypatch):
@@ -199,11 +201,11 @@ def test_masked_attention_repeats_kv_heads_instead_of_gqa(tiny_dit, monkeypatch)
 @pytest.mark.parametrize("name", ["bagel", "bagel_replicated", "bagel_1xh100"])
 def test_shipped_bagel_pipelines_bound_the_dit_step(name):
     """Every BAGEL pipeline bounds a DiT engine step (review 2, N4: vLLM's GPU default
-    ``max_num_seqs`` 1,024 let one step render every queued image, past the stall
-    timeout: kill, resubmit, the same batch again): ``max_num_seqs`` is
-    ``MAX_IMAGES_PER_STEP``, the stall timeout the multiple of that step's longest time
-    ``DIT_STALL_TIMEOUT_S``, and the head's admission bound at the DiT follows
-    ``max_num_seqs`` (times its local replicas), not the entry engine's default."""
+    ``max_num_seqs`` 1,024 would let one step hold every queued image):
+    ``max_num_seqs`` is ``MAX_IMAGES_PER_STEP``, so a step is at most that many Euler
+    steps, seconds at 1024x1024, and the DiT keeps the default stall timeout; the
+    head's admission bound at the DiT follows ``max_num_seqs`` (times its local
+    replicas), not the entry engine's default."""
     from types import SimpleNamespace
 
     from vllm.config import VllmConfig
@@ -215,16 +217,115 @@ def test_shipped_bagel_pipelines_bound_the_dit_step(name):
 
     (stage,) = [s for s in load_pipeline_config(builtin_pipeline(name)).stages
                 if s.engine_args["hf_overrides"]["architectures"] == ["OmniPluginBagelDiT"]]
-    assert stage.engine_args["max_num_seqs"] == dit.MAX_IMAGES_PER_STEP == 2
-    assert stage.runtime.stall_timeout == dit.DIT_STALL_TIMEOUT_S
-    assert dit.DIT_STALL_TIMEOUT_S == 420 > DEFAULT_STALL_TIMEOUT_S
+    assert stage.engine_args["max_num_seqs"] == dit.MAX_IMAGES_PER_STEP == 4
+    assert stage.runtime.stall_timeout is None
+    # its longest step, with a slower GPU's and first compilations' margin of 4
+    assert 4 * dit.MAX_IMAGES_PER_STEP * dit.EULER_STEP_SECONDS < DEFAULT_STALL_TIMEOUT_S
     entry = VllmConfig()
     entry.scheduler_config.max_num_seqs = 1024  # vLLM's GPU default, the entry engine's
-    assert admission_bound(stage, [], entry) == 2  # remote replicas only: the YAML's
+    assert admission_bound(stage, [], entry) == 4  # remote replicas only: the YAML's
 
     def local(stage_id):  # a local replica: its engine's resolved max_num_seqs
         scheduler = SimpleNamespace(max_num_seqs=stage.engine_args["max_num_seqs"])
         return SimpleNamespace(stage_id=stage_id, engine=SimpleNamespace(
             vllm_config=SimpleNamespace(scheduler_config=scheduler)))
 
-    assert admission_bound(stage, [local(0), local(1), local(1)], entry) == 4
+    assert admission_bound(stage, [local(0), local(1), local(1)], entry) == 8
+
+
+def _image_inputs(model, seed: int, side: int, context: int, t2i: bool = False, **knobs):
+    """``(noise, height, width, guidance, branches)`` of a ``side`` px image under
+    seeded random contexts (``context`` tokens; the text-unconditional one empty; the
+    image-unconditional one another, or with ``t2i`` the full one again, as text to
+    image's)."""
+    attn = model.layers[0].und.self_attn
+    generator = torch.Generator().manual_seed(seed)
+    k, v, k_img, v_img = (torch.randn(len(model.layers), context,
+                                      attn.kv_size // attn.head_dim, attn.head_dim,
+                                      generator=generator) for _ in range(4))
+    branches = {"cond": (k, v, context), "text_uncond": (k[:, :0], v[:, :0], 0),
+                "img_uncond": (k.clone(), v.clone(), context) if t2i else
+                (k_img, v_img, context)}
+    tokens = (side // model.downsample) ** 2
+    noise = torch.randn(tokens, model.latent_dim, generator=generator)
+    return noise, side, side, dit.Guidance(**{"num_timesteps": 6, **knobs}), branches
+
+
+@contextlib.contextmanager
+def _forwards(model):
+    """The images of each forward :meth:`BagelDiT.velocities` runs meanwhile (a list)."""
+    calls = []
+    velocities = model.velocities
+
+    def count(xs, *args):
+        calls.append(len(xs))
+        return velocities(xs, *args)
+
+    model.velocities = count
+    try:
+        yield calls
+    finally:
+        del model.velocities
+
+
+#: images of one size with their own seeds, contexts, steps and guidance (CFG on and off,
+#: the interval's edge crossed at different steps, text to image's image-unconditional
+#: context), and one of another size
+BATCHED = [(1, 32, 5, {}), (2, 32, 9, {"num_timesteps": 4, "t2i": True}),
+           (3, 32, 7, {"cfg_text_scale": 1.0}),
+           (4, 32, 5, {"cfg_interval": (0.6, 1.0), "cfg_renorm_type": "text_channel"}),
+           (5, 16, 6, {})]
+
+
+def test_text_to_image_computes_the_image_unconditional_branch_once(tiny_dit):
+    """Text to image's image-unconditional context is its full one (no input image to
+    leave out): its velocity is the ``cond`` one, not computed again (a third less
+    DiT work per step under image guidance), which computed it is bit for bit; a context
+    that differs (here its RoPE position) is computed."""
+    noise, height, width, guidance, branches = _image_inputs(tiny_dit, 7, 32, 5, t2i=True)
+    image = tiny_dit.start(noise, height, width, guidance, branches)
+    assert image.same_as_cond == {"img_uncond"} and image.names() == ("cond", "text_uncond")
+    other = {**branches, "img_uncond": (branches["cond"][0] + 0, branches["cond"][1],
+                                        branches["cond"][2] + 1)}  # another RoPE position
+    assert tiny_dit.start(noise, height, width, guidance, other).same_as_cond == set()
+    both = tiny_dit.pack([branches[b] for b in dit.BRANCHES], 4, "cpu")
+    first = tiny_dit.velocities([noise], [1.0], [image.pos_embed], [3], both)
+    assert first[0].equal(first[2])  # what is not computed again: the same bits
+
+
+def test_images_denoised_together_equal_each_alone(tiny_dit):
+    """:meth:`BagelDiT.advance` on images of different seeds, contexts, steps, guidance
+    and sizes at once (those of one size share forwards; shorter ones finish first):
+    each final latent equals the image sampled alone, to float32 rounding, and the
+    forwards run are one per size and step, not one per image."""
+    images = [_image_inputs(tiny_dit, seed, side, context, **knobs)
+              for seed, side, context, knobs in BATCHED]
+    alone = [tiny_dit.generate(*inputs)[0] for inputs in images]
+    started = [tiny_dit.start(*inputs) for inputs in images]
+    packs: dict = {}
+    with _forwards(tiny_dit) as calls:
+        while not all(image.done for image in started):
+            tiny_dit.advance(started, packs, budget=4)
+    for image, want in zip(started, alone, strict=True):
+        torch.testing.assert_close(image.x, want, rtol=1e-4, atol=1e-5)
+    # 5 steps: the four 32 px images together (three after the 4-step one ends), the
+    # 16 px one beside them
+    assert calls == [4, 1, 4, 1, 4, 1, 3, 1, 3, 1], calls
+    assert len(packs) == 2  # the last step's two forwards
+
+
+@pytest.mark.parametrize("budget, forwards", [(1, [1, 1, 1]), (2, [2, 1]), (4, [3])])
+def test_a_forward_holds_at_most_the_profiled_rows(tiny_dit, budget, forwards):
+    """Images of one size share a forward only while its query and key rows stay within
+    the memory profile's (:meth:`BagelDiT.forward_budget`: three branches of ``budget``,
+    the engine's ``max_num_seqs``, images of the largest size); the rest go to further
+    forwards, still in the same step."""
+    side = dit.max_image_side(tiny_dit.config)
+    rows, keys = tiny_dit.forward_budget(budget)
+    n = (side // tiny_dit.downsample) ** 2 + 2
+    assert rows == budget * 3 * n and keys == budget * 3 * (2 * n - 2)
+    started = [tiny_dit.start(*_image_inputs(tiny_dit, seed, side, 1, num_timesteps=2))
+               for seed in range(3)]
+    with _forwards(tiny_dit) as calls:
+        tiny_dit.advance(started, {}, budget)
+    assert calls == forwards and all(image.done for image in started)

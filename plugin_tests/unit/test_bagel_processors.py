@@ -131,7 +131,7 @@ def test_another_model_plans_no_images():
 
 
 def test_ar2dit_builds_the_three_cfg_contexts(config):
-    options = bp.BagelImageOptions(32, 16, 9, Guidance())
+    options = bp.BagelImageOptions(32, 16, 9, Guidance(num_timesteps=30))
     tokens, layers, heads, dim = 5, 2, 2, 32
     k = torch.randn(tokens + 1, layers, heads, dim)  # one row more: a generated position
     v = torch.randn(tokens + 1, layers, heads, dim)
@@ -139,7 +139,9 @@ def test_ar2dit_builds_the_three_cfg_contexts(config):
                         output_token_ids=[1], payload={"k": k, "v": v})
     out = get_processor("bagel_ar2dit")([ar], None,
                                         StageRequest(config, options={"image": options}))
-    assert out.prompt_token_ids == [0] and out.sampling_overrides == {"max_tokens": 1}
+    # the DiT advances the image by one Euler step an engine step: 29 of them
+    assert out.prompt_token_ids == [0]
+    assert out.sampling_overrides == {"max_tokens": 29, "ignore_eos": True}
     p = out.payload
     assert p["cond.k"].equal(k[:tokens].transpose(0, 1))
     assert p["img_uncond.v"].equal(v[:tokens].transpose(0, 1))

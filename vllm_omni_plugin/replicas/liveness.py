@@ -19,17 +19,15 @@ H100 (bf16, about 400 TFLOP/s sustained, i.e. 40 % of its dense peak; FLOPs coun
   parameters, 48 layers of 32 x 128 query dims): 2 x 3.3e9 x 32768 + 2 x 48 x 32768^2
   x 4096 = 6.4e14 FLOPs, about 1.6 s (vLLM's chunked prefill splits it further);
 * talker and code2wav steps are smaller still (a 3 B talker decode step; one codec chunk);
-* a BAGEL DiT step completes whole images (their denoising loops run inside it), at
-  most its ``max_num_seqs``: the shipped BAGEL pipelines bound it to
-  ``MAX_IMAGES_PER_STEP`` images and give the DiT its own ``runtime.stall_timeout``,
-  ``DIT_STALL_TIMEOUT_S``, a multiple of that step's longest time (the arithmetic is
-  with the constants, in :mod:`vllm_omni_plugin.models.bagel.dit`).
+* a BAGEL DiT step advances each of at most ``max_num_seqs`` images by one Euler step
+  (and decodes those it finishes): the shipped pipelines' ``MAX_IMAGES_PER_STEP`` (4)
+  Euler steps of 1024x1024 images take about 2 s (the arithmetic is with the constants,
+  in :mod:`vllm_omni_plugin.models.bagel.dit`).
 
 The default, :data:`DEFAULT_STALL_TIMEOUT_S`, is 120 s: more than 50 times that
 prefill, and beyond the kernel compilations (Triton autotuning) vLLM may do on a GPU at
-a first request. A stage's ``runtime.stall_timeout`` sets its own (the shipped BAGEL
-pipelines give the DiT ``DIT_STALL_TIMEOUT_S``), ``--omni-stall-timeout`` every
-stage's.
+a first request. A stage's ``runtime.stall_timeout`` sets its own,
+``--omni-stall-timeout`` every stage's.
 
 A probe is sent whether or not the engine has work: an idle engine answers at once,
 and a stalled one is noticed before a request waits on it (a prefill engine holding a

@@ -209,7 +209,7 @@ def measure_stage(vllm_config, tokens: int | None = None,
     shapes = [shape for m in model.modules() if (shape := attention_kv_shape(m)) is not None]
     kv_per_token = sum(2 * heads * size * kv_dtype for heads, size in shapes)
     profile = getattr(type(model), "plan_profile", None)
-    forward, extra = profile(model_config) if profile else (None, 0)
+    forward, extra = profile(vllm_config) if profile else (None, 0)
     peak = activation_peak(vllm_config, forward or tokens, seqs) + extra
     tp = vllm_config.parallel_config.tensor_parallel_size
     return weights // tp, kv_per_token // tp, peak

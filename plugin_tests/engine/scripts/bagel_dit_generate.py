@@ -39,14 +39,16 @@ BASE_ENGINE_ARGS = {
     "dtype": "float32",
     "enforce_eager": True,
     "enable_prefix_caching": False,
-    "max_model_len": 64,
+    # a one-token prompt, then one engine step per Euler step (at most 99)
+    "max_model_len": 128,
     "seed": 0,
     "gpu_memory_utilization": 0.2,
-    "max_num_seqs": 2,  # the shipped pipelines' DiT cap (dit.MAX_IMAGES_PER_STEP)
+    "max_num_seqs": 4,  # the shipped pipelines' DiT cap (dit.MAX_IMAGES_PER_STEP)
 }
 
 
 def _payload(fixtures: Path, request: dict, config):
+    """``(payload, Euler steps)`` of ``request``."""
     import torch
     from safetensors.torch import load_file
 
@@ -66,7 +68,9 @@ def _payload(fixtures: Path, request: dict, config):
         del branches[name]
     height, width = meta["height"], meta["width"]
     noise = initial_noise(request.get("seed", meta["seed"]), height, width, config)
-    return generation_payload(noise, height, width, Guidance(**knobs), branches)
+    guidance = Guidance(**knobs)
+    return (generation_payload(noise, height, width, guidance, branches),
+            guidance.num_timesteps - 1)
 
 
 def mask_gathers(model) -> dict:
@@ -98,7 +102,7 @@ def mask_gathers(model) -> dict:
     x = torch.zeros(16, dit.latent_dim, device=device)
     pos_embed = torch.zeros(16, dit.hidden_size, dtype=dtype, device=device)
     with torch.inference_mode(), Count() as count:
-        dit.velocities(x, 1.0, pos_embed, packed)
+        dit.velocities([x], [1.0], [pos_embed], [len(BRANCHES)], packed)
     return count.ops
 
 
@@ -111,8 +115,13 @@ def cap_probe(model) -> dict:
     from vllm_omni_plugin.worker.stage_io import ScheduledRequest
 
     class Step:  # the StageStep interface the model uses
+        finished = frozenset()
+
         def __init__(self, rows):
             self.rows, self.failures = rows, {}
+
+        def params(self, req_id):
+            return None
 
         def requests(self):
             return self.rows
@@ -127,7 +136,7 @@ def cap_probe(model) -> dict:
             self.failures[req_id] = f"{type(exc).__name__}: {exc}"
 
     cap = getattr(model, "max_images_per_step", None)
-    n = (cap or 2) + 1
+    n = (cap or 4) + 1
     step = Step([ScheduledRequest(f"r{i}", i, 1, 0, 1) for i in range(n)])
     device = model.dit.marker_embeds.device
     model.stage_step = step
@@ -172,8 +181,10 @@ def run_one(spec: dict, engine: dict) -> dict:
             params = []
             for key, request in zip(keys, requests, strict=True):
                 store.create(key)
-                store.put(f"{key}.in", _payload(Path(spec["fixtures"]), request, config))
-                params.append(SamplingParams(temperature=0.0, max_tokens=1, detokenize=False,
+                payload, steps = _payload(Path(spec["fixtures"]), request, config)
+                store.put(f"{key}.in", payload)
+                params.append(SamplingParams(temperature=0.0, max_tokens=steps,
+                                             ignore_eos=True, detokenize=False,
                                              extra_args={PAYLOAD: {"in": f"{key}.in",
                                                                    "out": key,
                                                                    "err": f"{key}.err"}}))

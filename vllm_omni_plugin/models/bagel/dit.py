@@ -2,8 +2,13 @@
 on the AR stage's context keys and values, with classifier-free guidance; served as a
 vLLM model on vLLM's own worker and model runner (the plugin's ``OmniWorker``).
 
-A request is one image. Its whole denoising loop runs in the engine step that prefills
-its (placeholder) prompt; ``max_tokens=1`` then ends it, like code2wav.
+A request is one image, and each engine step advances every image it schedules by one
+Euler step: the step that prefills the request's one-token placeholder prompt starts its
+image, and the request lives one engine step per Euler step (its ``max_tokens`` must be
+``num_timesteps - 1``; the orchestrator sets it), the last one decoding the image. An
+image that arrives while others are denoised joins them at the next step (continuous
+batching, as vLLM batches decode steps), and images of one size share each step's
+forwards (:meth:`BagelDiT.advance`).
 
 * **Input payload** (the orchestrator's, see :func:`generation_payload`):
   ``noise`` ``[h*w, p*p*z]`` float32, the initial latent (drawn on the CPU from the
@@ -19,8 +24,11 @@ its (placeholder) prompt; ``max_tokens=1`` then ends it, like code2wav.
   causal mask. Marker tokens go through the understanding expert, latent tokens through
   the generation expert (``*_moe_gen`` weights, their final norm ``norm_moe_gen``).
   A latent token's input is ``vae2llm(x) + time_embedder(t) + latent_pos_embed(row *
-  max_latent_size + col)``; the velocity is ``llm2vae`` of its output. The branches a
-  step needs run as one padded batch.
+  max_latent_size + col)``; the velocity is ``llm2vae`` of its output. The branches the
+  step's images of one size need run as one padded batch (contexts of different lengths
+  masked), each image at its own timestep, up to the rows of ``max_num_seqs`` images of
+  the largest size (:meth:`BagelDiT.forward_budget`, what the memory profile runs);
+  results equal the image's alone up to float rounding.
 * **Guidance and sampling** (the official ``generate_image``): :func:`guided_velocity`,
   :meth:`Guidance.timesteps` and Euler steps ``x <- x - v * (t_k - t_{k+1})``.
 * **Output payload** (:meth:`BagelDiTStage.stage_output_requests`): ``latent``
@@ -29,7 +37,8 @@ its (placeholder) prompt; ``max_tokens=1`` then ends it, like code2wav.
 * **Memory profile.** vLLM profiles only engines with a KV cache, and this model has
   none: the plugin's worker runs vLLM's profiling forward itself at start-up
   (``OmniWorkerMixin.compile_or_warm_up_model``) with ``stage_profiling`` set, the model
-  runs one denoising step and the decoder at the largest image
+  holds the contexts of ``max_num_seqs`` images of the largest size and runs one
+  denoising step of them in one forward, then the decoder at that size
   (:meth:`BagelDiT.profile_peak`), and start-up fails when that peak exceeds the
   engine's share of its device.
 
@@ -41,6 +50,7 @@ the query (no paged KV cache: vLLM sees a model without attention layers).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
@@ -82,38 +92,29 @@ TIMESTEP_MAX_PERIOD = 10000.0
 #: the norm the official renormalisation adds to a guided velocity's norm
 RENORM_EPS = 1e-8
 #: at most this many timesteps (the official default is 50): twice the default, which
-#: bounds an image's time in a step (:data:`IMAGE_SECONDS`)
+#: bounds an image's time in the DiT
 MAX_TIMESTEPS = 100
 
-# -- how long a DiT engine step takes, and its stall timeout --------------------------------
-# A request is one image, and its whole denoising loop runs inside the engine step that
-# prefills its one-token prompt: a step renders as many images as vLLM schedules requests
-# in it, at most the engine's max_num_seqs (vLLM's default on a GPU of 70 GiB or more is
-# 1,024). The shipped BAGEL pipelines set the DiT's max_num_seqs to MAX_IMAGES_PER_STEP,
-# the head admits max_num_seqs x replicas image requests to the DiT at once (more wait
-# for admission), and the DiT's stall timeout is DIT_STALL_TIMEOUT_S, a multiple of the
-# longest step those bounds allow.
+# -- how long a DiT engine step takes -------------------------------------------------------
+# An engine step advances each image it schedules by one Euler step (the first step of an
+# image also packs its contexts, the last decodes it): at most the engine's max_num_seqs
+# images, those of one size in shared forwards. The shipped BAGEL pipelines set the DiT's
+# max_num_seqs to MAX_IMAGES_PER_STEP; its longest step, that many 1024x1024 images' Euler
+# steps (each EULER_STEP_SECONDS on one H100) and decodes, is seconds: the default stall
+# timeout (replicas/liveness.py) holds it, and the head admits max_num_seqs x replicas
+# image requests to the DiT at once (more wait for admission).
 
-#: Images one DiT engine step renders at most in the shipped BAGEL pipelines (the DiT
-#: stage's ``engine_args.max_num_seqs``): two images' CFG branches still batch on the
-#: GPU, and the step stays short enough for a liveness probe.
-MAX_IMAGES_PER_STEP = 2
+#: Images one DiT engine step advances at most in the shipped BAGEL pipelines (the DiT
+#: stage's ``engine_args.max_num_seqs``): four images share a forward, and four of the
+#: largest keep a step (one Euler step each, 2.1 s on one H100) far under the stall
+#: timeout.
+MAX_IMAGES_PER_STEP = 4
 #: Seconds of one Euler step of the largest image (1024x1024: 4,096 latent tokens) with
 #: the three CFG branches, BAGEL-7B-MoT on one H100 (bf16, 400 TFLOP/s sustained, 40 %
 #: of its dense peak): per branch 2 x 7e9 active parameters x 4,096 tokens, plus
 #: attention over a context of up to 4,096 tokens, 4 x 28 layers x 4,096 x 8,192 x 3,584
 #: = 7.1e13 FLOPs; three branches 2.1e14 FLOPs, 0.53 s.
 EULER_STEP_SECONDS = 0.53
-#: Seconds one image takes at most on one H100: :data:`MAX_TIMESTEPS` - 1 Euler steps
-#: (52.5 s; the official 50 timesteps take 26 s), the decoder's few TFLOPs aside.
-IMAGE_SECONDS = round((MAX_TIMESTEPS - 1) * EULER_STEP_SECONDS, 1)
-#: The DiT's stall timeout over its longest step: a GPU a quarter as fast as the H100
-#: estimate (an A100's dense bf16 peak is a third of an H100's), or Triton's kernel
-#: compilation on a first request, still answers probes in time.
-STALL_SAFETY = 4
-#: The DiT stage's ``runtime.stall_timeout`` in the shipped BAGEL pipelines, seconds:
-#: :data:`MAX_IMAGES_PER_STEP` x :data:`IMAGE_SECONDS` x :data:`STALL_SAFETY`, 420 s.
-DIT_STALL_TIMEOUT_S = MAX_IMAGES_PER_STEP * IMAGE_SECONDS * STALL_SAFETY
 
 
 @dataclass(frozen=True)
@@ -378,6 +379,49 @@ class _Packed(NamedTuple):
     positions: torch.Tensor  # [branches * n] each branch's RoPE position
 
 
+@dataclass(eq=False)
+class DenoisingImage:
+    """One image being denoised (:meth:`BagelDiT.start`), advanced by
+    :meth:`BagelDiT.advance` one Euler step at a time.
+
+    Attributes:
+        x: ``[h*w, latent_dim]`` float32, the latent at ``timesteps[step]``.
+        height: image height in pixels.
+        width: image width in pixels.
+        guidance: its sampling.
+        timesteps: its shifted timesteps, from 1 to 0.
+        pos_embed: ``[h*w, hidden]`` its latent tokens' rows of the position table.
+        branches: ``{branch: (k, v, rope)}`` its CFG contexts (see :meth:`BagelDiT.pack`).
+        serial: its number among the model's images (keys its packed contexts).
+        same_as_cond: the branches whose context is the ``cond`` one (text to image's
+            ``img_uncond``: there is no input image to leave out): not computed, their
+            velocity is ``cond``'s.
+        step: Euler steps taken.
+    """
+
+    x: torch.Tensor
+    height: int
+    width: int
+    guidance: Guidance
+    timesteps: list[float]
+    pos_embed: torch.Tensor
+    branches: Mapping[str, tuple[torch.Tensor, torch.Tensor, int]]
+    serial: int
+    same_as_cond: frozenset[str] = frozenset()
+    step: int = 0
+
+    @property
+    def done(self) -> bool:
+        """Whether every Euler step was taken (``x`` is the final latent)."""
+        return self.step >= len(self.timesteps) - 1
+
+    def names(self) -> tuple[str, ...]:
+        """The CFG branches its next Euler step computes: those :func:`branches_for` reads,
+        but for those in :attr:`same_as_cond`."""
+        return tuple(b for b in branches_for(*self.guidance.scales_at(
+            self.timesteps[self.step])) if b not in self.same_as_cond)
+
+
 class BagelDiT(nn.Module):
     """The generation path of BAGEL: velocity of latent tokens given CFG branches'
     contexts, Euler sampling and the autoencoder's decoder.
@@ -415,6 +459,7 @@ class BagelDiT(nn.Module):
         self.llm2vae = ReplicatedLinear(h, self.latent_dim, bias=True)
         self.latent_pos_embed = PositionEmbedding(self.max_latent_size, h)
         self.vae = FluxDecoder(config.vae_config)
+        self._serials = itertools.count()
 
     # -- velocity ------------------------------------------------------------------------
     def _embed_time(self, t: torch.Tensor) -> torch.Tensor:
@@ -454,48 +499,61 @@ class BagelDiT(nn.Module):
         return _Packed(ctx_k, ctx_v, None if bool(mask.all()) else mask, (markers, latent),
                        rope.repeat_interleave(n))
 
-    def velocities(self, x: torch.Tensor, t: float, pos_embed: torch.Tensor,
+    def velocities(self, xs: list[torch.Tensor], ts: list[float],
+                   pos_embeds: list[torch.Tensor], counts: list[int],
                    packed: _Packed) -> torch.Tensor:
-        """The latent tokens' velocity under each packed context.
+        """The latent tokens' velocities of images of one size, each under its packed
+        contexts.
 
         Args:
-            x: ``[h*w, latent_dim]`` the latent at shifted timestep ``t``.
-            t: the shifted timestep, a fraction in ``[0, 1]`` (1: pure noise).
-            pos_embed: ``[h*w, hidden]`` the latent tokens' rows of the position table.
-            packed: the branches' contexts (:meth:`pack`).
+            xs: per image ``[h*w, latent_dim]``, its latent at its shifted timestep.
+            ts: per image its shifted timestep, a fraction in ``[0, 1]`` (1: pure noise).
+            pos_embeds: per image ``[h*w, hidden]``, its latent tokens' rows of the
+                position table.
+            counts: per image how many consecutive contexts of ``packed`` are its own.
+            packed: the images' contexts in order (:meth:`pack`), ``sum(counts)``.
 
         Returns:
-            ``[branches, h*w, latent_dim]`` float32.
+            ``[sum(counts), h*w, latent_dim]`` float32, in the order of ``packed``.
         """
         dtype = self.marker_embeds.dtype
-        b = packed.ctx_k.shape[1]
-        latent = (self.vae2llm(x.to(dtype))[0]
-                  + self._embed_time(torch.tensor([t], device=x.device)) + pos_embed)
-        query = torch.cat([self.marker_embeds[:1], latent, self.marker_embeds[1:]])
-        hidden = query.repeat(b, 1)
+        hw = xs[0].shape[0]
+        latents = self.vae2llm(torch.cat(xs).to(dtype))[0].split(hw)
+        times = self._embed_time(torch.tensor(ts, device=xs[0].device))
+        hidden = torch.cat([
+            torch.cat([self.marker_embeds[:1], latent + times[i] + pos_embeds[i],
+                       self.marker_embeds[1:]]).repeat(count, 1)
+            for i, (latent, count) in enumerate(zip(latents, counts, strict=True))])
         for i, layer in enumerate(self.layers):
             hidden = layer(hidden, packed.experts, packed.positions, self.rotary,
                            packed.ctx_k[i], packed.ctx_v[i], packed.mask)
         out = self.llm2vae(self.norm_gen(hidden.index_select(0, packed.experts[1])))[0]
-        return out.reshape(b, x.shape[0], -1).float()
+        return out.reshape(sum(counts), hw, -1).float()
+
+    def forward_budget(self, images: int) -> tuple[int, int]:
+        """What one forward of :meth:`advance` holds at most, the memory profile's forward
+        (:meth:`profile_peak`) of ``images`` images: ``(query rows, attention rows)``, the
+        three CFG branches of ``images`` images of the largest size (its latent tokens
+        and two markers each) and their keys (a context as long as its latent tokens,
+        and the query)."""
+        hw = self.max_latent_size ** 2
+        return images * len(BRANCHES) * (hw + 2), images * len(BRANCHES) * (2 * hw + 2)
 
     # -- sampling ------------------------------------------------------------------------
-    @torch.inference_mode()
-    def generate(self, noise: torch.Tensor, height: int, width: int, guidance: Guidance,
-                 branches: Mapping[str, tuple[torch.Tensor, torch.Tensor, int]]
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sample one image.
+    def start(self, noise: torch.Tensor, height: int, width: int, guidance: Guidance,
+              branches: Mapping[str, tuple[torch.Tensor, torch.Tensor, int]]
+              ) -> DenoisingImage:
+        """An image to denoise, for :meth:`advance`.
 
         Args:
-            noise: ``[h*w, latent_dim]`` float32 initial latent.
+            noise: ``[h*w, latent_dim]`` the initial latent, any float dtype (kept as
+                float32), on the model's device.
             height: image height in pixels.
             width: image width in pixels.
             guidance: the CFG scales, interval, renormalisation and timesteps.
-            branches: ``{branch: (k, v, rope)}`` for the names in :data:`BRANCHES`.
-
-        Returns:
-            The final latent ``[h*w, latent_dim]`` float32 and the image ``[height, width,
-            3]`` uint8.
+            branches: ``{branch: (k, v, rope)}`` for the names in :data:`BRANCHES`
+                (``[layers, tokens, kv_heads, head_dim]`` keys and values in any float
+                dtype, an int RoPE position), on the model's device.
 
         Raises:
             RequestError: a size not made of whole latent tokens (see
@@ -517,46 +575,127 @@ class BagelDiT(nn.Module):
         # vLLM's PositionEmbedding keeps its table where numpy made it (the CPU)
         pos_embed = self.latent_pos_embed(positions).to(device=noise.device,
                                                         dtype=self.marker_embeds.dtype)
-        x = noise.float()
-        packed: dict[tuple[str, ...], _Packed] = {}  # by branch set: at most two per image
-        timesteps = guidance.timesteps().tolist()
-        for t, t_next in zip(timesteps[:-1], timesteps[1:], strict=True):
-            text_scale, img_scale = guidance.scales_at(t)
-            names = tuple(branches_for(text_scale, img_scale))
-            if names not in packed:
-                packed[names] = self.pack([branches[n] for n in names], hw, noise.device)
-            vs = dict(zip(names, self.velocities(x, t, pos_embed, packed[names]),
-                          strict=True))
-            v = guided_velocity(vs["cond"], vs.get("text_uncond"), vs.get("img_uncond"),
-                                text_scale, img_scale, guidance.cfg_renorm_type,
-                                guidance.cfg_renorm_min)
-            x = x - v * (t - t_next)
-        return x, self.decode(x, height, width)
+        cond = branches.get("cond")
+        same = frozenset(name for name, (k, v, rope) in branches.items()
+                         if name != "cond" and cond is not None and rope == cond[2]
+                         and k.shape == cond[0].shape and torch.equal(k, cond[0])
+                         and torch.equal(v, cond[1]))
+        return DenoisingImage(noise.float(), height, width, guidance,
+                              guidance.timesteps().tolist(), pos_embed,
+                              {n: b for n, b in branches.items() if n not in same},
+                              next(self._serials), same)
 
     @torch.inference_mode()
-    def profile_peak(self) -> None:
-        """What the engine's memory profile must count: one denoising step of the largest
-        image (:func:`max_image_side` square) with all three CFG branches, each with a
-        context as long as the image's latent tokens (an image-editing context holds its
-        input image's; the text-unconditional one a token shorter, so that the step runs
-        masked attention, as with real contexts of different lengths: :func:`attend`),
-        then the decoder on that image."""
+    def advance(self, images: list[DenoisingImage], packs: dict, budget: int = 1) -> None:
+        """One Euler step ``x <- x - v * (t_k - t_{k+1})`` of each image not done, each at
+        its own timestep and guidance, images of one size sharing forwards up to
+        :meth:`forward_budget` of ``budget`` images (in order; a longer context alone).
+
+        Args:
+            images: the images to advance (:meth:`start`).
+            packs: the packed contexts of the previous call's forwards, by their images
+                and branches (a dict this method keeps): a forward of the same images and
+                branches reuses its pack; the others are dropped.
+            budget: the images of the largest size a forward may hold (what the memory
+                profile ran: the engine's ``max_num_seqs``).
+        """
+        rows, keys = self.forward_budget(budget)
+        used = {}
+        by_size: dict[tuple[int, int], list[DenoisingImage]] = {}
+        for image in images:
+            if not image.done:
+                by_size.setdefault((image.height, image.width), []).append(image)
+        for same_size in by_size.values():
+            n = same_size[0].x.shape[0] + 2
+            batch: list[tuple[DenoisingImage, tuple[str, ...]]] = []
+            longest = 0
+            for image in same_size:
+                names = image.names()
+                length = max(int(image.branches[b][0].shape[1]) for b in names)
+                branches = sum(len(b) for _, b in batch) + len(names)
+                if batch and (branches * n > rows
+                              or branches * (max(longest, length) + n) > keys):
+                    self._euler_step(batch, packs, used)
+                    batch, longest = [], 0
+                batch.append((image, names))
+                longest = max(longest, length)
+            self._euler_step(batch, packs, used)
+        packs.clear()
+        packs.update(used)
+
+    def _euler_step(self, batch: list[tuple[DenoisingImage, tuple[str, ...]]], packs: dict,
+                    used: dict) -> None:
+        """One forward: the velocities of ``batch`` (images of one size, each with the
+        branches it reads), then each image's guided velocity and Euler step."""
+        key = tuple((image.serial, names) for image, names in batch)
+        packed = packs.get(key) or self.pack(
+            [image.branches[b] for image, names in batch for b in names],
+            batch[0][0].x.shape[0], batch[0][0].x.device)
+        used[key] = packed
+        counts = [len(names) for _, names in batch]
+        ts = [image.timesteps[image.step] for image, _ in batch]
+        vs = self.velocities([image.x for image, _ in batch], ts,
+                             [image.pos_embed for image, _ in batch], counts, packed)
+        first = 0
+        for (image, names), t, count in zip(batch, ts, counts, strict=True):
+            v = dict(zip(names, vs[first:first + count], strict=True))
+            v.update(dict.fromkeys(image.same_as_cond, v["cond"]))
+            first += count
+            text_scale, img_scale = image.guidance.scales_at(t)
+            guided = guided_velocity(v["cond"], v.get("text_uncond"), v.get("img_uncond"),
+                                     text_scale, img_scale, image.guidance.cfg_renorm_type,
+                                     image.guidance.cfg_renorm_min)
+            image.x = image.x - guided * (t - image.timesteps[image.step + 1])
+            image.step += 1
+
+    @torch.inference_mode()
+    def generate(self, noise: torch.Tensor, height: int, width: int, guidance: Guidance,
+                 branches: Mapping[str, tuple[torch.Tensor, torch.Tensor, int]]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample one image: :meth:`start`, :meth:`advance` to its last timestep,
+        :meth:`decode` (same arguments and errors as :meth:`start`).
+
+        Returns:
+            The final latent ``[h*w, latent_dim]`` float32 and the image ``[height, width,
+            3]`` uint8.
+        """
+        image = self.start(noise, height, width, guidance, branches)
+        packs: dict = {}
+        while not image.done:
+            self.advance([image], packs)
+        return image.x, self.decode(image.x, height, width)
+
+    @torch.inference_mode()
+    def profile_peak(self, images: int = 1) -> None:
+        """What the engine's memory profile must count: the contexts of ``images`` images
+        of the largest size (:func:`max_image_side` square) held at once, three CFG
+        branches each, each context as long as the image's latent tokens (an
+        image-editing context holds its input image's; the text-unconditional one a token
+        shorter, so that the step runs masked attention, as with real contexts of
+        different lengths: :func:`attend`); one denoising step of all of them in one
+        forward (the most :meth:`advance` puts in one: :meth:`forward_budget`); then the
+        decoder on one image."""
         side = max_image_side(self.config)
         hw = (side // self.downsample) ** 2
         device, dtype = self.marker_embeds.device, self.marker_embeds.dtype
         attn = self.layers[0].und.self_attn
         kv_heads = attn.kv_size // attn.head_dim
-        context = torch.zeros(len(self.layers), hw, kv_heads, attn.head_dim, dtype=dtype,
-                              device=device)
-        shorter = context[:, 1:]
-        packed = self.pack([(context, context, hw), (shorter, shorter, hw - 1),
-                            (context, context, hw)], hw, device)
+        held = [torch.zeros(len(self.layers), hw, kv_heads, attn.head_dim, dtype=dtype,
+                            device=device) for _ in range(2 * len(BRANCHES) * images)]
+        contexts = []
+        for image in range(images):
+            k, v, k_short, v_short, k_img, v_img = held[6 * image:6 * image + 6]
+            contexts += [(k, v, hw), (k_short[:, 1:], v_short[:, 1:], hw - 1),
+                         (k_img, v_img, hw)]
+        packed = self.pack(contexts, hw, device)
         positions = latent_position_ids(side, side, self.downsample, self.max_latent_size)
         pos_embed = self.latent_pos_embed(positions).to(device=device, dtype=dtype)
         x = torch.zeros(hw, self.latent_dim, device=device)
-        logger.info("DiT: memory profile runs a denoising step and the decoder at %dx%d "
-                    "with %d CFG branches", side, side, len(BRANCHES))
-        self.velocities(x, 1.0, pos_embed, packed)
+        logger.info("DiT: memory profile holds %d images' contexts and runs a denoising "
+                    "step and the decoder at %dx%d with %d CFG branches", images, side,
+                    side, len(BRANCHES))
+        self.velocities([x] * images, [1.0] * images, [pos_embed] * images,
+                        [len(BRANCHES)] * images, packed)
         self.decode(x, side, side)
 
     def decode(self, latent: torch.Tensor, height: int, width: int) -> torch.Tensor:
@@ -565,7 +704,10 @@ class BagelDiT(nn.Module):
         z = latent.reshape(h, w, p, p, self.z_channels).permute(4, 0, 2, 1, 3)
         z = z.reshape(1, self.z_channels, h * p, w * p)
         dtype = self.vae.conv_in.weight.dtype
-        return to_uint8_image(self.vae(z.to(dtype))[0])
+        # channels-last, as its weights (load_weights): oneDNN's and cuDNN's faster
+        # convolution layout, the same values (equal bytes on the CPU)
+        z = z.to(dtype).contiguous(memory_format=torch.channels_last)
+        return to_uint8_image(self.vae(z)[0])
 
     # -- weights -------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -588,6 +730,7 @@ class BagelDiT(nn.Module):
         self.marker_embeds.copy_(markers.to(self.marker_embeds.dtype))
         loaded = load_stacked(self, own, [n for n, _ in self.named_parameters()],
                               owner=type(self).__name__)
+        self.vae.to(memory_format=torch.channels_last)
         return loaded
 
 
@@ -699,34 +842,37 @@ class BagelDiTStage(nn.Module):
         if any(m is None or m == tokenizer.unk_token_id for m in markers):
             raise ValueError("the tokenizer lacks <|vision_start|> / <|vision_end|>")
         self.dit = BagelDiT(config, markers)
-        #: images one step may render: the engine's max_num_seqs (one image a request)
+        #: images one step advances at most: the engine's max_num_seqs (one a request)
         self.max_images_per_step = int(vllm_config.scheduler_config.max_num_seqs)
-        if self.max_images_per_step > MAX_IMAGES_PER_STEP:
-            logger.warning(
-                "DiT: max_num_seqs %d lets one engine step render %d images (up to %.0f s "
-                "each at 1024x1024 on an H100): the stage's runtime.stall_timeout must "
-                "exceed that step; the shipped BAGEL pipelines set max_num_seqs %d with "
-                "stall_timeout %.0f s", self.max_images_per_step, self.max_images_per_step,
-                IMAGE_SECONDS, MAX_IMAGES_PER_STEP, DIT_STALL_TIMEOUT_S)
         self.vocab_size = config.llm_config.vocab_size
         self.stage_step = None
         self.stage_profiling = False
         self._outputs: dict[str, dict[str, torch.Tensor]] = {}
+        #: the images being denoised, by request id, and their packed contexts
+        self._images: dict[str, DenoisingImage] = {}
+        self._packs: dict = {}
 
     @classmethod
-    def plan_profile(cls, model_config) -> tuple[int, int]:
+    def plan_profile(cls, vllm_config) -> tuple[int, int]:
         """What vLLM's memory profile runs here (:meth:`BagelDiT.profile_peak`), for
         :mod:`vllm_omni_plugin.tools.plan`: ``(tokens, extra_bytes)``, the tokens one
-        denoising step of the largest image feeds the transformer at once (a context
-        and the latents, ``max_latent_size ** 2`` each, per CFG branch) and the FLUX
-        decoder's widest activations at full resolution (four ``side ** 2 x ch``
-        tensors at the model's dtype)."""
+        denoising step of ``max_num_seqs`` images of the largest size feeds the
+        transformer at once (a context and the latents, ``max_latent_size ** 2`` each,
+        per CFG branch); beyond them those images' contexts (keys and values of every
+        layer, three branches each) and the FLUX decoder's widest activations at full
+        resolution (four ``side ** 2 x ch`` tensors), at the model's dtype."""
+        model_config = vllm_config.model_config
         config = model_config.hf_config
+        llm = config.llm_config
         latents = int(config.max_latent_size) ** 2
         side = max_image_side(config)
         ch = int(autoencoder_config(config.vae_config)["ch"])
-        return (len(BRANCHES) * 2 * latents,
-                4 * side * side * ch * model_config.dtype.itemsize)
+        head_dim = llm.hidden_size // llm.num_attention_heads
+        images = int(vllm_config.scheduler_config.max_num_seqs)
+        contexts = (images * len(BRANCHES) * 2 * llm.num_hidden_layers * latents
+                    * llm.num_key_value_heads * head_dim)
+        return (images * len(BRANCHES) * 2 * latents,
+                (contexts + 4 * side * side * ch) * model_config.dtype.itemsize)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[n]`` placeholder ids (any dtype; only their count is read) -> ``[n, hidden]``
@@ -736,43 +882,83 @@ class BagelDiTStage(nn.Module):
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 intermediate_tensors=None, inputs_embeds: torch.Tensor | None = None,
                 **kwargs) -> torch.Tensor:
-        """Generate the image of every request whose prompt this step prefills; returns
-        ``[num_tokens, 1]`` zeros in the model's dtype. ``input_ids`` ``[num_tokens]`` (int32
-        from vLLM's runner) and ``inputs_embeds`` are not read; ``positions`` ``[num_tokens]``
-        int64 gives only the count and device.
+        """Advance the image of every request this step schedules by one Euler step
+        (starting the images of the requests it prefills, decoding those it finishes);
+        returns ``[num_tokens, 1]`` zeros in the model's dtype. ``input_ids``
+        ``[num_tokens]`` (int32 from vLLM's runner) and ``inputs_embeds`` are not read;
+        ``positions`` ``[num_tokens]`` int64 gives only the count and device.
 
         At most :attr:`max_images_per_step` images (the engine's ``max_num_seqs``, which
         vLLM's scheduler keeps to); a request beyond it fails with an error naming the
-        bound rather than lengthening the step."""
+        bound rather than lengthening the step. A request that fails (a bad payload, a
+        ``max_tokens`` that is not its Euler steps) fails alone; one whose forward fails
+        fails with the images it shared that forward with."""
         self._outputs = {}
         out = torch.zeros(positions.shape[-1], 1, dtype=self.dit.marker_embeds.dtype,
                           device=positions.device)
         step = self.stage_step
         if step is None:
             if self.stage_profiling:
-                self.dit.profile_peak()
+                self.dit.profile_peak(self.max_images_per_step)
             return out
-        due = [r for r in step.requests()
-               if r.num_prompt_tokens and not step.failed(r.req_id)
-               # the step that completes its prompt
-               and r.num_computed < r.num_prompt_tokens <= r.num_computed + r.num_tokens]
-        for r in due[self.max_images_per_step:]:
+        for req_id in step.finished:  # finished or aborted meanwhile
+            self._images.pop(req_id, None)
+        scheduled = [r for r in step.requests()
+                     if r.num_prompt_tokens and not step.failed(r.req_id)]
+        for r in scheduled[self.max_images_per_step:]:
             step.fail(r.req_id, RuntimeError(
-                f"the DiT step holds {len(due)} images, more than its max_num_seqs "
+                f"the DiT step holds {len(scheduled)} images, more than its max_num_seqs "
                 f"({self.max_images_per_step}), which bounds its time"))
-        for r in due[:self.max_images_per_step]:
+        active: dict[str, DenoisingImage] = {}
+        for r in scheduled[:self.max_images_per_step]:
+            image = self._images.get(r.req_id)
+            if image is None and r.num_computed < r.num_prompt_tokens:  # its first step
+                try:
+                    image = self._start(step.inputs(r.req_id), step.params(r.req_id))
+                except Exception as exc:
+                    step.fail(r.req_id, exc)
+                    continue
+                self._images[r.req_id] = image
+            if image is not None:  # (None: a step vLLM scheduled after its last)
+                active[r.req_id] = image
+        try:
+            self.dit.advance(list(active.values()), self._packs, self.max_images_per_step)
+        except Exception as exc:
+            for req_id in active:
+                self._images.pop(req_id)
+                step.fail(req_id, exc)
+            return out
+        for req_id, image in active.items():
+            if not image.done:
+                continue
+            del self._images[req_id]
             try:
-                self._outputs[r.req_id] = self._generate(step.inputs(r.req_id))
+                self._outputs[req_id] = {
+                    "latent": image.x.cpu(),
+                    "image": self.dit.decode(image.x, image.height, image.width).cpu()}
             except Exception as exc:
-                step.fail(r.req_id, exc)
+                step.fail(req_id, exc)
         return out
 
-    def _generate(self, payload: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _start(self, payload: Mapping[str, torch.Tensor], params) -> DenoisingImage:
+        """A request's image from its input payload (see the module docstring) and its
+        ``SamplingParams`` (None: not checked).
+
+        Raises:
+            ValueError: a payload entry is missing or malformed, or ``max_tokens`` is not
+                the image's Euler steps.
+            RequestError: a field of the guidance or the size is out of range.
+        """
         for name in ("noise", "size", "guidance"):
             if name not in payload:
                 raise ValueError(f"DiT input payload lacks {name!r}")
         height, width = (int(v) for v in payload["size"].reshape(-1)[:2])
         guidance = Guidance.from_tensor(payload["guidance"])
+        steps = guidance.num_timesteps - 1
+        if params is not None and params.max_tokens != steps:
+            raise ValueError(f"max_tokens is {params.max_tokens}; an image of "
+                             f"{guidance.num_timesteps} timesteps takes {steps} engine "
+                             "steps (one per Euler step), its max_tokens")
         device = self.dit.marker_embeds.device
         layers = len(self.dit.layers)
         branches = {}
@@ -785,9 +971,7 @@ class BagelDiTStage(nn.Module):
                                  f"{tuple(v.shape)}, expected [{layers}, tokens, kv_heads, "
                                  "head_dim] each")
             branches[name] = (k.to(device), v.to(device), int(payload[f"{name}.rope"][0]))
-        latent, image = self.dit.generate(payload["noise"].to(device), height, width,
-                                          guidance, branches)
-        return {"latent": latent.cpu(), "image": image.cpu()}
+        return self.dit.start(payload["noise"].to(device), height, width, guidance, branches)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[n, vocab]`` float32 zeros: the sampled token is a dummy that ends the
@@ -796,8 +980,8 @@ class BagelDiTStage(nn.Module):
                            device=hidden_states.device)
 
     def stage_output_requests(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Outputs of the last forward by request id: ``latent`` ``[h*w, p*p*z]`` float32,
-        ``image`` ``[H, W, 3]`` uint8."""
+        """Outputs of the last forward by request id, for the images it finished:
+        ``latent`` ``[h*w, p*p*z]`` float32, ``image`` ``[H, W, 3]`` uint8."""
         return self._outputs
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -144,7 +144,8 @@ def bagel_ar2dit(upstream: list[UpstreamOutput], stage, request: StageRequest) -
     """AR context -> DiT request: the CFG branches' contexts from the AR stage's
     ``k``/``v`` rows ``[tokens, layers, kv_heads, head_dim]`` (the request's, and its
     negative prompt companion's if any; see the module doc), the seed's noise and the
-    guidance; a one-token placeholder prompt, ``max_tokens=1``.
+    guidance; a one-token placeholder prompt and ``max_tokens`` the image's Euler steps
+    (``num_timesteps - 1``: the DiT advances an image by one a step), ``ignore_eos``.
 
     Raises:
         ValueError: the request has no image options (not an image request), or the AR
@@ -164,8 +165,8 @@ def bagel_ar2dit(upstream: list[UpstreamOutput], stage, request: StageRequest) -
     noise = initial_noise(options.seed, options.height, options.width, hf_config)
     payload = generation_payload(noise, options.height, options.width, options.guidance, {
         "cond": (k, v, length), "text_uncond": text_uncond, "img_uncond": (k, v, length)})
-    return StageInput(prompt_token_ids=[0], payload=payload,
-                      sampling_overrides={"max_tokens": 1})
+    return StageInput(prompt_token_ids=[0], payload=payload, sampling_overrides={
+        "max_tokens": options.guidance.num_timesteps - 1, "ignore_eos": True})
 
 
 @hookimpl

@@ -700,7 +700,7 @@ class Qwen3OmniCode2WavStage(OwnShards, nn.Module, SupportsMRoPE):
         }}}
 
     @classmethod
-    def plan_profile(cls, model_config) -> tuple[int, int]:
+    def plan_profile(cls, vllm_config) -> tuple[int, int]:
         """What vLLM's memory profile runs here (:meth:`profile_decode`), for
         :mod:`vllm_omni_plugin.tools.plan`: ``(tokens, extra_bytes)``, the
         :attr:`max_batch_frames` frames of the largest decoder call through the
@@ -708,6 +708,7 @@ class Qwen3OmniCode2WavStage(OwnShards, nn.Module, SupportsMRoPE):
         ``samples x decoder_dim / 2 ** len(upsample_rates)`` (the last block's width at
         the waveform's rate; each block halves the channels and multiplies the length by
         its rate, so the last is the largest), at the model's dtype."""
+        model_config = vllm_config.model_config
         cfg = model_config.hf_config.code2wav_config
         samples = cls.max_batch_frames * int(math.prod(list(cfg.upsample_rates)
                                                        + list(cfg.upsampling_ratios)))
