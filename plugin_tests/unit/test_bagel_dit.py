@@ -280,8 +280,9 @@ BATCHED = [(1, 32, 5, {}), (2, 32, 9, {"num_timesteps": 4, "t2i": True}),
 def test_text_to_image_computes_the_image_unconditional_branch_once(tiny_dit):
     """Text to image's image-unconditional context is its full one (no input image to
     leave out): its velocity is the ``cond`` one, not computed again (a third less
-    DiT work per step under image guidance), which computed it is bit for bit; a context
-    that differs (here its RoPE position) is computed."""
+    DiT work per step under image guidance), which computed it is up to float rounding
+    (the same rows in one padded batch; bit for bit on vLLM's CPU build, not always
+    elsewhere); a context that differs (here its RoPE position) is computed."""
     noise, height, width, guidance, branches = _image_inputs(tiny_dit, 7, 32, 5, t2i=True)
     image = tiny_dit.start(noise, height, width, guidance, branches)
     assert image.same_as_cond == {"img_uncond"} and image.names() == ("cond", "text_uncond")
@@ -290,7 +291,8 @@ def test_text_to_image_computes_the_image_unconditional_branch_once(tiny_dit):
     assert tiny_dit.start(noise, height, width, guidance, other).same_as_cond == set()
     both = tiny_dit.pack([branches[b] for b in dit.BRANCHES], 4, "cpu")
     first = tiny_dit.velocities([noise], [1.0], [image.pos_embed], [3], both)
-    assert first[0].equal(first[2])  # what is not computed again: the same bits
+    # what is not computed again: the same values
+    torch.testing.assert_close(first[2], first[0], rtol=1e-5, atol=1e-6)
 
 
 def test_images_denoised_together_equal_each_alone(tiny_dit):
