@@ -21,8 +21,9 @@ hit, a running request's added blocks, a resumed request's blocks past its hit) 
 rows, as its KV is about to be rewritten; a block whose last position a publishing
 request computes in a step gains them; a hit refreshes its blocks' recency; past
 ``max_blocks`` the least recently used block loses its rows. A request whose KV comes
-from elsewhere (a KV connector) is never scheduled on an engine that uses this: the row
-cache is off where a connector is configured (:func:`row_cache_blocks`).
+from elsewhere is never scheduled on an engine that uses this: the row cache is off on a
+KV consumer (a PD decode engine; :func:`row_cache_blocks`), and on a KV producer (a PD
+prefill engine) every block is computed or hit here.
 
 Why blocks and not vLLM's block hashes: a hit names the physical blocks whose KV it
 reuses, and a block's rows are valid exactly as long as its KV is, so the block id is

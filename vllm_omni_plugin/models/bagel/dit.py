@@ -680,11 +680,14 @@ class BagelDiT(nn.Module):
         device, dtype = self.marker_embeds.device, self.marker_embeds.dtype
         attn = self.layers[0].und.self_attn
         kv_heads = attn.kv_size // attn.head_dim
-        held = [torch.zeros(len(self.layers), hw, kv_heads, attn.head_dim, dtype=dtype,
-                            device=device) for _ in range(2 * len(BRANCHES) * images)]
-        contexts = []
-        for image in range(images):
-            k, v, k_short, v_short, k_img, v_img = held[6 * image:6 * image + 6]
+        def _keys_and_values() -> list[torch.Tensor]:  # [layers, hw, kv_heads, head_dim] each
+            return [torch.zeros(len(self.layers), hw, kv_heads, attn.head_dim, dtype=dtype,
+                                device=device) for _ in range(2)]
+
+        contexts = []  # each image's three, held until the step ran
+        for _ in range(images):
+            (k, v), (k_short, v_short), (k_img, v_img) = (_keys_and_values()
+                                                          for _ in BRANCHES)
             contexts += [(k, v, hw), (k_short[:, 1:], v_short[:, 1:], hw - 1),
                          (k_img, v_img, hw)]
         packed = self.pack(contexts, hw, device)
