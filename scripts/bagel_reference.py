@@ -24,6 +24,13 @@ For each case it records, with the settings used:
 * ``latent``: the final latent; ``pixels``: the decoded image, ``[H, W, 3]`` uint8;
 * ``understanding_ids``: greedy text the understanding path generates after the prompt.
 
+A case with ``think`` (text to image after planning, the official ``think=True``) records
+instead of ``context.*`` three contexts: ``context.*`` the full one (system prompt,
+prompt, the planning re-prefilled), ``cfg_text.*`` the text-unconditional one (the system
+prompt) and ``cfg_img.*`` the image-unconditional one (system prompt and prompt), with
+``text_ids`` the full one's token ids, ``reasoning_ids`` the greedy planning tokens (the
+start token left out) and the planning text in ``reference.json``.
+
 Usage::
 
     python scripts/bagel_reference.py --bagel-repo DIR --checkpoint CKPT --out DIR
@@ -52,6 +59,13 @@ CASES = [
     ("t2i_cfg_text_channel", "Two dogs on the beach at night.", 7, (32, 48),
      dict(cfg_text_scale=3.0, cfg_img_scale=1.0, cfg_interval=[0.0, 1.0], timestep_shift=2.0,
           num_timesteps=5, cfg_renorm_min=0.5, cfg_renorm_type="text_channel")),
+]
+#: (name, prompt, seed, (H, W), knobs, max_think_token_n): text to image with
+#: ``think=True`` (greedy planning, as the official app's default)
+THINK_CASES = [
+    ("t2i_think", "A house made of cheese.", 3, (32, 32),
+     dict(cfg_text_scale=4.0, cfg_img_scale=1.5, cfg_interval=[0.4, 1.0], timestep_shift=3.0,
+          num_timesteps=5, cfg_renorm_min=0.0, cfg_renorm_type="global"), 8),
 ]
 UNDERSTANDING_TOKENS = 8
 
@@ -135,8 +149,19 @@ def load_official(ckpt: Path):
     return model, vae, tokenizer, new_token_ids
 
 
-def run_case(model, vae, tokenizer, new_token_ids, prompt, seed, size, knobs):
-    from inferencer import InterleaveInferencer
+def _store_context(record: dict, name: str, context: dict) -> None:
+    cache = context["past_key_values"]
+    for layer in range(cache.num_layers):
+        record[f"{name}.k.{layer}"] = cache.key_cache[layer].float().clone()
+        record[f"{name}.v.{layer}"] = cache.value_cache[layer].float().clone()
+
+
+def run_case(model, vae, tokenizer, new_token_ids, prompt, seed, size, knobs,
+             think_tokens=None):
+    """One case's record (see the module doc); with ``think_tokens`` (the official
+    ``max_think_token_n``) the case thinks first, and the record holds ``reasoning`` (a
+    string, not a tensor)."""
+    from inferencer import GEN_THINK_SYSTEM_PROMPT, InterleaveInferencer
 
     inferencer = InterleaveInferencer(model, vae, tokenizer, None, None, new_token_ids)
     record: dict[str, torch.Tensor] = {}
@@ -145,6 +170,13 @@ def run_case(model, vae, tokenizer, new_token_ids, prompt, seed, size, knobs):
     forward_flow, update_text = model._forward_flow, inferencer.update_context_text
     prepare_latent, generate_image = model.prepare_vae_latent, model.generate_image
     latents: list[torch.Tensor] = []
+    generated: list[torch.Tensor] = []
+    generate_text = model.generate_text
+
+    def recording_generate(**kwargs):
+        out = generate_text(**kwargs)
+        generated.append(out[:, 0].clone())
+        return out
 
     def recording_flow(**kwargs):
         v = forward_flow(**kwargs)
@@ -170,34 +202,42 @@ def run_case(model, vae, tokenizer, new_token_ids, prompt, seed, size, knobs):
     model.generate_image = recording_image
     inferencer.update_context_text = recording_update
     model.prepare_vae_latent = recording_latent
+    model.generate_text = recording_generate
+    think = {} if think_tokens is None else {"think": True, "max_think_token_n": think_tokens}
     try:
         torch.manual_seed(seed)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            result = inferencer.interleave_inference([prompt], image_shapes=size, **knobs)
+            result = inferencer.interleave_inference([prompt], image_shapes=size, **knobs,
+                                                     **think)
     finally:
         del model._forward_flow, model.prepare_vae_latent, model.generate_image
-    image = result[0]
-    # contexts: the full one, then the image-unconditional one (both the prompt only)
-    cache = contexts[0]["past_key_values"]
-    for layer in range(cache.num_layers):
-        record[f"context.k.{layer}"] = cache.key_cache[layer].float().clone()
-        record[f"context.v.{layer}"] = cache.value_cache[layer].float().clone()
+        del model.generate_text
+    image = result[-1]
+    text_ids = [new_token_ids["bos_token_id"], *tokenizer.encode(prompt),
+                new_token_ids["eos_token_id"]]
+    if think:
+        # contexts: the system prompt (full, then image-unconditional), the prompt (the
+        # same two), the planning (full)
+        _store_context(record, "cfg_text", contexts[0])
+        _store_context(record, "cfg_img", contexts[3])
+        _store_context(record, "context", contexts[4])
+        record["reasoning_ids"] = generated[0][1:].to(torch.int64)
+        record["reasoning"] = result[0]
+        wrap = [GEN_THINK_SYSTEM_PROMPT, prompt, result[0]]
+        text_ids = [i for text in wrap for i in (
+            new_token_ids["bos_token_id"], *tokenizer.encode(text),
+            new_token_ids["eos_token_id"])]
+    else:
+        # contexts: the full one, then the image-unconditional one (both the prompt only)
+        _store_context(record, "context", contexts[0])
     for step, v in enumerate(velocities):
         record[f"velocity.{step}"] = v
     record["latent"] = latents[0].float().clone()
     record["pixels"] = torch.from_numpy(np.array(image.convert("RGB"), dtype=np.uint8))
-    text_ids = [new_token_ids["bos_token_id"], *tokenizer.encode(prompt),
-                new_token_ids["eos_token_id"]]
     record["text_ids"] = torch.tensor(text_ids, dtype=torch.int64)
-
-    generated: list[torch.Tensor] = []
-    generate_text = model.generate_text
-
-    def recording_generate(**kwargs):
-        out = generate_text(**kwargs)
-        generated.append(out[:, 0].clone())
-        return out
-
+    if think:
+        return record
+    generated.clear()
     model.generate_text = recording_generate
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -243,16 +283,21 @@ def main() -> int:
         "special_token_ids": {k: int(v) for k, v in new_token_ids.items()},
         "cases": {},
     }
-    for name, prompt, seed, size, knobs in CASES:
-        record = run_case(model, vae, tokenizer, new_token_ids, prompt, seed, size, knobs)
-        again = run_case(model, vae, tokenizer, new_token_ids, prompt, seed, size, knobs)
-        repeatable = all(torch.equal(record[k], again[k]) for k in record)
+    cases = [(*case, None) for case in CASES] + THINK_CASES
+    for name, prompt, seed, size, knobs, think_tokens in cases:
+        record, again = (run_case(model, vae, tokenizer, new_token_ids, prompt, seed, size,
+                                  knobs, think_tokens) for _ in range(2))
+        reasoning = record.pop("reasoning", None)
+        repeatable = reasoning == again.pop("reasoning", None) and all(
+            torch.equal(record[k], again[k]) for k in record)
         save_file({k: v.contiguous() for k, v in record.items()},
                   str(args.out / f"{name}.safetensors"))
         meta["cases"][name] = {"prompt": prompt, "seed": seed, "height": size[0],
                                "width": size[1], "knobs": knobs,
                                "steps": knobs["num_timesteps"] - 1,
                                "bitwise_repeatable": repeatable}
+        if think_tokens is not None:
+            meta["cases"][name].update(max_think_token_n=think_tokens, reasoning=reasoning)
         print(f"{name}: {len(record)} tensors, repeatable={repeatable}")
     (args.out / "reference.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     return 0

@@ -127,6 +127,32 @@ def test_a_negative_prompt_steers_the_image(client, server):
     assert steered == again and steered != plain
 
 
+def test_thinking_plans_then_draws_the_official_image(client, server):
+    """``think``: the AR stage's greedy planning is the official code's
+    (``revised_prompt``), and the image drawn from it its pixels (up to bf16 rounding);
+    chat answers the planning as a text part before the same image."""
+    meta, ref = _case("t2i_think")
+    knobs = dict(meta["knobs"], num_inference_steps=meta["knobs"].pop("num_timesteps"))
+    extra = dict(knobs, seed=meta["seed"], think=True,
+                 max_think_token_n=meta["max_think_token_n"])
+    size = f"{meta['width']}x{meta['height']}"
+    response = _generate(client, server, prompt=meta["prompt"], size=size, **extra)
+    assert response.data[0].revised_prompt == meta["reasoning"]
+    image, png = _image(response)
+    pixels = np.asarray(image).astype(int)
+    assert pixels.shape == tuple(ref["pixels"].shape)
+    assert np.abs(pixels - ref["pixels"].numpy().astype(int)).mean() < PIXEL_MEAN_TOL
+    chat = client.chat.completions.create(
+        model=server.model, modalities=["image"],
+        messages=[{"role": "user", "content": meta["prompt"]}],
+        extra_body=dict(extra, size=size))
+    text, part = chat.choices[0].message.content
+    assert text == {"type": "text", "text": meta["reasoning"]}
+    assert base64.b64decode(part["image_url"]["url"].split(",", 1)[1]) == png
+    # the planning's tokens are counted with the image's prompt
+    assert chat.usage.completion_tokens == 1 + len(ref["reasoning_ids"])
+
+
 @pytest.mark.parametrize("fmt,magic", [("jpeg", b"\xff\xd8\xff"), ("webp", b"RIFF")])
 def test_other_output_formats_decode(client, server, fmt, magic):
     response = client.images.generate(model=server.model, prompt="A boat.", size="32x32",
@@ -175,6 +201,9 @@ def test_image_understanding_through_the_same_server(client, server):
     ({"response_format": "url"}, "response_format"),
     ({"output_format": "gif"}, "output_format"),
     ({"negative_prompt": "  "}, "negative_prompt"),
+    ({"think": "yes"}, "think"),
+    ({"think": True, "negative_prompt": "A dog."}, "negative_prompt"),
+    ({"max_think_token_n": 8}, "max_think_token_n"),  # without think
 ])
 def test_bad_requests_are_400s_naming_the_field(server, extra, field):
     import requests

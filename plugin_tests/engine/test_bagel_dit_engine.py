@@ -23,7 +23,7 @@ pytestmark = pytest.mark.engine
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "bagel_dit_generate.py"
 ENGINE_TIMEOUT_S = 600
-CASES = ("t2i_cfg_global", "t2i_cfg_text_channel")
+CASES = ("t2i_cfg_global", "t2i_cfg_text_channel", "t2i_think")
 #: bf16 reference vs float32: max |difference| / max |reference| of a velocity or latent
 REL_TOL = 0.05
 #: decoded pixels: mean |difference| in uint8 levels (the autoencoder runs in bf16 there)
@@ -47,6 +47,9 @@ REQUESTS = [
     {"case": "t2i_cfg_global", "guidance": {"cfg_text_scale": 1.0}},
     {"case": "t2i_cfg_global", "drop": ["text_uncond"]},
     {"case": "t2i_cfg_global", "seed": 43},
+    # text to image after planning (think): its three contexts differ
+    {"case": "t2i_think"},
+    {"case": "t2i_think", "guidance": {"num_timesteps": 2}},
 ]
 
 
@@ -93,7 +96,7 @@ def _rel(got, want) -> float:
     return float((got - want).abs().max() / want.abs().max())
 
 
-@pytest.mark.parametrize("index,case", [(2, CASES[0]), (3, CASES[1])])
+@pytest.mark.parametrize("index,case", [(2, CASES[0]), (3, CASES[1]), (9, CASES[2])])
 def test_velocity_after_one_step_matches_the_official_code(results, index, case):
     """One Euler step from t=1 to t=0 leaves ``noise - v``: v is the guided velocity at
     the first timestep (CFG on there in both cases)."""
@@ -102,7 +105,7 @@ def test_velocity_after_one_step_matches_the_official_code(results, index, case)
     assert _rel(velocity, ref["velocity.0"]) < REL_TOL
 
 
-@pytest.mark.parametrize("index,case", [(0, CASES[0]), (1, CASES[1])])
+@pytest.mark.parametrize("index,case", [(0, CASES[0]), (1, CASES[1]), (8, CASES[2])])
 def test_latent_and_pixels_match_the_official_code(results, index, case):
     ref = _reference(case)
     got = _ok(results[index])

@@ -3,6 +3,7 @@ image request (no engine)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -92,6 +93,27 @@ def test_an_image_chat_answer_is_one_image_content_part():
     head, data = part["image_url"]["url"].split(",", 1)
     assert head == "data:image/png;base64" and base64.b64decode(data) == b"\x89PNG"
     assert answer["usage"] == {"prompt_tokens": 3}
+    # a planning model's text comes first, as a text part
+    text, image = chat_image_response(b"\x89PNG", "png", "m", None, "a plan")[
+        "choices"][0]["message"]["content"]
+    assert text == {"type": "text", "text": "a plan"} and image["type"] == "image_url"
+
+
+def test_the_planning_step_and_its_usage_are_returned():
+    from vllm_omni_plugin.entrypoints.images import _usage, images_response, planning_body
+    from vllm_omni_plugin.processors import PlanningStep
+
+    body = planning_body(ImageRequest("m", "a cat"), PlanningStep("p", 7, ("<|im_end|>",)))
+    assert body == {"model": "m", "prompt": "p", "max_tokens": 7, "temperature": 0.0,
+                    "stop": ["<|im_end|>"], "skip_special_tokens": False,
+                    "spaces_between_special_tokens": False}
+    assert images_response(b"x", "png", 8, 8, "a plan")["data"][0]["revised_prompt"] \
+        == "a plan"
+    assert "revised_prompt" not in images_response(b"x", "png", 8, 8)["data"][0]
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert _usage({"usage": usage}, {"usage": usage}, {}) == {
+        "prompt_tokens": 6, "completion_tokens": 4, "total_tokens": 10}
+    assert _usage({}) is None
 
 
 def test_the_plan_wraps_the_prompt_and_checks_size_and_knobs(config):
@@ -126,6 +148,41 @@ def test_a_negative_prompt_is_a_companion_of_the_ar_stage(config):
     assert plan_image(config, ImageRequest("m", "a cat")).companions == {}
 
 
+def test_thinking_plans_first_then_draws_from_the_plan(config):
+    """``think``: the official inferencer's contexts (the module doc of
+    ``models/bagel/processors.py``): first a planning step, then the full context with
+    the planning, the system prompt's as the text-unconditional companion and the system
+    prompt's and prompt's as the image-unconditional one."""
+    system = "<|im_start|>" + bp.THINK_SYSTEM_PROMPT + "<|im_end|>"
+    prompt = "<|im_start|>a cat<|im_end|>"
+    request = ImageRequest("m", "a cat", size=(32, 32), seed=1,
+                           extra={"think": True, "max_think_token_n": 9})
+    first = plan_image(config, request)
+    assert first.planning.prompt == system + prompt + "<|im_start|>"
+    assert first.planning.max_tokens == 8  # the official count includes the start token
+    assert set(first.planning.stop) == {"<|im_end|>", "<|im_start|>"}
+    plan = plan_image(config, dataclasses.replace(request, reasoning="a plan"))
+    assert plan.planning is None
+    assert plan.prompt == system + prompt + "<|im_start|>a plan<|im_end|>"
+    assert plan.companions == {bp.NEGATIVE: system, bp.IMAGE_UNCOND: system + prompt}
+    assert plan.options.guidance == Guidance()
+    default = plan_image(config, ImageRequest("m", "a cat", extra={"think": True}))
+    assert default.planning.max_tokens == bp.DEFAULT_THINK_TOKENS - 1
+    assert plan_image(config, ImageRequest("m", "a cat", extra={"think": False})
+                      ).planning is None
+    for request, field in ((ImageRequest("m", "x", extra={"think": "yes"}), "think"),
+                           (ImageRequest("m", "x", extra={"max_think_token_n": 8}),
+                            "max_think_token_n"),
+                           (ImageRequest("m", "x", extra={"think": True,
+                                                          "max_think_token_n": 1}),
+                            "max_think_token_n"),
+                           (ImageRequest("m", "x", negative_prompt="blurry",
+                                         extra={"think": True}), "negative_prompt")):
+        with pytest.raises(RequestError) as err:
+            plan_image(config, request)
+        assert err.value.field == field
+
+
 def test_another_model_plans_no_images():
     assert plan_image(object(), ImageRequest("m", "x")) is None
 
@@ -158,6 +215,12 @@ def test_ar2dit_builds_the_three_cfg_contexts(config):
     assert out.payload["text_uncond.k"].equal(nk.transpose(0, 1))
     assert int(out.payload["text_uncond.rope"]) == 3
     assert out.payload["cond.k"].equal(k[:tokens].transpose(0, 1))
+    # a thinking request's image-unconditional context is a companion's too
+    out = get_processor("bagel_ar2dit")([ar], None, StageRequest(
+        config, options={"image": options},
+        companions={bp.NEGATIVE: negative, bp.IMAGE_UNCOND: negative}))
+    assert out.payload["img_uncond.v"].equal(nv.transpose(0, 1))
+    assert int(out.payload["img_uncond.rope"]) == 3
     with pytest.raises(ValueError, match="image request"):
         get_processor("bagel_ar2dit")([ar], None, StageRequest(config))
     with pytest.raises(ValueError, match="keys and values"):

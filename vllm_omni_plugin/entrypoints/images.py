@@ -5,7 +5,11 @@ The API checks OpenAI's fields here; the served model's plugin (the
 stage is prompted with. That prompt then runs as a completion (``max_tokens=1``) whose
 downstream stages draw the image; the answer is OpenAI's ``ImagesResponse``:
 ``{"created", "data": [{"b64_json"}], "output_format", "size"}``. A failure answers
-with the pipeline's error (HTTP 400/429/500/503 naming the stage), as chat does.
+with the pipeline's error (HTTP 400/429/500/503 naming the stage), as chat does. A
+model that plans before drawing (BAGEL's ``think``; the plan's
+:class:`~vllm_omni_plugin.processors.hookspecs.PlanningStep`) first writes its plan as a
+completion of its own; the image is drawn from it, and ``data[0].revised_prompt``
+returns it.
 
 Fields: ``model``, ``prompt`` (at most :data:`MAX_PROMPT_CHARS` characters), ``n``
 (1), ``size`` (``"WxH"`` or ``"auto"``), ``response_format`` (``b64_json``),
@@ -18,13 +22,14 @@ Chat completions with ``"modalities": ["image"]`` draw the same way
 above and the model's knobs may stand in the chat body, and the answer is a
 ``chat.completion`` whose ``choices[0].message.content`` is one image content part,
 ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``
-(:func:`chat_image_response`).
+(:func:`chat_image_response`), after a text part with the plan when the model planned.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import io
 import json
 import time
@@ -41,7 +46,7 @@ from vllm_omni_plugin.entrypoints.asgi import (
 from vllm_omni_plugin.entrypoints.chat_audio import COMPLETIONS_PATH
 from vllm_omni_plugin.entrypoints.media_input import is_choice, required_text
 from vllm_omni_plugin.processors import plan_image
-from vllm_omni_plugin.processors.hookspecs import ImageRequest, RequestError
+from vllm_omni_plugin.processors.hookspecs import ImageRequest, PlanningStep, RequestError
 
 IMAGES_PATH = "/v1/images/generations"
 MAX_PROMPT_CHARS = 32000
@@ -121,11 +126,15 @@ def encode_image(pixels, fmt: str, compression: int | None) -> bytes:
     return out.getvalue()
 
 
-def images_response(encoded: bytes, fmt: str, width: int, height: int) -> dict:
-    """OpenAI's ``ImagesResponse`` for one image."""
-    return {"created": int(time.time()),
-            "data": [{"b64_json": base64.b64encode(encoded).decode("ascii")}],
-            "output_format": fmt, "size": f"{width}x{height}"}
+def images_response(encoded: bytes, fmt: str, width: int, height: int,
+                    revised_prompt: str | None = None) -> dict:
+    """OpenAI's ``ImagesResponse`` for one image (``data[0].revised_prompt``: the
+    model's planning text, when it planned)."""
+    image = {"b64_json": base64.b64encode(encoded).decode("ascii")}
+    if revised_prompt is not None:
+        image["revised_prompt"] = revised_prompt
+    return {"created": int(time.time()), "data": [image], "output_format": fmt,
+            "size": f"{width}x{height}"}
 
 
 def chat_image_body(body: dict) -> dict:
@@ -176,17 +185,21 @@ def chat_image_body(body: dict) -> dict:
     return {"model": body.get("model"), "prompt": prompt, **rest}
 
 
-def chat_image_response(encoded: bytes, fmt: str, model: str, usage: dict | None) -> dict:
+def chat_image_response(encoded: bytes, fmt: str, model: str, usage: dict | None,
+                        reasoning: str | None = None) -> dict:
     """OpenAI's ``chat.completion`` answering one image: ``choices[0].message.content`` is
-    ``[{"type": "image_url", "image_url": {"url": "data:<media type>;base64,..."}}]``;
-    ``usage`` as the AR stage's completion counted it."""
+    ``[{"type": "image_url", "image_url": {"url": "data:<media type>;base64,..."}}]``,
+    after ``{"type": "text", "text": reasoning}`` when the model planned; ``usage`` as
+    the AR stage's completions counted them."""
     # each output format's media type is image/<format> (IANA's media type registry)
     url = f"data:image/{fmt};base64,{base64.b64encode(encoded).decode('ascii')}"
+    content = [{"type": "image_url", "image_url": {"url": url}}]
+    if reasoning is not None:
+        content.insert(0, {"type": "text", "text": reasoning})
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
             "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "finish_reason": "stop", "logprobs": None, "message": {
-                "role": "assistant",
-                "content": [{"type": "image_url", "image_url": {"url": url}}]}}],
+                "role": "assistant", "content": content}}],
             "usage": usage}
 
 
@@ -208,15 +221,50 @@ def plan_image_request(scope, body: dict, field: str = "model"):
     return request, plan, fmt, compression
 
 
+def planning_body(request: ImageRequest, planning: PlanningStep) -> dict:
+    """The completion request that writes a plan's :class:`PlanningStep`: greedy, the
+    model's special tokens kept in the text (the step's stop strings may be some) and
+    joined without spaces, as the tokenizer decodes them."""
+    return {"model": request.model, "prompt": planning.prompt,
+            "max_tokens": planning.max_tokens, "temperature": 0.0,
+            "stop": list(planning.stop), "skip_special_tokens": False,
+            "spaces_between_special_tokens": False}
+
+
+def _usage(*answers: dict) -> dict | None:
+    """The completions' usage summed (None when none counted any)."""
+    usages = [a.get("usage") for a in answers if a.get("usage")]
+    if not usages:
+        return None
+    keys = ("prompt_tokens", "completion_tokens", "total_tokens")
+    return {k: sum(int(u.get(k) or 0) for u in usages) for k in keys}
+
+
 async def serve_image(app, scope, receive, send, request, plan, fmt: str,
                       compression: int | None, chat: bool = False) -> None:
     """``POST /v1/images/generations``, or a chat completion asking for an image
     (``chat``): the completion of :func:`completion_body`, whose downstream stages
     draw the image, answered as OpenAI's ``ImagesResponse`` or as a
-    ``chat.completion`` with an image content part (see the module docstring)."""
+    ``chat.completion`` with an image content part (see the module docstring). A plan
+    with a :class:`PlanningStep` first runs :func:`planning_body`'s completion and is
+    planned again with its text, which the answer returns (``revised_prompt``, or a
+    text content part before the image)."""
+    completions = {**scope, "path": COMPLETIONS_PATH, "raw_path": COMPLETIONS_PATH.encode()}
+    answers = []
+    if plan.planning is not None:
+        planning = OmniRequest()
+        answer = await captured(app, completions, receive,
+                                json.dumps(planning_body(request, plan.planning)).encode(),
+                                planning)
+        if planning.result is not None and planning.result.error:
+            return await send_failure(send, planning.result)
+        if answer.status != 200:
+            return await answer.replay(send, answer.body)  # vLLM's own error
+        answers.append(json.loads(answer.body))
+        request = dataclasses.replace(request, reasoning=answers[0]["choices"][0]["text"])
+        plan = plan_image(hf_config(scope), request)
     omni = OmniRequest(modalities=(IMAGE,), options={"image": plan.options},
                        companions=dict(plan.companions))
-    completions = {**scope, "path": COMPLETIONS_PATH, "raw_path": COMPLETIONS_PATH.encode()}
     answer = await captured(
         app, completions, receive,
         json.dumps(completion_body(request, plan.prompt)).encode(), omni)
@@ -228,9 +276,10 @@ async def serve_image(app, scope, receive, send, request, plan, fmt: str,
     if result is None or "image" not in result.payload:
         return await send_json(send, 500, error_body(
             "the pipeline's final stage produced no image", 500))
+    answers.append(json.loads(answer.body))
     encoded = await asyncio.to_thread(encode_image, result.payload["image"], fmt,
                                       compression)
-    response = chat_image_response(encoded, fmt, request.model,
-                                   json.loads(answer.body).get("usage")) if chat \
-        else images_response(encoded, fmt, plan.width, plan.height)
+    response = chat_image_response(encoded, fmt, request.model, _usage(*answers),
+                                   request.reasoning) if chat \
+        else images_response(encoded, fmt, plan.width, plan.height, request.reasoning)
     await send_json(send, 200, json.dumps(response).encode())

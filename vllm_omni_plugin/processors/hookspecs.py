@@ -225,6 +225,9 @@ class ImageRequest:
         seed: the noise's seed; None for a random one.
         negative_prompt: what not to draw, or None.
         extra: the body's other fields (the model's own knobs), for the model to check.
+        reasoning: the text the entry stage wrote for the plan's :attr:`ImagePlan.planning`
+            step, once it ran (the model is then asked to plan the request again, with
+            it); None before, or when the plan has no such step.
     """
 
     model: str
@@ -233,6 +236,25 @@ class ImageRequest:
     seed: int | None = None
     negative_prompt: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    reasoning: str | None = None
+
+
+@dataclass(frozen=True)
+class PlanningStep:
+    """Text the entry stage writes before an image is drawn (a model's "thinking"): the
+    API layer completes ``prompt`` greedily and plans the request again with the text as
+    :attr:`ImageRequest.reasoning`, which the answer returns (``revised_prompt``).
+
+    Attributes:
+        prompt: the entry stage's prompt to complete (the model's special tokens allowed).
+        max_tokens: the most tokens written.
+        stop: the text ends before the first of these strings (special tokens are kept in
+            the text, so a special token may be one).
+    """
+
+    prompt: str
+    max_tokens: int
+    stop: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -247,6 +269,9 @@ class ImagePlan:
         companions: more prompts the entry stage runs for the request, by name (e.g. a
             negative prompt's context for CFG); their outputs reach the processors as
             ``StageRequest.companions[name]`` (an :class:`UpstreamOutput`).
+        planning: text to write first (:class:`PlanningStep`); the plan's other fields
+            are then not used: the request is planned again with the text. None: draw
+            as planned.
     """
 
     prompt: str
@@ -254,6 +279,7 @@ class ImagePlan:
     height: int
     options: Any = None
     companions: dict[str, str] = field(default_factory=dict)
+    planning: PlanningStep | None = None
 
 
 @hookspec(firstresult=True)

@@ -13,7 +13,8 @@ spec as ``argv[1]``::
 
 Each request's input payload is :func:`generation_payload` of the case's context (the
 full context for ``cond`` and ``img_uncond``, as the official text-to-image flow builds
-them; an empty one at RoPE position 0 for ``text_uncond``), ``initial_noise(seed)`` and
+them; an empty one at RoPE position 0 for ``text_uncond``; a thinking case's recorded
+``cfg_text`` and ``cfg_img`` contexts for those two), ``initial_noise(seed)`` and
 its guidance; ``drop`` leaves branches out. Output: the last stdout line is
 ``{"engines": {name: {"batches": [{"keys": [...]}, ...], "memory_profile": ...}}}``; the
 results are in the payload store under those keys (``key.err`` on failure). With
@@ -57,13 +58,19 @@ def _payload(fixtures: Path, request: dict, config):
     meta = json.loads((fixtures / "reference.json").read_text())["cases"][request["case"]]
     record = load_file(str(fixtures / f"{request['case']}.safetensors"))
     layers = sorted(int(k.rsplit(".", 1)[1]) for k in record if k.startswith("context.k."))
-    k = torch.stack([record[f"context.k.{i}"] for i in layers])
-    v = torch.stack([record[f"context.v.{i}"] for i in layers])
+
+    def context(name: str):
+        k = torch.stack([record[f"{name}.k.{i}"] for i in layers])
+        v = torch.stack([record[f"{name}.v.{i}"] for i in layers])
+        return k, v, k.shape[1]
+
     knobs = {**meta["knobs"], **request.get("guidance", {})}
     knobs["cfg_interval"] = tuple(knobs["cfg_interval"])
-    empty = k[:, :0]
-    branches = {"cond": (k, v, k.shape[1]), "text_uncond": (empty, empty, 0),
-                "img_uncond": (k, v, k.shape[1])}
+    cond = context("context")
+    empty = cond[0][:, :0]
+    branches = {"cond": cond, "text_uncond": (empty, empty, 0), "img_uncond": cond}
+    if "cfg_text.k.0" in record:  # a thinking case's contexts
+        branches.update(text_uncond=context("cfg_text"), img_uncond=context("cfg_img"))
     for name in request.get("drop", []):
         del branches[name]
     height, width = meta["height"], meta["width"]

@@ -9,6 +9,16 @@ text-unconditional one (empty: RoPE position 0, no keys) and the image-unconditi
 the text-unconditional context is that prompt's, ``<|im_start|> negative <|im_end|>``,
 prefilled by the AR stage as the request's companion :data:`NEGATIVE` (upstream
 vllm-omni's meaning; the official code has no negative prompt for text to image).
+
+With ``think`` (the official ``think=True``), the AR stage first plans: it completes
+``<|im_start|> THINK_SYSTEM_PROMPT <|im_end|> <|im_start|> prompt <|im_end|>
+<|im_start|>`` greedily, up to ``max_think_token_n - 1`` tokens (the official count
+includes the start token it feeds), the text ending before ``<|im_end|>`` or another
+``<|im_start|>`` (the official ``gen_text`` keeps what lies between them). The image is
+then drawn from the full context, that prompt with ``<|im_start|> planning <|im_end|>``
+after it; the text-unconditional context is the system prompt's (companion
+:data:`NEGATIVE`), the image-unconditional one the system prompt's and the prompt's
+(companion :data:`IMAGE_UNCOND`), as the official ``interleave_inference`` builds them.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ from vllm_omni_plugin.models.bagel.dit import (
 from vllm_omni_plugin.processors.hookspecs import (
     ImagePlan,
     ImageRequest,
+    PlanningStep,
     RequestError,
     StageInput,
     StageRequest,
@@ -45,8 +56,22 @@ KNOBS = {"cfg_text_scale": "cfg_text_scale", "cfg_img_scale": "cfg_img_scale",
 DEFAULT_SIDE = 1024
 #: the largest seed (the generator takes 64 bits; JSON clients keep 53 exactly)
 MAX_SEED = 2 ** 53 - 1
-#: the companion request holding a negative prompt's context
+#: the companion request holding the text-unconditional context (a negative prompt's,
+#: or with ``think`` the system prompt's)
 NEGATIVE = "cfg_text"
+#: the companion request holding the image-unconditional context when it is not the full
+#: one (with ``think``: the system prompt's and the prompt's, without the planning)
+IMAGE_UNCOND = "cfg_img"
+#: the official inferencer's system prompt for planning before drawing
+#: (``GEN_THINK_SYSTEM_PROMPT``; its first line ends with a space)
+THINK_SYSTEM_PROMPT = (
+    "You should first think about the planning process in the mind and then generate "
+    "the image. \nThe planning process is enclosed within <think> </think> tags, i.e. "
+    "<think> planning process here </think> image here")
+#: the official app's default ``max_think_token_n`` (the start token and the planning)
+DEFAULT_THINK_TOKENS = 1024
+#: the request fields about planning, not :class:`Guidance`'s
+THINK_FIELDS = ("think", "max_think_token_n")
 
 
 def ar_prompt(text: str) -> str:
@@ -74,8 +99,11 @@ def is_bagel(hf_config) -> bool:
 def _guidance(extra: dict[str, Any]) -> Guidance:
     values = {}
     for name, value in extra.items():
+        if name in THINK_FIELDS:
+            continue
         if name not in KNOBS:
-            raise RequestError(name, f"unknown field; BAGEL's knobs are {', '.join(KNOBS)}")
+            raise RequestError(name, "unknown field; BAGEL's knobs are "
+                               f"{', '.join((*KNOBS, *THINK_FIELDS))}")
         if name == "cfg_renorm_type":
             if not isinstance(value, str):
                 raise RequestError(name, "must be a string")
@@ -97,27 +125,63 @@ def _guidance(extra: dict[str, Any]) -> Guidance:
         raise RequestError(api, exc.message) from None
 
 
+def _think_tokens(extra: dict[str, Any]) -> int | None:
+    """The request's ``max_think_token_n`` when it asks to ``think``, else None.
+
+    Raises:
+        RequestError: ``think`` is not a boolean, or ``max_think_token_n`` not an
+            integer >= 2 or given without ``think``.
+    """
+    think = extra.get("think", False)
+    if not isinstance(think, bool):
+        raise RequestError("think", "must be true or false")
+    tokens = extra.get("max_think_token_n")
+    if tokens is None:
+        return DEFAULT_THINK_TOKENS if think else None
+    if not think:
+        raise RequestError("max_think_token_n", "applies only with think: true")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 2:
+        raise RequestError("max_think_token_n", "must be an integer >= 2 (the start token "
+                           "and at least one planning token)")
+    return tokens
+
+
 def plan_bagel_image(hf_config, request: ImageRequest) -> ImagePlan:
-    """The AR prompt and the DiT's options of a text-to-image request.
+    """The AR prompt and the DiT's options of a text-to-image request; with ``think``
+    and no :attr:`~ImageRequest.reasoning` yet, the planning step (see the module doc).
 
     Raises:
         RequestError: a size that is not a multiple of the latent token (16 px) or is
             above the checkpoint's largest, a bad knob, an unknown field, a seed out of
-            range, or a blank negative prompt.
+            range, a blank negative prompt or one with ``think``.
     """
     width, height = request.size or (min(DEFAULT_SIDE, max_image_side(hf_config)),) * 2
     check_image_size(hf_config, width, height)
+    think_tokens = _think_tokens(request.extra)
     companions = {}
     if request.negative_prompt is not None:
         if not request.negative_prompt.strip():
             raise RequestError("negative_prompt", "must not be blank (or left out)")
+        if think_tokens is not None:
+            raise RequestError("negative_prompt", "is not used with think: true (the "
+                               "system prompt is the text-unconditional context)")
         companions[NEGATIVE] = ar_prompt(request.negative_prompt)
     seed = secrets.randbelow(MAX_SEED + 1) if request.seed is None else request.seed
     if not 0 <= seed <= MAX_SEED:
         raise RequestError("seed", f"must be in [0, {MAX_SEED}]")
-    return ImagePlan(prompt=ar_prompt(request.prompt), width=width, height=height,
-                     options=BagelImageOptions(width, height, seed,
-                                               _guidance(request.extra)),
+    options = BagelImageOptions(width, height, seed, _guidance(request.extra))
+    prompt = ar_prompt(request.prompt)
+    if think_tokens is not None:
+        system = ar_prompt(THINK_SYSTEM_PROMPT)
+        if request.reasoning is None:
+            return ImagePlan(prompt=system + prompt, width=width, height=height,
+                             planning=PlanningStep(
+                                 prompt=system + prompt + "<|im_start|>",
+                                 max_tokens=think_tokens - 1,
+                                 stop=("<|im_end|>", "<|im_start|>")))
+        companions = {NEGATIVE: system, IMAGE_UNCOND: system + prompt}
+        prompt = system + prompt + ar_prompt(request.reasoning)
+    return ImagePlan(prompt=prompt, width=width, height=height, options=options,
                      companions=companions)
 
 
@@ -161,10 +225,12 @@ def bagel_ar2dit(upstream: list[UpstreamOutput], stage, request: StageRequest) -
         text_uncond = _context(negative)
     else:
         text_uncond = (k[:, :0], v[:, :0], 0)
+    image_uncond = request.companions.get(IMAGE_UNCOND)
+    img_uncond = (k, v, length) if image_uncond is None else _context(image_uncond)
     hf_config = request.hf_config
     noise = initial_noise(options.seed, options.height, options.width, hf_config)
     payload = generation_payload(noise, options.height, options.width, options.guidance, {
-        "cond": (k, v, length), "text_uncond": text_uncond, "img_uncond": (k, v, length)})
+        "cond": (k, v, length), "text_uncond": text_uncond, "img_uncond": img_uncond})
     return StageInput(prompt_token_ids=[0], payload=payload, sampling_overrides={
         "max_tokens": options.guidance.num_timesteps - 1, "ignore_eos": True})
 
