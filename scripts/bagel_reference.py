@@ -31,6 +31,15 @@ prompt) and ``cfg_img.*`` the image-unconditional one (system prompt and prompt)
 ``text_ids`` the full one's token ids, ``reasoning_ids`` the greedy planning tokens (the
 start token left out) and the planning text in ``reference.json``.
 
+An editing case (the official app's "Image Edit": an input image, then the instruction)
+records ``input_image`` ``[H, W, 3]`` uint8 (drawn from the case's seed), ``context.*``
+the full context (the image through the VAE, then through the ViT, then the
+instruction), ``cfg_text.*`` the image alone (text-unconditional) and ``cfg_img.*`` the
+instruction alone (image-unconditional), ``text_ids`` the instruction's ids, and the
+velocities, latent and pixels as above; the image is drawn at the input's resized size.
+The official transforms' sizes (VAE 1024/512/16, ViT 980/224/14) are capped by the tiny
+checkpoint's largest sides as the plugin caps them (:func:`edit_transforms`).
+
 Usage::
 
     python scripts/bagel_reference.py --bagel-repo DIR --checkpoint CKPT --out DIR
@@ -66,6 +75,13 @@ THINK_CASES = [
     ("t2i_think", "A house made of cheese.", 3, (32, 32),
      dict(cfg_text_scale=4.0, cfg_img_scale=1.5, cfg_interval=[0.4, 1.0], timestep_shift=3.0,
           num_timesteps=5, cfg_renorm_min=0.0, cfg_renorm_type="global"), 8),
+]
+#: (name, instruction, seed, input (W, H), knobs): editing with the official app's
+#: editing defaults (fewer steps)
+EDIT_CASES = [
+    ("edit_text_channel", "Make the sky green.", 11, (100, 60),
+     dict(cfg_text_scale=4.0, cfg_img_scale=2.0, cfg_interval=[0.0, 1.0], timestep_shift=3.0,
+          num_timesteps=5, cfg_renorm_min=0.0, cfg_renorm_type="text_channel")),
 ]
 UNDERSTANDING_TOKENS = 8
 
@@ -253,6 +269,87 @@ def run_case(model, vae, tokenizer, new_token_ids, prompt, seed, size, knobs,
     return record
 
 
+def edit_transforms(served: dict):
+    """The official app's VAE and ViT ``ImageTransform``s with each (max side, min side)
+    capped by the checkpoint: the max by its largest image (``16 * max_latent_size``;
+    ViT: ``patch_size * vit_max_num_patch_per_side``), the min by half of that (the
+    plugin's ``models/bagel/editing.py`` rule, written again here: this venv cannot
+    import the plugin)."""
+    from data.transforms import ImageTransform
+
+    vae_max = min(1024, 16 * served["max_latent_size"])
+    patch = served["vit_config"]["patch_size"]
+    vit_max = min(980, patch * served["vit_max_num_patch_per_side"])
+    return (ImageTransform(vae_max, min(512, vae_max // 2), 16),
+            ImageTransform(vit_max, min(224, vit_max // 2), patch))
+
+
+def edit_input(seed: int, width: int, height: int) -> np.ndarray:
+    """A smooth ``[H, W, 3]`` uint8 test picture drawn from ``seed`` (numpy)."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width] / max(width, height)
+    waves = [np.sin(2 * np.pi * (rng.uniform(0.5, 3) * x + rng.uniform(0.5, 3) * y
+                                 + rng.uniform(0, 1))) for _ in range(3)]
+    return ((np.stack(waves, axis=-1) + 1) * 127.5).round().astype(np.uint8)
+
+
+def run_edit_case(model, vae, tokenizer, new_token_ids, served, prompt, seed, size, knobs):
+    """An editing case's record (see the module doc)."""
+    from inferencer import InterleaveInferencer
+    from PIL import Image
+
+    vae_transform, vit_transform = edit_transforms(served)
+    inferencer = InterleaveInferencer(model, vae, tokenizer, vae_transform, vit_transform,
+                                      new_token_ids)
+    pixels_in = edit_input(seed, *size)
+    record: dict[str, torch.Tensor] = {"input_image": torch.from_numpy(pixels_in)}
+    velocities, latents, texts, images = [], [], [], []
+    forward_flow, generate_image = model._forward_flow, model.generate_image
+    update_text, update_image = inferencer.update_context_text, inferencer.update_context_image
+
+    def recording_flow(**kwargs):
+        v = forward_flow(**kwargs)
+        velocities.append(v.detach().float().clone())
+        return v
+
+    def recording_image(**kwargs):
+        out = generate_image(**kwargs)
+        latents.append(out[0])
+        return out
+
+    def recording_text(text, context):
+        context = update_text(text, context)
+        texts.append(copy.deepcopy(context))
+        return context
+
+    def recording_update_image(image, context, **kwargs):
+        context = update_image(image, context, **kwargs)
+        images.append(copy.deepcopy(context))
+        return context
+
+    model._forward_flow, model.generate_image = recording_flow, recording_image
+    inferencer.update_context_text = recording_text
+    inferencer.update_context_image = recording_update_image
+    try:
+        torch.manual_seed(seed)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            result = inferencer.interleave_inference([Image.fromarray(pixels_in), prompt],
+                                                     **knobs)
+    finally:
+        del model._forward_flow, model.generate_image
+    # contexts: the image (text-unconditional), then the full one and the instruction's
+    _store_context(record, "cfg_text", images[0])
+    _store_context(record, "context", texts[0])
+    _store_context(record, "cfg_img", texts[1])
+    for step, v in enumerate(velocities):
+        record[f"velocity.{step}"] = v
+    record["latent"] = latents[0].float().clone()
+    record["pixels"] = torch.from_numpy(np.array(result[-1].convert("RGB"), dtype=np.uint8))
+    record["text_ids"] = torch.tensor([new_token_ids["bos_token_id"], *tokenizer.encode(prompt),
+                                       new_token_ids["eos_token_id"]], dtype=torch.int64)
+    return record
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bagel-repo", required=True, type=Path,
@@ -299,6 +396,20 @@ def main() -> int:
         if think_tokens is not None:
             meta["cases"][name].update(max_think_token_n=think_tokens, reasoning=reasoning)
         print(f"{name}: {len(record)} tensors, repeatable={repeatable}")
+    served = json.loads((args.checkpoint / "config.json").read_text())
+    for name, prompt, seed, size, knobs in EDIT_CASES:
+        record, again = (run_edit_case(model, vae, tokenizer, new_token_ids, served, prompt,
+                                       seed, size, knobs) for _ in range(2))
+        save_file({k: v.contiguous() for k, v in record.items()},
+                  str(args.out / f"{name}.safetensors"))
+        height, width = record["pixels"].shape[:2]
+        meta["cases"][name] = {
+            "prompt": prompt, "seed": seed, "input_width": size[0], "input_height": size[1],
+            "height": height, "width": width, "knobs": knobs,
+            "steps": knobs["num_timesteps"] - 1,
+            "bitwise_repeatable": all(torch.equal(record[k], again[k]) for k in record)}
+        print(f"{name}: {len(record)} tensors, "
+              f"repeatable={meta['cases'][name]['bitwise_repeatable']}")
     (args.out / "reference.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     return 0
 
