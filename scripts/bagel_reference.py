@@ -32,7 +32,9 @@ prompt) and ``cfg_img.*`` the image-unconditional one (system prompt and prompt)
 start token left out) and the planning text in ``reference.json``.
 
 An editing case (the official app's "Image Edit": an input image, then the instruction)
-records ``input_image`` ``[H, W, 3]`` uint8 (drawn from the case's seed), ``context.*``
+records ``input_image`` ``[H, W, 3]`` uint8 (drawn from the case's seed),
+``posterior_eps`` ``[z, H / 8, W / 8]`` (the autoencoder's posterior draw, the first after
+the seed; ``noise`` is the second), ``context.*``
 the full context (the image through the VAE, then through the ViT, then the
 instruction), ``cfg_text.*`` the image alone (text-unconditional) and ``cfg_img.*`` the
 instruction alone (image-unconditional), ``text_ids`` the instruction's ids, and the
@@ -303,9 +305,20 @@ def run_edit_case(model, vae, tokenizer, new_token_ids, served, prompt, seed, si
                                       new_token_ids)
     pixels_in = edit_input(seed, *size)
     record: dict[str, torch.Tensor] = {"input_image": torch.from_numpy(pixels_in)}
-    velocities, latents, texts, images = [], [], [], []
+    velocities, latents, texts, images, draws = [], [], [], [], []
     forward_flow, generate_image = model._forward_flow, model.generate_image
     update_text, update_image = inferencer.update_context_text, inferencer.update_context_image
+    prepare_latent, randn_like = model.prepare_vae_latent, torch.randn_like
+
+    def recording_latent(*args, **kwargs):
+        out = prepare_latent(*args, **kwargs)
+        record["noise"] = out["packed_init_noises"].clone()
+        return out
+
+    def recording_randn_like(*args, **kwargs):  # the autoencoder's posterior draw
+        out = randn_like(*args, **kwargs)
+        draws.append(out.clone())
+        return out
 
     def recording_flow(**kwargs):
         v = forward_flow(**kwargs)
@@ -328,15 +341,19 @@ def run_edit_case(model, vae, tokenizer, new_token_ids, served, prompt, seed, si
         return context
 
     model._forward_flow, model.generate_image = recording_flow, recording_image
+    model.prepare_vae_latent = recording_latent
     inferencer.update_context_text = recording_text
     inferencer.update_context_image = recording_update_image
+    torch.randn_like = recording_randn_like
     try:
         torch.manual_seed(seed)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             result = inferencer.interleave_inference([Image.fromarray(pixels_in), prompt],
                                                      **knobs)
     finally:
-        del model._forward_flow, model.generate_image
+        del model._forward_flow, model.generate_image, model.prepare_vae_latent
+        torch.randn_like = randn_like
+    (record["posterior_eps"],) = (d[0].float() for d in draws)
     # contexts: the image (text-unconditional), then the full one and the instruction's
     _store_context(record, "cfg_text", images[0])
     _store_context(record, "context", texts[0])

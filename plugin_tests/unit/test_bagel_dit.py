@@ -18,16 +18,27 @@ from vllm_omni_plugin.models.bagel.autoencoder import (
     autoencoder_config,
 )
 
+#: an editing context vs the official code's (bf16): max |difference| / max |reference|
+EDIT_KV_REL_TOL = 0.03
+
 
 def test_noise_of_a_seed_is_the_official_codes(tiny_bagel):
-    """The head draws a seed's noise exactly as the official code did for the fixtures."""
+    """The head draws a seed's noise exactly as the official code did for the fixtures
+    (the last case is a text-to-image one: the cases are sorted by name)."""
     from safetensors.torch import load_file
 
     config = served_bagel_config(tiny_bagel)
     cases = json.loads((Path(BAGEL_REFERENCE) / "reference.json").read_text())["cases"]
     for name, case in cases.items():
-        ref = load_file(str(Path(BAGEL_REFERENCE) / f"{name}.safetensors"))["noise"]
-        noise = dit.initial_noise(case["seed"], case["height"], case["width"], config)
+        record = load_file(str(Path(BAGEL_REFERENCE) / f"{name}.safetensors"))
+        ref = record["noise"]
+        if "input_image" in record:  # editing: the autoencoder's posterior draw first
+            eps, noise = dit.edit_noise(case["seed"], case["height"], case["width"],
+                                        case["height"], case["width"], config)
+            # (drawn there in the bf16 of the encoder's output under autocast)
+            assert eps.bfloat16().float().equal(record["posterior_eps"]), name
+        else:
+            noise = dit.initial_noise(case["seed"], case["height"], case["width"], config)
         assert noise.equal(ref), name
     other = dit.initial_noise(case["seed"] + 1, case["height"], case["width"], config)
     assert not other.equal(ref)
@@ -107,12 +118,17 @@ def test_checkpoint_names_map_to_the_dit():
     assert m("language_model.model.layers.0.input_layernorm.weight") == \
         "layers.0.und.input_layernorm.weight"
     assert m("language_model.model.norm_moe_gen.weight") == "norm_gen.weight"
-    assert m("language_model.model.embed_tokens.weight") == "marker_embeds"
+    assert m("language_model.model.embed_tokens.weight") == "embed_tokens.weight"
     assert m("time_embedder.mlp.2.bias") == "time_embedder.2.bias"
     assert m("decoder.up.1.upsample.conv.weight") == "vae.up.1.upsample.conv.weight"
+    # image editing: the autoencoder's encoder, the ViT and its connector
+    assert m("encoder.down.0.downsample.conv.weight") == \
+        "vae_encoder.down.0.downsample.conv.weight"
+    assert m("vit_model.vision_model.post_layernorm.weight") == \
+        "vit.vit_model.vision_model.post_layernorm.weight"
+    assert m("connector.fc1.weight") == "vit.connector.fc1.weight"
     for skipped in ("language_model.model.norm.weight", "language_model.lm_head.weight",
-                    "vit_model.vision_model.post_layernorm.weight", "connector.fc1.weight",
-                    "latent_pos_embed.pos_embed", "encoder.conv_in.weight"):
+                    "latent_pos_embed.pos_embed", "vit_pos_embed.pos_embed"):
         assert m(skipped) is None, skipped
 
 
@@ -127,8 +143,11 @@ def tiny_dit(tiny_bagel):
 
     vllm_config = VllmConfig()
     single_rank(vllm_config)
+    ids = json.loads((Path(BAGEL_REFERENCE) / "reference.json").read_text())[
+        "special_token_ids"]  # the tokenizer's <|vision_start|> and <|vision_end|>
     with set_current_vllm_config(vllm_config):
-        model = dit.BagelDiT(served_bagel_config(tiny_bagel), (1, 2))
+        model = dit.BagelDiT(served_bagel_config(tiny_bagel),
+                             (ids["start_of_image"], ids["end_of_image"]))
     weights = {**load_file(str(Path(tiny_bagel) / "ema.safetensors")),
                **load_file(str(Path(tiny_bagel) / "ae.safetensors"))}
     model.load_weights(weights.items())
@@ -331,3 +350,31 @@ def test_a_forward_holds_at_most_the_profiled_rows(tiny_dit, budget, forwards):
     with _forwards(tiny_dit) as calls:
         tiny_dit.advance(started, {}, budget)
     assert calls == forwards and all(image.done for image in started)
+
+
+def test_an_editing_context_is_the_official_codes(tiny_dit, tiny_bagel):
+    """Editing: the input image resized as the official transforms resize it, then
+    through the autoencoder (the fixture's posterior draw), the ViT and the instruction:
+    the image context (text-unconditional) and the full one equal the official code's
+    keys and values, layer by layer (bf16 there, float32 here)."""
+    from PIL import Image
+    from safetensors.torch import load_file
+
+    from vllm_omni_plugin.models.bagel.editing import edit_images
+
+    record = load_file(str(Path(BAGEL_REFERENCE) / "edit_text_channel.safetensors"))
+    vae, vit = edit_images(Image.fromarray(record["input_image"].numpy()),
+                           served_bagel_config(tiny_bagel))
+    assert vae.shape == record["pixels"].shape  # the image is drawn at the VAE's size
+    image, full = tiny_dit.edit_contexts(torch.from_numpy(vae.copy()),
+                                         torch.from_numpy(vit.copy()),
+                                         record["posterior_eps"], record["text_ids"])
+    layers = len(tiny_dit.layers)
+    for (k, v, rope), name in ((image, "cfg_text"), (full, "context")):
+        assert k.shape[1] == record[f"{name}.k.0"].shape[0]
+        assert rope == (2 if name == "cfg_text" else 2 + record["text_ids"].shape[0])
+        for layer in range(layers):
+            for got, ref in ((k[layer], record[f"{name}.k.{layer}"]),
+                             (v[layer], record[f"{name}.v.{layer}"])):
+                rel = float((got.float() - ref).abs().max() / ref.abs().max())
+                assert rel < EDIT_KV_REL_TOL, (name, layer, rel)

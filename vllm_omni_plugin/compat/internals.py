@@ -337,6 +337,41 @@ def bagel_sincos_pos_embed(embed_dim: int, grid_size: int):
     return table(embed_dim, grid_size)
 
 
+class SiglipParts(NamedTuple):
+    """The pieces of vLLM's ``SiglipVisionModel`` a caller runs one by one (BAGEL's
+    editing ViT feeds its own patch positions): the patch embedding (a convolution), the
+    position table (``nn.Embedding``), the encoder (called with ``inputs_embeds`` ``[B, n,
+    hidden]`` and ``return_all_hidden_states=False``), the final LayerNorm, and the
+    transformer whose ``load_weights`` takes HF's ``embeddings.*`` / ``encoder.*`` /
+    ``post_layernorm.*`` names."""
+
+    patch_embedding: Any
+    position_embedding: Any
+    encoder: Any
+    post_layernorm: Any
+    transformer: Any
+
+
+def siglip_parts(model) -> SiglipParts:
+    """:class:`SiglipParts` of vLLM's ``SiglipVisionModel`` (``model``):
+    ``model.vision_model`` (``SiglipVisionTransformer``) ``.embeddings``
+    (``SiglipVisionEmbeddings``: ``.patch_embedding``, ``.position_embedding``),
+    ``.encoder``, ``.post_layernorm`` (built with ``require_post_norm=True``) (vLLM
+    0.30-0.33).
+
+    Raises:
+        AttributeError: one of those attributes is missing (vLLM changed the model).
+    """
+    try:
+        vision = model.vision_model
+        embeddings = vision.embeddings
+        return SiglipParts(embeddings.patch_embedding, embeddings.position_embedding,
+                           vision.encoder, vision.post_layernorm, vision)
+    except AttributeError as exc:
+        raise _missing(f"SiglipVisionModel.vision_model.{{embeddings, encoder, "
+                       f"post_layernorm}} ({exc})") from exc
+
+
 def attention_kv_shape(module) -> tuple[int, int] | None:
     """``(num_kv_heads, head_size)`` of a vLLM ``Attention`` module (this rank's KV heads),
     or None for any other module.
@@ -542,6 +577,7 @@ _CORE_CLIENT = "vllm.v1.engine.core_client"
 _MC = f"{_MOONCAKE}:MooncakeConnectorWorker"
 _OMNI_MC = "vllm_omni_plugin.kv_transfer.mooncake:OmniMooncakeConnectorWorker"
 _QWEN2 = "vllm.model_executor.models.qwen2"
+_SIGLIP = "vllm.model_executor.models.siglip"
 _HERE = "vllm_omni_plugin.compat.internals"
 _OMNI_WORKER = ("vllm_omni_plugin.worker.omni_worker:"
                 "OmniWorkerMixin.compile_or_warm_up_model")
@@ -678,6 +714,20 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(f"{_HERE}.bagel_sincos_pos_embed",
              "vllm.model_executor.models.bagel:PositionEmbedding._get_2d_sincos_pos_embed",
              METHOD, ("embed_dim", "grid_size")),
+    Internal(f"{_HERE}.siglip_parts", f"{_SIGLIP}:SiglipVisionModel.vision_model", ATTRIBUTE),
+    Internal(f"{_HERE}.siglip_parts", f"{_SIGLIP}:SiglipVisionTransformer.embeddings",
+             ATTRIBUTE),
+    Internal(f"{_HERE}.siglip_parts", f"{_SIGLIP}:SiglipVisionTransformer.encoder", ATTRIBUTE),
+    Internal(f"{_HERE}.siglip_parts", f"{_SIGLIP}:SiglipVisionTransformer.post_layernorm",
+             ATTRIBUTE),
+    Internal(f"{_HERE}.siglip_parts", f"{_SIGLIP}:SiglipVisionTransformer.load_weights",
+             METHOD, ("self", "weights")),
+    Internal(f"{_HERE}.siglip_parts", f"{_SIGLIP}:SiglipVisionEmbeddings.patch_embedding",
+             ATTRIBUTE),
+    Internal(f"{_HERE}.siglip_parts", f"{_SIGLIP}:SiglipVisionEmbeddings.position_embedding",
+             ATTRIBUTE),
+    Internal(f"{_HERE}.siglip_parts", f"{_SIGLIP}:SiglipEncoder.forward", METHOD,
+             ("self", "inputs_embeds", "return_all_hidden_states")),
     Internal(f"{_HERE}.attention_kv_shape",
              "vllm.model_executor.layers.attention.attention:Attention.num_kv_heads", ATTRIBUTE),
     Internal(f"{_HERE}.attention_kv_shape",

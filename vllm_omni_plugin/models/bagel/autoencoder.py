@@ -1,5 +1,6 @@
-"""The decoder of BAGEL's autoencoder (FLUX.1's: latents -> RGB), with the checkpoint's
-own key names (``decoder.*`` in ``ae.safetensors``).
+"""BAGEL's autoencoder (FLUX.1's): the decoder (latents -> RGB) and the encoder (RGB ->
+latents, for image editing), with the checkpoint's own key names (``decoder.*`` and
+``encoder.*`` in ``ae.safetensors``).
 
 Architecture of the latent-diffusion autoencoders (Rombach et al. 2022, "High-Resolution
 Image Synthesis with Latent Diffusion Models") as FLUX.1 configures it: a 3x3 input
@@ -7,6 +8,10 @@ convolution, a middle of two residual blocks around one single-head self-attenti
 block, then per resolution level (coarsest first) ``num_res_blocks + 1`` residual blocks
 and, except at the finest level, a nearest-neighbour 2x upsampling followed by a 3x3
 convolution; GroupNorm (32 groups, eps 1e-6) and SiLU before the output convolution.
+The encoder mirrors it: a 3x3 input convolution, per level (finest first)
+``num_res_blocks`` residual blocks and, except at the coarsest level, a 3x3 convolution
+of stride 2 after padding the bottom and right by one, the same middle, then GroupNorm,
+SiLU and a 3x3 convolution to the mean and log-variance of ``z_channels`` each.
 vLLM has no layers for convolutional decoders, so this is plain ``torch.nn``.
 """
 
@@ -113,6 +118,17 @@ class _Mid(nn.Module):
         return self.block_2(self.attn_1(self.block_1(x)))
 
 
+class _Downsample(nn.Module):
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, stride=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, channels, H, W]`` -> ``[B, channels, H / 2, W / 2]`` (zero padding at the
+        bottom and right only, then the strided convolution), in the encoder's dtype."""
+        return self.conv(F.pad(x, (0, 1, 0, 1)))
+
+
 class _Level(nn.Module):
     def __init__(self, cin: int, cout: int, blocks: int, upsample: bool):
         super().__init__()
@@ -153,6 +169,60 @@ class FluxDecoder(nn.Module):
             if level.upsample is not None:
                 h = level.upsample(h)
         return self.conv_out(F.silu(self.norm_out(h)))
+
+
+class _DownLevel(nn.Module):
+    def __init__(self, cin: int, cout: int, blocks: int, downsample: bool):
+        super().__init__()
+        self.block = nn.ModuleList(_Residual(cin if i == 0 else cout, cout)
+                                   for i in range(blocks))
+        self.downsample = _Downsample(cout) if downsample else None
+
+
+class FluxEncoder(nn.Module):
+    """RGB ``[B, 3, H, W]`` in ``[-1, 1]`` (sides multiples of ``downsample``) -> the
+    posterior's mean and log-variance ``[B, 2 * z_channels, H / downsample, W /
+    downsample]`` (see :meth:`latent` for the scaled latent)."""
+
+    def __init__(self, vae_config: Mapping[str, Any] | None = None):
+        super().__init__()
+        cfg = autoencoder_config(vae_config)
+        self.scale_factor, self.shift_factor = cfg["scale_factor"], cfg["shift_factor"]
+        mult, ch = cfg["ch_mult"], cfg["ch"]
+        self.conv_in = nn.Conv2d(cfg["in_channels"], ch, 3, padding=1)
+        channels = ch
+        levels = []
+        for i, m in enumerate(mult):
+            levels.append(_DownLevel(channels, ch * m, cfg["num_res_blocks"],
+                                     i != len(mult) - 1))
+            channels = ch * m
+        self.down = nn.ModuleList(levels)
+        self.mid = _Mid(channels)
+        self.norm_out = _norm(channels)
+        self.conv_out = nn.Conv2d(channels, 2 * cfg["z_channels"], 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, in_channels, H, W]`` -> ``[B, 2 * z_channels, H / downsample, W /
+        downsample]``: the mean then the log-variance, in the encoder's dtype (its
+        weights')."""
+        h = self.conv_in(x)
+        for level in self.down:
+            for block in level.block:
+                h = block(h)
+            if level.downsample is not None:
+                h = level.downsample(h)
+        return self.conv_out(F.silu(self.norm_out(self.mid(h))))
+
+    def latent(self, x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+        """The scaled latent of RGB ``x`` ``[B, 3, H, W]`` in ``[-1, 1]``: a draw of the
+        posterior, ``mean + exp(logvar / 2) * eps``, then ``scale_factor * (z -
+        shift_factor)``, as the official ``AutoEncoder.encode`` (its ``DiagonalGaussian``
+        samples). ``eps`` ``[B, z_channels, H / downsample, W / downsample]`` standard
+        normal, any float dtype; the result ``[B, z_channels, ...]`` in the encoder's
+        dtype."""
+        mean, logvar = self(x).chunk(2, dim=1)
+        z = mean + torch.exp(0.5 * logvar) * eps.to(mean.dtype)
+        return self.scale_factor * (z - self.shift_factor)
 
 
 def to_uint8_image(decoded: torch.Tensor) -> torch.Tensor:

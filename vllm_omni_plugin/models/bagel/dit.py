@@ -66,15 +66,18 @@ from vllm.model_executor.layers.linear import (
     RowParallelLinear,
 )
 from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.model_executor.models.bagel import PositionEmbedding
 from vllm.model_executor.models.qwen2 import Qwen2MLP
 
 from vllm_omni_plugin.logger import init_logger
 from vllm_omni_plugin.models.bagel.autoencoder import (
     FluxDecoder,
+    FluxEncoder,
     autoencoder_config,
     to_uint8_image,
 )
+from vllm_omni_plugin.models.bagel.editing import BagelViT, normalized
 from vllm_omni_plugin.models.weights import load_stacked
 from vllm_omni_plugin.processors.hookspecs import RequestError
 
@@ -268,7 +271,8 @@ def attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         keys: ``[B, kv_heads, L + n, head_dim]`` (``heads`` a multiple of
             ``kv_heads``), the same dtype as ``queries``.
         values: as ``keys``.
-        mask: None, or ``[B, 1, 1, L + n]`` bool (False: a padded context position).
+        mask: None, or ``[B, 1, 1, L + n]`` bool (False: a padded context position), or
+            ``[B, 1, n, L + n]`` (an editing context's causal instruction tokens).
 
     Returns:
         ``[B, heads, n, head_dim]`` in the queries' dtype.
@@ -336,12 +340,20 @@ class _Layer(nn.Module):
 
     def forward(self, x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor],
                 positions: torch.Tensor, rotary, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
-                mask: torch.Tensor | None) -> torch.Tensor:
-        """``x`` ``[B * n, hidden]`` (B branches of the same n query tokens), ``rows``
-        the int64 row indices of the marker and of the latent tokens (each expert's rows,
-        :attr:`_Packed.experts`), ``positions`` ``[B * n]``; ``ctx_k``/``ctx_v``
-        ``[B, L, kv_heads, head_dim]``; ``mask`` ``[B, 1, 1, L + n]`` (False: padding)."""
-        experts = tuple(zip((self.und, self.gen), rows, strict=True))
+                mask: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x`` ``[B * n, hidden]`` (B branches of n query tokens each), ``rows`` the
+        int64 row indices of the understanding expert's tokens and of the generation
+        expert's (:attr:`_Packed.experts`; either may be empty), ``positions`` ``[B *
+        n]``; ``ctx_k``/``ctx_v`` ``[B, L, kv_heads, head_dim]``; ``mask`` ``[B, 1, 1 or n,
+        L + n]`` (False: not attended) or None.
+
+        Returns:
+            The layer's output ``[B * n, hidden]``, and the query tokens' keys (after
+            RoPE) and values ``[B * n, kv_heads * head_dim]``, in the model's dtype.
+        """
+        experts = tuple((e, index) for e, index in zip((self.und, self.gen), rows, strict=True)
+                        if index.numel())
         attn = self.und.self_attn
         q = x.new_empty(x.shape[0], attn.q_size)
         k = x.new_empty(x.shape[0], attn.kv_size)
@@ -363,7 +375,7 @@ class _Layer(nn.Module):
         x = x + y
         for expert, index in experts:
             y[index] = expert.mlp(expert.post_attention_layernorm(x.index_select(0, index)))
-        return x + y
+        return x + y, k, v
 
 
 class _Packed(NamedTuple):
@@ -459,6 +471,11 @@ class BagelDiT(nn.Module):
         self.llm2vae = ReplicatedLinear(h, self.latent_dim, bias=True)
         self.latent_pos_embed = PositionEmbedding(self.max_latent_size, h)
         self.vae = FluxDecoder(config.vae_config)
+        # image editing: the input image's context blocks and the instruction's tokens
+        self.vae_encoder = FluxEncoder(config.vae_config)
+        self.vit = BagelViT(config, prefix=f"{prefix}vit.")
+        self.embed_tokens = VocabParallelEmbedding(llm.vocab_size, h,
+                                                   prefix=f"{prefix}embed_tokens")
         self._serials = itertools.count()
 
     # -- velocity ------------------------------------------------------------------------
@@ -525,8 +542,8 @@ class BagelDiT(nn.Module):
                        self.marker_embeds[1:]]).repeat(count, 1)
             for i, (latent, count) in enumerate(zip(latents, counts, strict=True))])
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, packed.experts, packed.positions, self.rotary,
-                           packed.ctx_k[i], packed.ctx_v[i], packed.mask)
+            hidden, _, _ = layer(hidden, packed.experts, packed.positions, self.rotary,
+                                 packed.ctx_k[i], packed.ctx_v[i], packed.mask)
         out = self.llm2vae(self.norm_gen(hidden.index_select(0, packed.experts[1])))[0]
         return out.reshape(sum(counts), hw, -1).float()
 
@@ -538,6 +555,98 @@ class BagelDiT(nn.Module):
         and the query)."""
         hw = self.max_latent_size ** 2
         return images * len(BRANCHES) * (hw + 2), images * len(BRANCHES) * (2 * hw + 2)
+
+    # -- editing contexts -----------------------------------------------------------------
+    def _extend(self, hidden: torch.Tensor, gen: torch.Tensor | None, position: int,
+                context: tuple[torch.Tensor, torch.Tensor, int], causal: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """``context`` extended by the keys and values of the tokens ``hidden`` ``[n,
+        hidden]`` (the model's dtype): the rows ``gen`` through the generation expert, the
+        others through the understanding one, at RoPE positions from ``position`` (each
+        token its own when ``causal``, else all of them ``position``), attending to the
+        context and to each other (causally, or all to all)."""
+        n, device = hidden.shape[0], hidden.device
+        k_ctx, v_ctx, _ = context
+        length = k_ctx.shape[1]
+        rows = torch.arange(n, device=device)
+        gen_rows = rows[gen] if gen is not None else rows[:0]
+        und_rows = rows[~torch.isin(rows, gen_rows)]
+        positions = position + rows if causal else torch.full_like(rows, position)
+        mask = None
+        if causal:
+            mask = torch.ones(1, 1, n, length + n, dtype=torch.bool, device=device)
+            mask[..., length:] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        keys, values = [], []
+        for i, layer in enumerate(self.layers):
+            hidden, k, v = layer(hidden, (und_rows, gen_rows), positions, self.rotary,
+                                 k_ctx[i][None], v_ctx[i][None], mask)
+            keys.append(k.reshape(n, *k_ctx.shape[2:]))
+            values.append(v.reshape(n, *v_ctx.shape[2:]))
+        return (torch.cat([k_ctx, torch.stack(keys)], dim=1),
+                torch.cat([v_ctx, torch.stack(values)], dim=1),
+                int(positions[-1]) + 1)
+
+    @torch.inference_mode()
+    def edit_contexts(self, vae_pixels: torch.Tensor, vit_pixels: torch.Tensor,
+                      eps: torch.Tensor, text_ids: torch.Tensor
+                      ) -> tuple[tuple[torch.Tensor, torch.Tensor, int],
+                                 tuple[torch.Tensor, torch.Tensor, int]]:
+        """An editing request's image context and full context, as the official
+        ``update_context_image`` then ``update_context_text`` build them: the input image
+        through the autoencoder (``<|vision_start|>``, its latent tokens at timestep 0
+        through the generation expert, ``<|vision_end|>``; one RoPE position, all to all),
+        then through the ViT (the same markers around its ViT tokens, the understanding
+        expert; the next RoPE position), then the instruction's tokens (causal, the
+        understanding expert).
+
+        Args:
+            vae_pixels: ``[H, W, 3]`` uint8, the image at the autoencoder's size
+                (:func:`~vllm_omni_plugin.models.bagel.editing.edit_images`).
+            vit_pixels: ``[h, w, 3]`` uint8, the image at the ViT's size.
+            eps: ``[z_channels, H / 8, W / 8]`` standard normal, the posterior draw of the
+                autoencoder's latent (:meth:`FluxEncoder.latent`), any float dtype.
+            text_ids: ``[T]`` int64, the instruction's token ids
+                (``<|im_start|> instruction <|im_end|>``).
+
+        Returns:
+            ``(k, v, rope)`` of the image context (the text-unconditional CFG branch) and
+            of the full one (``cond``): ``[layers, tokens, kv_heads, head_dim]`` keys
+            (after RoPE) and values in the model's dtype, and the next RoPE position.
+
+        Raises:
+            RequestError: an image side that is not whole latent tokens or above the
+                checkpoint's largest (field ``image``).
+        """
+        device, dtype = self.marker_embeds.device, self.marker_embeds.dtype
+        height, width = vae_pixels.shape[:2]
+        try:
+            check_image_size(self.config, width, height)
+        except RequestError as exc:
+            raise RequestError("image", exc.message) from None
+        attn = self.layers[0].und.self_attn
+        empty = torch.zeros(len(self.layers), 0, attn.kv_size // attn.head_dim,
+                            attn.head_dim, dtype=dtype, device=device)
+        # the autoencoder's block: the latent (a posterior draw), patchified as decode
+        # reads it, at timestep 0
+        z = self.vae_encoder.latent(normalized(vae_pixels.to(device)).to(dtype),
+                                    eps[None].to(device))[0]
+        h, w, p = height // self.downsample, width // self.downsample, self.patch
+        latent = z[:, :h * p, :w * p].reshape(self.z_channels, h, p, w, p)
+        latent = latent.permute(1, 3, 2, 4, 0).reshape(h * w, self.latent_dim)
+        positions = latent_position_ids(height, width, self.downsample, self.max_latent_size)
+        tokens = (self.vae2llm(latent.to(dtype))[0]
+                  + self._embed_time(torch.zeros(1, device=device))
+                  + self.latent_pos_embed(positions).to(device=device, dtype=dtype))
+        block = torch.cat([self.marker_embeds[:1], tokens, self.marker_embeds[1:]])
+        context = self._extend(block, torch.arange(1, h * w + 1, device=device), 0,
+                               (empty, empty, 0), causal=False)
+        # the ViT's block
+        tokens = self.vit(normalized(vit_pixels.to(device))).to(dtype)
+        block = torch.cat([self.marker_embeds[:1], tokens, self.marker_embeds[1:]])
+        image = self._extend(block, None, context[2], context, causal=False)
+        full = self._extend(self.embed_tokens(text_ids.to(device)).to(dtype), None,
+                            image[2], image, causal=True)
+        return image, full
 
     # -- sampling ------------------------------------------------------------------------
     def start(self, noise: torch.Tensor, height: int, width: int, guidance: Guidance,
@@ -715,42 +824,53 @@ class BagelDiT(nn.Module):
     # -- weights -------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load BAGEL's ``ema.safetensors`` and ``ae.safetensors`` names (the
-        understanding-only ones, the ViT and the autoencoder's encoder are skipped).
+        understanding expert's final norm and ``lm_head`` are skipped; the ViT and its
+        connector go to :class:`~vllm_omni_plugin.models.bagel.editing.BagelViT`).
 
         Raises:
             ValueError: a parameter has no weight, or the marker rows are missing.
         """
         own: list[tuple[str, torch.Tensor]] = []
+        vit: list[tuple[str, torch.Tensor]] = []
         markers = None
         for name, tensor in weights:
             mapped = _map_weight(name)
-            if mapped == "marker_embeds":
+            if mapped == "embed_tokens.weight":
                 markers = tensor[list(self.marker_ids)]
+            if mapped is not None and mapped.startswith("vit."):
+                vit.append((mapped[len("vit."):], tensor))
             elif mapped is not None:
                 own.append((mapped, tensor))
         if markers is None:
             raise ValueError("the checkpoint lacks language_model.model.embed_tokens.weight")
         self.marker_embeds.copy_(markers.to(self.marker_embeds.dtype))
-        loaded = load_stacked(self, own, [n for n, _ in self.named_parameters()],
+        loaded = load_stacked(self, own, [n for n, _ in self.named_parameters()
+                                          if not n.startswith("vit.")],
                               owner=type(self).__name__)
+        loaded |= {f"vit.{name}" for name in self.vit.load_weights(vit)}
         self.vae.to(memory_format=torch.channels_last)
+        self.vae_encoder.to(memory_format=torch.channels_last)
         return loaded
 
 
 def _map_weight(name: str) -> str | None:
-    """A BAGEL checkpoint name -> :class:`BagelDiT`'s, ``marker_embeds`` for the token
-    embeddings, or None for a weight the DiT does not use."""
+    """A BAGEL checkpoint name -> :class:`BagelDiT`'s (``vit.*`` for the ViT and its
+    connector, in their checkpoint names), or None for a weight the DiT does not use."""
     if name.startswith("decoder."):
         return "vae." + name[len("decoder."):]
+    if name.startswith("encoder."):
+        return "vae_encoder." + name[len("encoder."):]
+    if name.startswith(("vit_model.", "connector.")):
+        return "vit." + name
     for keep in ("time_embedder.mlp.", "vae2llm.", "llm2vae."):
         if name.startswith(keep):
             return name.replace("time_embedder.mlp.", "time_embedder.")
     prefix = "language_model.model."
     if not name.startswith(prefix):
-        return None  # lm_head, ViT, connector, position tables, encoder
+        return None  # lm_head, the position tables (fixed sin-cos, computed)
     name = name[len(prefix):]
     if name == "embed_tokens.weight":
-        return "marker_embeds"
+        return name
     if name.startswith("norm_moe_gen."):
         return "norm_gen." + name[len("norm_moe_gen."):]
     if not name.startswith("layers."):
@@ -786,10 +906,28 @@ def initial_noise(seed: int, height: int, width: int, config) -> torch.Tensor:
     ``torch.Generator().manual_seed(seed)``: the official code's first draw after
     ``torch.manual_seed(seed)``, so a seed gives the official image, on any replica and
     device."""
+    return _latent_noise(torch.Generator().manual_seed(seed), height, width, config)
+
+
+def edit_noise(seed: int, image_height: int, image_width: int, height: int, width: int,
+               config) -> tuple[torch.Tensor, torch.Tensor]:
+    """An editing request's draws from ``seed``, in the official code's order: the
+    autoencoder's posterior draw for the input image (``image_height`` x ``image_width``
+    pixels at the autoencoder's size), ``[z, image_height / 8, image_width / 8]``, then the
+    initial latent of the ``height`` x ``width`` image, as :func:`initial_noise`; both
+    float32, on the CPU."""
+    generator = torch.Generator().manual_seed(seed)
+    down = int(config.vae_config.get("downsample", 8))
+    z = int(config.vae_config.get("z_channels", 16))
+    eps = torch.randn(z, image_height // down, image_width // down, generator=generator)
+    return eps, _latent_noise(generator, height, width, config)
+
+
+def _latent_noise(generator: torch.Generator, height: int, width: int, config
+                  ) -> torch.Tensor:
     patch = int(config.latent_patch_size)
     token = latent_token_pixels(config)
     dim = patch * patch * int(config.vae_config.get("z_channels", 16))
-    generator = torch.Generator().manual_seed(seed)
     return torch.randn((height // token) * (width // token), dim, generator=generator)
 
 
