@@ -153,6 +153,87 @@ def test_thinking_plans_then_draws_the_official_image(client, server):
     assert chat.usage.completion_tokens == 1 + len(ref["reasoning_ids"])
 
 
+def _png(pixels) -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(np.asarray(pixels, dtype=np.uint8)).save(out, format="PNG")
+    return out.getvalue()
+
+
+def test_an_edit_through_the_sdk_is_the_official_codes(client, server):
+    """``client.images.edit`` (multipart): the input image through the autoencoder and
+    the ViT, the instruction, the official editing defaults but the steps; the edited
+    image has the input's resized size and the official code's pixels (up to its bf16
+    rounding). The same edit as a chat (the image as a data: URL part) gives the same
+    bytes."""
+    meta, ref = _case("edit_text_channel")
+    steps = meta["knobs"]["num_timesteps"]
+    png = _png(ref["input_image"].numpy())
+    response = client.images.edit(model=server.model, image=("input.png", png, "image/png"),
+                                  prompt=meta["prompt"],
+                                  extra_body={"seed": meta["seed"],
+                                              "num_inference_steps": steps})
+    assert response.size == f"{meta['width']}x{meta['height']}"
+    image, edited = _image(response)
+    pixels = np.asarray(image).astype(int)
+    assert pixels.shape == tuple(ref["pixels"].shape)
+    assert np.abs(pixels - ref["pixels"].numpy().astype(int)).mean() < PIXEL_MEAN_TOL
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    chat = client.chat.completions.create(
+        model=server.model, modalities=["image"], messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}},
+            {"type": "text", "text": meta["prompt"]}]}],
+        extra_body={"seed": meta["seed"], "num_inference_steps": steps})
+    (part,) = chat.choices[0].message.content
+    assert base64.b64decode(part["image_url"]["url"].split(",", 1)[1]) == edited
+
+
+def _edit(server, files: dict, data: dict):
+    """A multipart edit: ``files`` and the text fields ``data`` (and the model)."""
+    import requests
+
+    fields = [(k, (None, v)) for k, v in {"model": server.model, **data}.items()]
+    return requests.post(f"{server.url}/v1/images/edits", timeout=60,
+                         files=[*files.items(), *fields], headers=server.headers)
+
+
+def test_bad_edits_are_400s_naming_the_field(server):
+    """A mask, no image, a file that is no image, an image over the pixel limit, an
+    unknown knob, thinking while editing, a body that is not multipart: 400s naming the
+    field; the server goes on editing."""
+    import requests
+    from PIL import Image
+
+    png = _png(np.full((40, 40, 3), 128))
+    huge = io.BytesIO()
+    Image.new("RGB", (5000, 4000)).save(huge, format="PNG")
+    cases = [
+        ({"image": ("a.png", png), "mask": ("m.png", png)}, {"prompt": "x"}, "mask"),
+        ({}, {"prompt": "x"}, "image"),
+        ({"image": ("a.png", b"not an image")}, {"prompt": "x"}, "image"),
+        ({"image": ("a.png", huge.getvalue())}, {"prompt": "x"}, "image"),
+        ({"image": ("a.png", png)}, {"prompt": "x", "sharpness": "3"}, "sharpness"),
+        ({"image": ("a.png", png)}, {"prompt": "x", "think": "true"}, "think"),
+        ({"image": ("a.png", png)}, {}, "prompt"),
+    ]
+    for files, data, field in cases:
+        r = _edit(server, files, data)
+        assert r.status_code == 400, (field, r.text)
+        assert r.json()["error"]["param"] == field, r.text
+    r = requests.post(f"{server.url}/v1/images/edits", timeout=60, headers={
+        **server.headers, "Content-Type": "multipart/form-data; boundary=xyz"},
+        data=b"--xyz\r\nX-Part: no name\r\n\r\nx\r\n--xyz--\r\n")
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "body"), r.text
+    r = requests.post(f"{server.url}/v1/images/edits", timeout=60, headers=server.headers,
+                      json={"model": server.model, "prompt": "x"})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "body"), r.text
+    ok = _edit(server, {"image": ("a.png", png)}, {"prompt": "Make it blue.", "seed": "1",
+                                                  "num_inference_steps": "2"})
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["size"] == "64x64"  # 40 px up to the autoencoder's shortest side
+
+
 @pytest.mark.parametrize("fmt,magic", [("jpeg", b"\xff\xd8\xff"), ("webp", b"RIFF")])
 def test_other_output_formats_decode(client, server, fmt, magic):
     response = client.images.generate(model=server.model, prompt="A boat.", size="32x32",
@@ -217,6 +298,7 @@ def test_bad_requests_are_400s_naming_the_field(server, extra, field):
 
 @pytest.mark.parametrize("path,body", [
     ("/v1/images/generations", {"prompt": "A cat.", "size": "48x32"}),
+    ("/v1/images/edits", {"prompt": "A cat."}),
     ("/v1/chat/completions", {"modalities": ["image"], "messages": [
         {"role": "user", "content": "A cat."}]})])
 def test_without_the_key_image_requests_get_vllms_401(server, path, body):

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.engine
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "bagel_dit_generate.py"
 ENGINE_TIMEOUT_S = 600
-CASES = ("t2i_cfg_global", "t2i_cfg_text_channel", "t2i_think")
+CASES = ("t2i_cfg_global", "t2i_cfg_text_channel", "t2i_think", "edit_text_channel")
 #: bf16 reference vs float32: max |difference| / max |reference| of a velocity or latent
 REL_TOL = 0.05
 #: decoded pixels: mean |difference| in uint8 levels (the autoencoder runs in bf16 there)
@@ -50,6 +50,9 @@ REQUESTS = [
     # text to image after planning (think): its three contexts differ
     {"case": "t2i_think"},
     {"case": "t2i_think", "guidance": {"num_timesteps": 2}},
+    # editing: the DiT builds the image's and the instruction's contexts itself
+    {"case": "edit_text_channel"},
+    {"case": "edit_text_channel", "guidance": {"num_timesteps": 2}},
 ]
 
 
@@ -96,7 +99,8 @@ def _rel(got, want) -> float:
     return float((got - want).abs().max() / want.abs().max())
 
 
-@pytest.mark.parametrize("index,case", [(2, CASES[0]), (3, CASES[1]), (9, CASES[2])])
+@pytest.mark.parametrize("index,case", [(2, CASES[0]), (3, CASES[1]), (9, CASES[2]),
+                                        (11, CASES[3])])
 def test_velocity_after_one_step_matches_the_official_code(results, index, case):
     """One Euler step from t=1 to t=0 leaves ``noise - v``: v is the guided velocity at
     the first timestep (CFG on there in both cases)."""
@@ -105,7 +109,8 @@ def test_velocity_after_one_step_matches_the_official_code(results, index, case)
     assert _rel(velocity, ref["velocity.0"]) < REL_TOL
 
 
-@pytest.mark.parametrize("index,case", [(0, CASES[0]), (1, CASES[1]), (8, CASES[2])])
+@pytest.mark.parametrize("index,case", [(0, CASES[0]), (1, CASES[1]), (8, CASES[2]),
+                                        (10, CASES[3])])
 def test_latent_and_pixels_match_the_official_code(results, index, case):
     ref = _reference(case)
     got = _ok(results[index])
@@ -130,20 +135,24 @@ def test_a_missing_branch_fails_the_request_naming_it(results):
 def test_memory_profile_runs_a_step_and_the_decoder_at_the_largest_image(run, tiny_bagel):
     """The DiT has no KV cache, so vLLM's start-up never calls the worker's
     ``determine_available_memory``; the worker's ``compile_or_warm_up_model`` (called
-    for every engine) runs the memory profile instead: one denoising step of
-    ``max_num_seqs`` (4) images of the largest size with the three CFG branches in one
-    forward (what a step may batch), then an image decoded, so their peak is counted
-    (review 2, N3: in a served engine nothing ran). vLLM's profiling forward outside it
-    runs nothing."""
+    for every engine) runs the memory profile instead: an editing context built at the
+    largest sizes, one denoising step of ``max_num_seqs`` (4) images of the largest size
+    with the three CFG branches in one forward (what a step may batch), then an image
+    decoded, so their peak is counted (review 2, N3: in a served engine nothing ran).
+    vLLM's profiling forward outside it runs nothing."""
     from vllm_omni_plugin.models.bagel.dit import latent_token_pixels, max_image_side
 
     config = served_bagel_config(tiny_bagel)
     side, token = max_image_side(config), latent_token_pixels(config)
     hw = (side // token) ** 2
+    vit = config.vit_max_num_patch_per_side ** 2
     profile = run["memory_profile"]
-    # the query: 4 images x 3 branches of the markers and the latent tokens, a row each
-    assert profile["startup"].get("layer") == [[4 * 3 * (hw + 2),
-                                                config.llm_config.hidden_size]]
+    hidden = config.llm_config.hidden_size
+    # the editing context's blocks (the image through the autoencoder, through the ViT,
+    # an instruction as long as the latents), then the query: 4 images x 3 branches of
+    # the markers and the latent tokens, a row each
+    assert profile["startup"].get("layer") == [[hw + 2, hidden], [vit + 2, hidden],
+                                               [hw, hidden], [4 * 3 * (hw + 2), hidden]]
     ((_, _, height, width),) = profile["startup"]["decoder"]
     assert height * config.vae_config["downsample"] == width * config.vae_config[
         "downsample"] == side

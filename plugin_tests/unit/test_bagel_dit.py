@@ -339,12 +339,17 @@ def test_images_denoised_together_equal_each_alone(tiny_dit):
 def test_a_forward_holds_at_most_the_profiled_rows(tiny_dit, budget, forwards):
     """Images of one size share a forward only while its query and key rows stay within
     the memory profile's (:meth:`BagelDiT.forward_budget`: three branches of ``budget``,
-    the engine's ``max_num_seqs``, images of the largest size); the rest go to further
-    forwards, still in the same step."""
+    the engine's ``max_num_seqs``, images of the largest size, with the contexts of an
+    editing request at the largest sizes); the rest go to further forwards, still in the
+    same step."""
     side = dit.max_image_side(tiny_dit.config)
     rows, keys = tiny_dit.forward_budget(budget)
     n = (side // tiny_dit.downsample) ** 2 + 2
-    assert rows == budget * 3 * n and keys == budget * 3 * (2 * n - 2)
+    vit = tiny_dit.config.vit_max_num_patch_per_side ** 2
+    # cond: the image through the autoencoder and the ViT, an instruction of n - 2
+    # tokens; text_uncond: the image; img_uncond: the instruction
+    contexts = (n + vit + 2 + n - 2) + (n + vit + 2) + (n - 2)
+    assert rows == budget * 3 * n and keys == budget * (contexts + 3 * n)
     started = [tiny_dit.start(*_image_inputs(tiny_dit, seed, side, 1, num_timesteps=2))
                for seed in range(3)]
     with _forwards(tiny_dit) as calls:

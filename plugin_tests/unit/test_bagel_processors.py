@@ -56,7 +56,7 @@ def test_openai_fields_parse_and_the_rest_goes_to_the_model():
 
 
 def test_an_image_chat_becomes_an_image_request_of_its_last_user_message():
-    body = chat_image_body({
+    body, images = chat_image_body({
         "model": "m", "modalities": ["image"], "max_tokens": 5, "temperature": 0.3,
         "size": "32x32", "seed": 4, "cfg_text_scale": 2.0, "messages": [
             {"role": "user", "content": "a dog"}, {"role": "assistant", "content": "ok"},
@@ -64,6 +64,7 @@ def test_an_image_chat_becomes_an_image_request_of_its_last_user_message():
                                          {"type": "text", "text": "on a mat"}]}]})
     assert body == {"model": "m", "prompt": "a cat\non a mat", "size": "32x32", "seed": 4,
                     "cfg_text_scale": 2.0}
+    assert images == []
     request = parse_image_request(body)[0]
     assert (request.prompt, request.size, request.seed) == ("a cat\non a mat", (32, 32), 4)
     user = [{"role": "user", "content": "a cat"}]
@@ -76,11 +77,102 @@ def test_an_image_chat_becomes_an_image_request_of_its_last_user_message():
              "messages"),
             ({"modalities": ["image"], "messages": [{"role": "user", "content": [
                 {"type": "text", "text": "like this"},
-                {"type": "image_url", "image_url": {"url": "data:,"}}]}]},
+                {"type": "image_url", "image_url": {"url": "https://x/a.png"}}]}]},
+             "messages[0].content[1]"),
+            ({"modalities": ["image"], "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "like this"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,%%"}}]}]},
+             "messages[0].content[1]"),
+            ({"modalities": ["image"], "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "like this"}, {"type": "input_audio"}]}]},
              "messages[0].content[1]")):
         with pytest.raises(RequestError) as err:
             chat_image_body({"model": "m", **bad})
         assert err.value.field == field
+
+
+def test_an_image_in_an_image_chat_is_an_image_to_edit():
+    import base64
+
+    url = "data:image/png;base64," + base64.b64encode(b"\x89PNG...").decode()
+    body, images = chat_image_body({"model": "m", "modalities": ["image"], "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                     {"type": "text", "text": "make it blue"}]}]})
+    assert body["prompt"] == "make it blue"
+    assert images == [("messages[0].content[0]", b"\x89PNG...")]
+
+
+def test_input_images_are_decoded_within_limits():
+    import io
+
+    from PIL import Image
+
+    from vllm_omni_plugin.entrypoints import images as api
+
+    png = io.BytesIO()
+    Image.new("RGBA", (30, 20), (1, 2, 3, 4)).save(png, format="PNG")
+    image = api.decode_input_image(png.getvalue(), "image")
+    assert (image.mode, image.size) == ("RGB", (30, 20))
+    huge = io.BytesIO()
+    Image.new("L", (4097, 4096)).save(huge, format="PNG")
+    for data, words in ((b"GIF89a broken", "decodes"), (huge.getvalue(), "4097x4096"),
+                        (b"0" * (api.MAX_INPUT_IMAGE_BYTES + 1), "bytes")):
+        with pytest.raises(RequestError, match=words) as err:
+            api.decode_input_image(data, "image")
+        assert err.value.field == "image"
+
+
+def test_an_edit_plans_the_input_at_the_official_sizes_and_defaults(config):
+    """An input image (100 x 60) resized as the official transforms (capped by the tiny
+    checkpoint: autoencoder 128/64/16, ViT 56/28/14) and the official editing defaults;
+    the image is drawn at the autoencoder's size unless ``size`` says otherwise."""
+    from PIL import Image
+
+    image = Image.new("RGB", (100, 60), (10, 20, 30))
+    plan = plan_image(config, ImageRequest("m", "make it red", images=(image,)))
+    assert plan.prompt == "<|im_start|>make it red<|im_end|>" and plan.companions == {}
+    assert (plan.width, plan.height) == (112, 64)
+    assert plan.options.edit.vae.shape == (64, 112, 3)
+    assert plan.options.edit.vit.shape == (28, 56, 3)
+    assert plan.options.guidance == Guidance(cfg_img_scale=2.0, cfg_interval=(0.0, 1.0),
+                                             cfg_renorm_type="text_channel")
+    sized = plan_image(config, ImageRequest("m", "x", size=(32, 32), images=(image,),
+                                            extra={"cfg_img_scale": 1.2}))
+    assert (sized.width, sized.height) == (32, 32)
+    assert sized.options.guidance.cfg_img_scale == 1.2
+    for request, field in ((ImageRequest("m", "x", images=(image, image)), "image"),
+                           (ImageRequest("m", "x", images=(image,), negative_prompt="n"),
+                            "negative_prompt"),
+                           (ImageRequest("m", "x", images=(image,), extra={"think": True}),
+                            "think")):
+        with pytest.raises(RequestError) as err:
+            plan_image(config, request)
+        assert err.value.field == field
+
+
+def test_an_edit_sends_the_image_and_the_instruction_to_the_dit(config):
+    """``bagel_ar2dit`` of an editing request: the AR stage's context (the instruction
+    alone) is the image-unconditional branch; the DiT gets the image at both sizes, the
+    instruction's ids and the seed's draws (the posterior's first), and builds the other
+    two branches itself."""
+    from vllm_omni_plugin.models.bagel.dit import edit_noise
+
+    vae = torch.randint(0, 255, (64, 112, 3), dtype=torch.uint8).numpy()
+    vit = torch.randint(0, 255, (28, 56, 3), dtype=torch.uint8).numpy()
+    options = bp.BagelImageOptions(112, 64, 5, Guidance(num_timesteps=3),
+                                   bp.EditInput(vae, vit))
+    k, v = torch.randn(4, 2, 2, 32), torch.randn(4, 2, 2, 32)
+    ar = UpstreamOutput(stage_id=0, prompt_token_ids=[1, 2, 3, 4], output_token_ids=[1],
+                        payload={"k": k, "v": v})
+    out = get_processor("bagel_ar2dit")([ar], None,
+                                        StageRequest(config, options={"image": options}))
+    p = out.payload
+    assert "cond.k" not in p and "text_uncond.k" not in p
+    assert p["img_uncond.k"].equal(k.transpose(0, 1)) and int(p["img_uncond.rope"]) == 4
+    assert p["edit.text_ids"].tolist() == [1, 2, 3, 4]
+    assert p["edit.vae"].numpy().tolist() == vae.tolist()
+    eps, noise = edit_noise(5, 64, 112, 64, 112, config)
+    assert p["edit.eps"].equal(eps) and p["noise"].equal(noise)
 
 
 def test_an_image_chat_answer_is_one_image_content_part():

@@ -49,7 +49,19 @@ from vllm_omni_plugin.processors import plan_image
 from vllm_omni_plugin.processors.hookspecs import ImageRequest, PlanningStep, RequestError
 
 IMAGES_PATH = "/v1/images/generations"
+EDITS_PATH = "/v1/images/edits"
 MAX_PROMPT_CHARS = 32000
+#: an input image's bytes at most (OpenAI's limit for an edit's image)
+MAX_INPUT_IMAGE_BYTES = 50 * 1024 * 1024
+#: an input image's pixels at most (a 4096 x 4096 image; the model resizes it to at
+#: most 1024 on its long side): a larger one is refused before it is decoded
+MAX_INPUT_IMAGE_PIXELS = 4096 * 4096
+#: input images and form fields an edit's multipart body may hold at most
+MAX_EDIT_FILES, MAX_EDIT_FIELDS = 16, 64
+#: multipart fields of an edit kept as text (the others are read as JSON values when
+#: they parse as one: numbers, booleans, lists)
+_TEXT_FIELDS = ("model", "prompt", "size", "response_format", "output_format", "user",
+                "negative_prompt", "cfg_renorm_type")
 #: ``output_format`` -> Pillow's format name
 IMAGE_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
 #: chat fields of text sampling an image chat accepts and does not use
@@ -100,6 +112,91 @@ def parse_image_request(body: dict) -> tuple[ImageRequest, str, int | None]:
                         seed=seed, negative_prompt=negative, extra=extra), fmt, compression
 
 
+def decode_input_image(data: bytes, field: str):
+    """An input image's bytes -> an RGB Pillow image.
+
+    Raises:
+        RequestError: naming ``field``: more than :data:`MAX_INPUT_IMAGE_BYTES` bytes or
+            :data:`MAX_INPUT_IMAGE_PIXELS` pixels (read from the header, before
+            decoding), or not an image Pillow decodes.
+    """
+    from PIL import Image
+
+    if len(data) > MAX_INPUT_IMAGE_BYTES:
+        raise RequestError(field, f"is {len(data)} bytes; at most {MAX_INPUT_IMAGE_BYTES}")
+    try:
+        image = Image.open(io.BytesIO(data))
+        width, height = image.size
+        if width * height > MAX_INPUT_IMAGE_PIXELS:
+            raise RequestError(field, f"is {width}x{height} pixels; at most "
+                               f"{MAX_INPUT_IMAGE_PIXELS} pixels")
+        return image.convert("RGB")
+    except RequestError:
+        raise
+    except Exception as exc:  # Pillow's own error types
+        raise RequestError(field, f"is not an image this server decodes ({exc})") from None
+
+
+def _form_value(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+async def parse_edit_form(scope, raw: bytes) -> tuple[dict, list]:
+    """A ``POST /v1/images/edits`` multipart body, as the ``openai`` SDK's
+    ``images.edit`` sends it: the fields as an image request's body (numbers, booleans
+    and ``name[]`` lists read back from their text) and the ``image`` (or ``image[]``)
+    files' bytes, in order.
+
+    Raises:
+        RequestError: naming ``body`` (not ``multipart/form-data``, or a body that does
+            not parse), ``mask`` (BAGEL edits without one), ``image`` (none, or not a
+            file), or a field sent as a file.
+    """
+    from starlette.requests import Request
+
+    async def receive():
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    kind = dict(scope.get("headers", ())).get(b"content-type", b"").decode("latin-1")
+    if not kind.lower().startswith("multipart/form-data"):
+        raise RequestError("body", "send the edit as multipart/form-data (as the openai "
+                           "SDK's images.edit does)")
+    try:
+        form = await Request(scope, receive).form(max_files=MAX_EDIT_FILES,
+                                                  max_fields=MAX_EDIT_FIELDS)
+    except Exception as exc:  # python-multipart's and Starlette's own error types
+        raise RequestError("body", f"not a multipart/form-data body this server reads "
+                           f"({exc})") from None
+    body: dict = {}
+    images: list[bytes] = []
+    try:
+        for key, value in form.multi_items():
+            name = key[:-2] if key.endswith("[]") else key
+            if name == "mask":
+                raise RequestError("mask", "is not used: BAGEL edits the whole image "
+                                   "from the instruction (leave it out)")
+            if name == "image":
+                if isinstance(value, str):
+                    raise RequestError("image", "must be a file")
+                images.append(await value.read())
+                continue
+            if not isinstance(value, str):
+                raise RequestError(name, "must be a text field, not a file")
+            parsed = value if name in _TEXT_FIELDS else _form_value(value)
+            if key.endswith("[]"):
+                body.setdefault(name, []).append(parsed)
+            else:
+                body[name] = parsed
+    finally:
+        await form.close()
+    if not images:
+        raise RequestError("image", "an input image to edit is required")
+    return body, images
+
+
 def _size(value) -> tuple[int, int] | None:
     if value == "auto":
         return None
@@ -137,17 +234,18 @@ def images_response(encoded: bytes, fmt: str, width: int, height: int,
             "size": f"{width}x{height}"}
 
 
-def chat_image_body(body: dict) -> dict:
+def chat_image_body(body: dict) -> tuple[dict, list[tuple[str, bytes]]]:
     """The ``/v1/images/generations`` body of a chat completion asking for
     ``"modalities": ["image"]``: ``model``, the last user message's text as ``prompt``
     (text parts joined by newlines; earlier turns are not part of the image's context),
-    and every other field but ``messages``, ``modalities`` and :data:`CHAT_IGNORED`.
+    and every other field but ``messages``, ``modalities`` and :data:`CHAT_IGNORED`;
+    and that message's images to edit (``image_url`` parts with a base64 ``data:`` URL),
+    as ``(field, bytes)``.
 
     Raises:
         RequestError: naming ``modalities`` (image with other modalities), ``stream``
             (true), ``messages`` (no user message, or no text in it, or too long) or
-            ``messages[i].content[j]`` (a part other than text: image editing is not
-            served).
+            ``messages[i].content[j]`` (a part other than text or an inline image).
     """
     if body.get("modalities") != ["image"]:
         raise RequestError("modalities", "image output is answered on its own: use "
@@ -161,15 +259,20 @@ def chat_image_body(body: dict) -> dict:
         raise RequestError("messages", "needs a user message saying what to draw")
     index = users[-1]
     content = messages[index].get("content")
+    images: list[tuple[str, bytes]] = []
     if isinstance(content, str):
         texts = [content]
     elif isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
+            where = f"messages[{index}].content[{j}]"
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                images.append((where, _data_url_bytes(part.get("image_url"), where)))
+                continue
             if not isinstance(part, dict) or part.get("type") != "text" \
                     or not isinstance(part.get("text"), str):
-                raise RequestError(f"messages[{index}].content[{j}]", "image output takes "
-                                   "text parts only (image editing is not served)")
+                raise RequestError(where, "image output takes text parts and images to "
+                                   "edit (image_url parts) only")
             texts.append(part["text"])
     else:
         texts = []
@@ -182,7 +285,24 @@ def chat_image_body(body: dict) -> dict:
                            f"long; at most {MAX_PROMPT_CHARS}")
     rest = {k: v for k, v in body.items()
             if k not in ("messages", "modalities", "model", *CHAT_IGNORED)}
-    return {"model": body.get("model"), "prompt": prompt, **rest}
+    return {"model": body.get("model"), "prompt": prompt, **rest}, images
+
+
+def _data_url_bytes(image_url, where: str) -> bytes:
+    """The bytes of an ``image_url`` part's base64 ``data:`` URL.
+
+    Raises:
+        RequestError: naming ``where``: not a base64 ``data:`` URL (an image to edit is
+            sent inline), or base64 that does not decode.
+    """
+    url = image_url.get("url") if isinstance(image_url, dict) else None
+    head, sep, data = url.partition(",") if isinstance(url, str) else ("", "", "")
+    if not sep or not head.startswith("data:") or not head.endswith(";base64"):
+        raise RequestError(where, "an image to edit is sent inline, as a base64 data: URL")
+    try:
+        return base64.b64decode(data, validate=True)
+    except ValueError:
+        raise RequestError(where, "the data: URL's base64 does not decode") from None
 
 
 def chat_image_response(encoded: bytes, fmt: str, model: str, usage: dict | None,
@@ -203,8 +323,11 @@ def chat_image_response(encoded: bytes, fmt: str, model: str, usage: dict | None
             "usage": usage}
 
 
-def plan_image_request(scope, body: dict, field: str = "model"):
-    """Validate an image request and plan it with the served model's plugin.
+def plan_image_request(scope, body: dict, field: str = "model",
+                       images: list[tuple[str, bytes]] = ()):
+    """Validate an image request and plan it with the served model's plugin; with
+    ``images`` (``(field, bytes)`` each) an editing request of those images. Decodes and
+    resizes images: run it off the event loop.
 
     Returns:
         ``(ImageRequest, ImagePlan, output_format, output_compression)``.
@@ -214,6 +337,9 @@ def plan_image_request(scope, body: dict, field: str = "model"):
             images.
     """
     request, fmt, compression = parse_image_request(body)
+    if images:
+        request = dataclasses.replace(request, images=tuple(
+            decode_input_image(data, name) for name, data in images))
     config = hf_config(scope)
     plan = None if config is None else plan_image(config, request)
     if plan is None:
@@ -249,7 +375,11 @@ async def serve_image(app, scope, receive, send, request, plan, fmt: str,
     with a :class:`PlanningStep` first runs :func:`planning_body`'s completion and is
     planned again with its text, which the answer returns (``revised_prompt``, or a
     text content part before the image)."""
-    completions = {**scope, "path": COMPLETIONS_PATH, "raw_path": COMPLETIONS_PATH.encode()}
+    # a JSON completion (an edit came as multipart; its length is the body's own)
+    headers = [(k, v) for k, v in scope.get("headers", ())
+               if k.lower() not in (b"content-type", b"content-length")]
+    completions = {**scope, "path": COMPLETIONS_PATH, "raw_path": COMPLETIONS_PATH.encode(),
+                   "headers": [*headers, (b"content-type", b"application/json")]}
     answers = []
     if plan.planning is not None:
         planning = OmniRequest()

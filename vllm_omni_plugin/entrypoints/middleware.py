@@ -14,7 +14,8 @@ the field: the pipeline's control data is not the client's to write; and a body 
 * ``POST /v1/completions``: a text completion, with the pipeline's error replacing a
   failed entry stage's answer (:mod:`.chat_audio`).
 * ``POST /v1/images/generations``: OpenAI's image generation, for a model whose plugin
-  plans images (:mod:`.images`).
+  plans images (:mod:`.images`); ``POST /v1/images/edits`` (a ``multipart/form-data``
+  body): OpenAI's image editing, the same way with input images.
 * ``POST /v1/audio/speech``: OpenAI's text to speech (:mod:`.speech`).
 * ``GET /v1/audio/voices``: the checkpoint's voices (the ``omni_list_voices`` hook).
 * ``GET /v1/realtime`` (WebSocket): OpenAI's Realtime API (:mod:`.realtime`).
@@ -50,8 +51,10 @@ from vllm_omni_plugin.entrypoints.chat_audio import (
     serve_chat,
 )
 from vllm_omni_plugin.entrypoints.images import (
+    EDITS_PATH,
     IMAGES_PATH,
     chat_image_body,
+    parse_edit_form,
     plan_image_request,
     serve_image,
 )
@@ -172,11 +175,22 @@ class OmniApiMiddleware:
         path = scope["path"]
         asked = speech = image = None
         chat_image = False
+        if path == EDITS_PATH:
+            try:
+                form, files = await parse_edit_form(scope, raw)
+                image = await asyncio.to_thread(plan_image_request, scope, form, "model",
+                                                [("image", data) for data in files])
+            except RequestError as exc:
+                return await send_json(send, 400, error_body(f"invalid request: {exc}", 400,
+                                                             exc.field))
+            return await serve_image(self.app, scope, receive, send, *image)
         if isinstance(body, dict):
             try:
                 check_vllm_xargs(body)
                 if path == CHAT_PATH and _asks_image(body):
-                    image = plan_image_request(scope, chat_image_body(body), "modalities")
+                    image_body, images = chat_image_body(body)
+                    image = await asyncio.to_thread(plan_image_request, scope, image_body,
+                                                    "modalities", images)
                     chat_image = True
                 elif path == CHAT_PATH:
                     asked = parse_audio_request(body)
@@ -206,14 +220,14 @@ class OmniApiMiddleware:
 
 def _reads(scope) -> bool:
     """Whether the middleware answers or reads this connection itself: the Realtime
-    WebSocket, ``GET`` of the voices, or a ``POST`` with a JSON body."""
+    WebSocket, ``GET`` of the voices, a ``POST`` with a JSON body, or an image edit."""
     if scope["type"] == "websocket":
         return scope["path"] == REALTIME_PATH
     if scope["type"] != "http":
         return False
     if scope["method"] == "GET":
         return scope["path"] == VOICES_PATH
-    return scope["method"] == "POST" and is_json(scope)
+    return scope["method"] == "POST" and (is_json(scope) or scope["path"] == EDITS_PATH)
 
 
 def _asks_image(body: dict) -> bool:

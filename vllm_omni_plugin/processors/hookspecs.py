@@ -228,6 +228,9 @@ class ImageRequest:
         reasoning: the text the entry stage wrote for the plan's :attr:`ImagePlan.planning`
             step, once it ran (the model is then asked to plan the request again, with
             it); None before, or when the plan has no such step.
+        images: input images to edit (``POST /v1/images/edits``, or an image in an image
+            chat's last user message): decoded RGB Pillow images, in the request's order;
+            empty for an image drawn from text alone.
     """
 
     model: str
@@ -237,6 +240,7 @@ class ImageRequest:
     negative_prompt: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     reasoning: str | None = None
+    images: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,10 @@ Each request's input payload is :func:`generation_payload` of the case's context
 full context for ``cond`` and ``img_uncond``, as the official text-to-image flow builds
 them; an empty one at RoPE position 0 for ``text_uncond``; a thinking case's recorded
 ``cfg_text`` and ``cfg_img`` contexts for those two), ``initial_noise(seed)`` and
-its guidance; ``drop`` leaves branches out. Output: the last stdout line is
+its guidance; ``drop`` leaves branches out. An editing case's payload is what the
+``bagel_ar2dit`` processor sends: its input image resized (``edit_images``), the
+instruction's ids, ``edit_noise(seed)`` and the recorded ``cfg_img`` context.
+Output: the last stdout line is
 ``{"engines": {name: {"batches": [{"keys": [...]}, ...], "memory_profile": ...}}}``; the
 results are in the payload store under those keys (``key.err`` on failure). With
 ``"probe": true`` in an engine's spec, ``memory_profile`` is what
@@ -53,7 +56,12 @@ def _payload(fixtures: Path, request: dict, config):
     import torch
     from safetensors.torch import load_file
 
-    from vllm_omni_plugin.models.bagel.dit import Guidance, generation_payload, initial_noise
+    from vllm_omni_plugin.models.bagel.dit import (
+        Guidance,
+        edit_noise,
+        generation_payload,
+        initial_noise,
+    )
 
     meta = json.loads((fixtures / "reference.json").read_text())["cases"][request["case"]]
     record = load_file(str(fixtures / f"{request['case']}.safetensors"))
@@ -66,6 +74,21 @@ def _payload(fixtures: Path, request: dict, config):
 
     knobs = {**meta["knobs"], **request.get("guidance", {})}
     knobs["cfg_interval"] = tuple(knobs["cfg_interval"])
+    height, width = meta["height"], meta["width"]
+    seed = request.get("seed", meta["seed"])
+    guidance = Guidance(**knobs)
+    if "input_image" in record:  # editing
+        from PIL import Image
+
+        from vllm_omni_plugin.models.bagel.editing import edit_images
+
+        vae, vit = edit_images(Image.fromarray(record["input_image"].numpy()), config)
+        eps, noise = edit_noise(seed, *vae.shape[:2], height, width, config)
+        edit = {"vae": torch.from_numpy(vae.copy()), "vit": torch.from_numpy(vit.copy()),
+                "eps": eps, "text_ids": record["text_ids"]}
+        return (generation_payload(noise, height, width, guidance,
+                                   {"img_uncond": context("cfg_img")}, edit),
+                guidance.num_timesteps - 1)
     cond = context("context")
     empty = cond[0][:, :0]
     branches = {"cond": cond, "text_uncond": (empty, empty, 0), "img_uncond": cond}
@@ -73,9 +96,7 @@ def _payload(fixtures: Path, request: dict, config):
         branches.update(text_uncond=context("cfg_text"), img_uncond=context("cfg_img"))
     for name in request.get("drop", []):
         del branches[name]
-    height, width = meta["height"], meta["width"]
-    noise = initial_noise(request.get("seed", meta["seed"]), height, width, config)
-    guidance = Guidance(**knobs)
+    noise = initial_noise(seed, height, width, config)
     return (generation_payload(noise, height, width, guidance, branches),
             guidance.num_timesteps - 1)
 

@@ -18,6 +18,12 @@ forwards (:meth:`BagelDiT.advance`).
   branch's context keys after RoPE and values, float32) and ``{branch}.rope`` ``[1]``
   int64 (the context's next RoPE position) for the branches :data:`BRANCHES`. A branch
   whose scale is above 1 must be there: a missing one fails the request naming it.
+  An editing request carries ``img_uncond`` (the instruction alone, from the AR stage)
+  and its input image instead of the other two: ``edit.vae`` ``[H, W, 3]`` and
+  ``edit.vit`` ``[h, w, 3]`` uint8 (the image at the autoencoder's and the ViT's sizes),
+  ``edit.eps`` ``[z, H / 8, W / 8]`` float32 (the posterior draw) and ``edit.text_ids``
+  ``[T]`` int64 (the instruction's tokens); its first step builds ``cond`` and
+  ``text_uncond`` from them (:meth:`BagelDiT.edit_contexts`).
 * **Velocity** (the official ``Bagel._forward_flow``): the query is
   ``<|vision_start|>``, the ``h*w`` latent tokens, ``<|vision_end|>``, all at the
   context's next RoPE position, attending to the context and to each other without a
@@ -551,10 +557,11 @@ class BagelDiT(nn.Module):
         """What one forward of :meth:`advance` holds at most, the memory profile's forward
         (:meth:`profile_peak`) of ``images`` images: ``(query rows, attention rows)``, the
         three CFG branches of ``images`` images of the largest size (its latent tokens
-        and two markers each) and their keys (a context as long as its latent tokens,
+        and two markers each) and their keys (the contexts of :func:`profile_contexts`,
         and the query)."""
-        hw = self.max_latent_size ** 2
-        return images * len(BRANCHES) * (hw + 2), images * len(BRANCHES) * (2 * hw + 2)
+        n = self.max_latent_size ** 2 + 2
+        return (images * len(BRANCHES) * n,
+                images * (sum(profile_contexts(self.config)) + len(BRANCHES) * n))
 
     # -- editing contexts -----------------------------------------------------------------
     def _extend(self, hidden: torch.Tensor, gen: torch.Tensor | None, position: int,
@@ -776,11 +783,11 @@ class BagelDiT(nn.Module):
 
     @torch.inference_mode()
     def profile_peak(self, images: int = 1) -> None:
-        """What the engine's memory profile must count: the contexts of ``images`` images
-        of the largest size (:func:`max_image_side` square) held at once, three CFG
-        branches each, each context as long as the image's latent tokens (an
-        image-editing context holds its input image's; the text-unconditional one a token
-        shorter, so that the step runs masked attention, as with real contexts of
+        """What the engine's memory profile must count: an editing request's contexts
+        built at the largest sizes (:meth:`edit_contexts`); then the contexts of
+        ``images`` images held at once, three CFG branches each as long as
+        :func:`profile_contexts` says (the text-unconditional one a token shorter than it
+        could be, so that the step runs masked attention, as with real contexts of
         different lengths: :func:`attend`); one denoising step of all of them in one
         forward (the most :meth:`advance` puts in one: :meth:`forward_budget`); then the
         decoder on one image."""
@@ -789,23 +796,28 @@ class BagelDiT(nn.Module):
         device, dtype = self.marker_embeds.device, self.marker_embeds.dtype
         attn = self.layers[0].und.self_attn
         kv_heads = attn.kv_size // attn.head_dim
-        def _keys_and_values() -> list[torch.Tensor]:  # [layers, hw, kv_heads, head_dim] each
-            return [torch.zeros(len(self.layers), hw, kv_heads, attn.head_dim, dtype=dtype,
-                                device=device) for _ in range(2)]
-
+        lengths = profile_contexts(self.config)
+        vit_side = self.vit.patch * self.vit.max_side
+        logger.info("DiT: memory profile builds an editing context of a %dx%d image, then "
+                    "holds %d images' contexts and runs a denoising step and the decoder "
+                    "at %dx%d with %d CFG branches", side, side, images, side, side,
+                    len(BRANCHES))
+        down = int(autoencoder_config(self.config.vae_config)["downsample"])
+        self.edit_contexts(torch.zeros(side, side, 3, dtype=torch.uint8),
+                           torch.zeros(vit_side, vit_side, 3, dtype=torch.uint8),
+                           torch.zeros(self.z_channels, side // down, side // down),
+                           torch.zeros(lengths[2], dtype=torch.int64))
         contexts = []  # each image's three, held until the step ran
         for _ in range(images):
-            (k, v), (k_short, v_short), (k_img, v_img) = (_keys_and_values()
-                                                          for _ in BRANCHES)
-            contexts += [(k, v, hw), (k_short[:, 1:], v_short[:, 1:], hw - 1),
-                         (k_img, v_img, hw)]
+            for i, length in enumerate(lengths):
+                k, v = (torch.zeros(len(self.layers), length, kv_heads, attn.head_dim,
+                                    dtype=dtype, device=device) for _ in range(2))
+                short = int(i == 1)
+                contexts.append((k[:, short:], v[:, short:], length - short))
         packed = self.pack(contexts, hw, device)
         positions = latent_position_ids(side, side, self.downsample, self.max_latent_size)
         pos_embed = self.latent_pos_embed(positions).to(device=device, dtype=dtype)
         x = torch.zeros(hw, self.latent_dim, device=device)
-        logger.info("DiT: memory profile holds %d images' contexts and runs a denoising "
-                    "step and the decoder at %dx%d with %d CFG branches", images, side,
-                    side, len(BRANCHES))
         self.velocities([x] * images, [1.0] * images, [pos_embed] * images,
                         [len(BRANCHES)] * images, packed)
         self.decode(x, side, side)
@@ -880,6 +892,18 @@ def _map_weight(name: str) -> str | None:
     return f"layers.{layer}.{expert}.{rest.replace('_moe_gen', '')}"
 
 
+def profile_contexts(config) -> tuple[int, int, int]:
+    """The context tokens the memory profile gives an image's CFG branches (``cond``,
+    ``text_uncond``, ``img_uncond``): an editing request's at the largest sizes, its
+    input image through the autoencoder and the ViT (``max_latent_size ** 2`` and
+    ``vit_max_num_patch_per_side ** 2`` tokens, two markers each) and an instruction as
+    long as the image's latent tokens (the allowance a text-to-image context gets too);
+    the image alone; the instruction alone."""
+    latents = int(config.max_latent_size) ** 2
+    image = latents + 2 + int(config.vit_max_num_patch_per_side) ** 2 + 2
+    return image + latents, image, latents
+
+
 def latent_token_pixels(config) -> int:
     """Pixels a side of one latent token: the autoencoder's downsampling times
     ``latent_patch_size`` (16 for BAGEL)."""
@@ -932,10 +956,13 @@ def _latent_noise(generator: torch.Generator, height: int, width: int, config
 
 
 def generation_payload(noise: torch.Tensor, height: int, width: int, guidance: Guidance,
-                       branches: Mapping[str, tuple[torch.Tensor, torch.Tensor, int]]
+                       branches: Mapping[str, tuple[torch.Tensor, torch.Tensor, int]],
+                       edit: Mapping[str, torch.Tensor] | None = None
                        ) -> dict[str, torch.Tensor]:
     """The DiT stage's input payload (see the module docstring); ``branches`` maps names
-    of :data:`BRANCHES` to ``(k, v, rope)``.
+    of :data:`BRANCHES` to ``(k, v, rope)``; ``edit`` an editing request's input,
+    ``vae`` and ``vit`` (the image, :meth:`BagelDiT.edit_contexts`'s ``vae_pixels`` and
+    ``vit_pixels``), ``eps`` and ``text_ids``, stored as ``edit.<name>``.
 
     ``noise`` ``[h*w, p*p*z]`` and each ``k``, ``v`` ``[layers, tokens, kv_heads,
     head_dim]`` may be any float dtype: they are stored as float32 copies; ``size`` and
@@ -954,6 +981,8 @@ def generation_payload(noise: torch.Tensor, height: int, width: int, guidance: G
         payload[f"{name}.k"] = k.detach().to(torch.float32).clone()
         payload[f"{name}.v"] = v.detach().to(torch.float32).clone()
         payload[f"{name}.rope"] = torch.tensor([int(rope)])
+    for name, tensor in (edit or {}).items():
+        payload[f"edit.{name}"] = tensor
     return payload
 
 
@@ -998,10 +1027,10 @@ class BagelDiTStage(nn.Module):
         """What vLLM's memory profile runs here (:meth:`BagelDiT.profile_peak`), for
         :mod:`vllm_omni_plugin.tools.plan`: ``(tokens, extra_bytes)``, the tokens one
         denoising step of ``max_num_seqs`` images of the largest size feeds the
-        transformer at once (a context and the latents, ``max_latent_size ** 2`` each,
-        per CFG branch); beyond them those images' contexts (keys and values of every
-        layer, three branches each) and the FLUX decoder's widest activations at full
-        resolution (four ``side ** 2 x ch`` tensors), at the model's dtype."""
+        transformer at once (per image its three contexts, :func:`profile_contexts`, and
+        three times its latents); beyond them those images' contexts (keys and values of
+        every layer) and the FLUX decoder's widest activations at full resolution (four
+        ``side ** 2 x ch`` tensors), at the model's dtype."""
         model_config = vllm_config.model_config
         config = model_config.hf_config
         llm = config.llm_config
@@ -1010,9 +1039,10 @@ class BagelDiTStage(nn.Module):
         ch = int(autoencoder_config(config.vae_config)["ch"])
         head_dim = llm.hidden_size // llm.num_attention_heads
         images = int(vllm_config.scheduler_config.max_num_seqs)
-        contexts = (images * len(BRANCHES) * 2 * llm.num_hidden_layers * latents
+        context = sum(profile_contexts(config))
+        contexts = (images * 2 * llm.num_hidden_layers * context
                     * llm.num_key_value_heads * head_dim)
-        return (images * len(BRANCHES) * 2 * latents,
+        return (images * (context + len(BRANCHES) * latents),
                 (contexts + 4 * side * side * ch) * model_config.dtype.itemsize)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -1112,6 +1142,10 @@ class BagelDiTStage(nn.Module):
                                  f"{tuple(v.shape)}, expected [{layers}, tokens, kv_heads, "
                                  "head_dim] each")
             branches[name] = (k.to(device), v.to(device), int(payload[f"{name}.rope"][0]))
+        if "edit.vae" in payload:  # editing: cond and text_uncond from the input image
+            branches["text_uncond"], branches["cond"] = self.dit.edit_contexts(
+                payload["edit.vae"], payload["edit.vit"], payload["edit.eps"],
+                payload["edit.text_ids"])
         return self.dit.start(payload["noise"].to(device), height, width, guidance, branches)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -27,13 +27,17 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from vllm_omni_plugin.models.bagel.dit import (
     Guidance,
     check_image_size,
+    edit_noise,
     generation_payload,
     initial_noise,
     max_image_side,
 )
+from vllm_omni_plugin.models.bagel.editing import edit_images
 from vllm_omni_plugin.processors.hookspecs import (
     ImagePlan,
     ImageRequest,
@@ -80,14 +84,33 @@ def ar_prompt(text: str) -> str:
     return f"<|im_start|>{text}<|im_end|>"
 
 
+#: the official app's editing defaults (``edit_image`` in its ``app.py``) where they
+#: differ from text to image's (:class:`Guidance`)
+EDIT_GUIDANCE = {"cfg_img_scale": 2.0, "cfg_interval": (0.0, 1.0),
+                 "cfg_renorm_type": "text_channel"}
+#: input images an editing request may carry (see docs/serving/images.md)
+MAX_EDIT_IMAGES = 1
+
+
+@dataclass(frozen=True)
+class EditInput:
+    """An editing request's input image, resized for the autoencoder (``vae``, ``[H, W,
+    3]`` uint8) and for the ViT (``vit``, ``[h, w, 3]`` uint8)."""
+
+    vae: Any
+    vit: Any
+
+
 @dataclass(frozen=True)
 class BagelImageOptions:
-    """What ``bagel_ar2dit`` needs from the request (``StageRequest.options["image"]``)."""
+    """What ``bagel_ar2dit`` needs from the request (``StageRequest.options["image"]``):
+    the image's size and seed, its guidance, and for an editing request its input."""
 
     width: int
     height: int
     seed: int
     guidance: Guidance
+    edit: EditInput | None = None
 
 
 def is_bagel(hf_config) -> bool:
@@ -96,8 +119,8 @@ def is_bagel(hf_config) -> bool:
     return type(hf_config).__name__ == "BagelConfig"
 
 
-def _guidance(extra: dict[str, Any]) -> Guidance:
-    values = {}
+def _guidance(extra: dict[str, Any], defaults: dict[str, Any]) -> Guidance:
+    values = dict(defaults)
     for name, value in extra.items():
         if name in THINK_FIELDS:
             continue
@@ -146,6 +169,20 @@ def _think_tokens(extra: dict[str, Any]) -> int | None:
     return tokens
 
 
+def _edit_input(hf_config, request: ImageRequest) -> EditInput | None:
+    """The request's input image at the autoencoder's and the ViT's sizes, or None.
+
+    Raises:
+        RequestError: more than :data:`MAX_EDIT_IMAGES` images (field ``image``).
+    """
+    if not request.images:
+        return None
+    if len(request.images) > MAX_EDIT_IMAGES:
+        raise RequestError("image", f"{len(request.images)} images; BAGEL edits "
+                           f"{MAX_EDIT_IMAGES} at a time here")
+    return EditInput(*edit_images(request.images[0], hf_config))
+
+
 def plan_bagel_image(hf_config, request: ImageRequest) -> ImagePlan:
     """The AR prompt and the DiT's options of a text-to-image request; with ``think``
     and no :attr:`~ImageRequest.reasoning` yet, the planning step (see the module doc).
@@ -155,21 +192,28 @@ def plan_bagel_image(hf_config, request: ImageRequest) -> ImagePlan:
             above the checkpoint's largest, a bad knob, an unknown field, a seed out of
             range, a blank negative prompt or one with ``think``.
     """
-    width, height = request.size or (min(DEFAULT_SIDE, max_image_side(hf_config)),) * 2
+    edit = _edit_input(hf_config, request)
+    default = (min(DEFAULT_SIDE, max_image_side(hf_config)),) * 2 if edit is None \
+        else (edit.vae.shape[1], edit.vae.shape[0])
+    width, height = request.size or default
     check_image_size(hf_config, width, height)
     think_tokens = _think_tokens(request.extra)
+    if edit is not None and think_tokens is not None:
+        raise RequestError("think", "is not served with an input image (editing) yet")
     companions = {}
     if request.negative_prompt is not None:
         if not request.negative_prompt.strip():
             raise RequestError("negative_prompt", "must not be blank (or left out)")
-        if think_tokens is not None:
-            raise RequestError("negative_prompt", "is not used with think: true (the "
-                               "system prompt is the text-unconditional context)")
+        if think_tokens is not None or edit is not None:
+            raise RequestError("negative_prompt", "is not used with think: true or when "
+                               "editing (the text-unconditional context is the system "
+                               "prompt, or the input image)")
         companions[NEGATIVE] = ar_prompt(request.negative_prompt)
     seed = secrets.randbelow(MAX_SEED + 1) if request.seed is None else request.seed
     if not 0 <= seed <= MAX_SEED:
         raise RequestError("seed", f"must be in [0, {MAX_SEED}]")
-    options = BagelImageOptions(width, height, seed, _guidance(request.extra))
+    options = BagelImageOptions(width, height, seed, _guidance(
+        request.extra, {} if edit is None else EDIT_GUIDANCE), edit)
     prompt = ar_prompt(request.prompt)
     if think_tokens is not None:
         system = ar_prompt(THINK_SYSTEM_PROMPT)
@@ -228,9 +272,21 @@ def bagel_ar2dit(upstream: list[UpstreamOutput], stage, request: StageRequest) -
     image_uncond = request.companions.get(IMAGE_UNCOND)
     img_uncond = (k, v, length) if image_uncond is None else _context(image_uncond)
     hf_config = request.hf_config
-    noise = initial_noise(options.seed, options.height, options.width, hf_config)
-    payload = generation_payload(noise, options.height, options.width, options.guidance, {
-        "cond": (k, v, length), "text_uncond": text_uncond, "img_uncond": img_uncond})
+    edit = options.edit
+    if edit is not None:  # the DiT builds cond and text_uncond from the image
+        eps, noise = edit_noise(options.seed, *edit.vae.shape[:2], options.height,
+                                options.width, hf_config)
+        branches = {"img_uncond": (k, v, length)}
+        edit_payload = {"vae": torch.from_numpy(edit.vae.copy()),
+                        "vit": torch.from_numpy(edit.vit.copy()), "eps": eps,
+                        "text_ids": torch.tensor(ar.prompt_token_ids[:length])}
+    else:
+        noise = initial_noise(options.seed, options.height, options.width, hf_config)
+        branches = {"cond": (k, v, length), "text_uncond": text_uncond,
+                    "img_uncond": img_uncond}
+        edit_payload = None
+    payload = generation_payload(noise, options.height, options.width, options.guidance,
+                                 branches, edit_payload)
     return StageInput(prompt_token_ids=[0], payload=payload, sampling_overrides={
         "max_tokens": options.guidance.num_timesteps - 1, "ignore_eos": True})
 
