@@ -8,7 +8,9 @@ ways), each of ``--trials`` trials sends ``--batch`` requests (``--size``, ``--s
 timesteps, a seed each) one after another, then the same requests at once. Printed per
 trial: images/s of both and their ratio; then the median ratio, and the largest
 difference, in uint8 levels, between an image served beside others and the same
-request served alone (0: the same bytes).
+request served alone (0: the same bytes). On a 2-core host the server runs under
+``taskset -c 1`` (``--pin``, as ``text_bench.py``): its API process on core 1, vLLM's
+CPU workers on core 0, where they bind themselves.
 
 Usage (from the repository root)::
 
@@ -23,6 +25,7 @@ import asyncio
 import base64
 import io
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -81,6 +84,10 @@ def main() -> int:
     parser.add_argument("--size", default="64x64", help="WIDTHxHEIGHT (default 64x64)")
     parser.add_argument("--steps", type=int, default=50,
                         help="num_inference_steps (timesteps; default 50, the official)")
+    parser.add_argument("--pin", action=argparse.BooleanOptionalAction,
+                        default=os.cpu_count() == 2 and shutil.which("taskset") is not None,
+                        help="run the server under `taskset -c 1` (default: on a 2-core "
+                             "host)")
     args = parser.parse_args()
     install_sigterm_as_interrupt()
     work = Path(tempfile.mkdtemp(prefix="bagel-batch-bench-"))
@@ -89,10 +96,12 @@ def main() -> int:
                     str(ckpt), "--seed", "0"], check=True, cwd=str(REPO),
                    stdout=subprocess.DEVNULL, timeout=600)
     port = free_port()
-    server = Server([venv_bin("vllm"), "serve", str(ckpt), "--stage-configs-path",
-                     builtin_pipeline("bagel"), "--max-model-len", "512", "--dtype",
-                     "float32", "--gpu-memory-utilization", "0.2", "--port", str(port)],
-                    {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, work / "serve.log")
+    argv = [venv_bin("vllm"), "serve", str(ckpt), "--stage-configs-path",
+            builtin_pipeline("bagel"), "--max-model-len", "512", "--dtype", "float32",
+            "--gpu-memory-utilization", "0.2", "--port", str(port)]
+    if args.pin:
+        argv = ["taskset", "-c", "1", *argv]
+    server = Server(argv, {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, work / "serve.log")
     url = f"http://127.0.0.1:{port}"
     rows, ratios, worst = [], [], 0
     with server:

@@ -31,14 +31,15 @@ prompt) and ``cfg_img.*`` the image-unconditional one (system prompt and prompt)
 ``text_ids`` the full one's token ids, ``reasoning_ids`` the greedy planning tokens (the
 start token left out) and the planning text in ``reference.json``.
 
-An editing case (the official app's "Image Edit": an input image, then the instruction)
-records ``input_image`` ``[H, W, 3]`` uint8 (drawn from the case's seed),
-``posterior_eps`` ``[z, H / 8, W / 8]`` (the autoencoder's posterior draw, the first after
-the seed; ``noise`` is the second), ``context.*``
-the full context (the image through the VAE, then through the ViT, then the
-instruction), ``cfg_text.*`` the image alone (text-unconditional) and ``cfg_img.*`` the
-instruction alone (image-unconditional), ``text_ids`` the instruction's ids, and the
-velocities, latent and pixels as above; the image is drawn at the input's resized size.
+An editing case (the official app's "Image Edit": input images, then the instruction)
+records per input image ``i`` ``input_image.{i}`` ``[H, W, 3]`` uint8 (drawn from the
+case's seed plus ``i``) and ``posterior_eps.{i}`` ``[z, H / 8, W / 8]`` (the
+autoencoder's posterior draws, the first after the seed, in order; ``noise`` comes
+after them), ``context.*`` the full context (each image through the VAE, then through
+the ViT; then the instruction), ``cfg_text.*`` the images alone (text-unconditional)
+and ``cfg_img.*`` the instruction alone (image-unconditional), ``text_ids`` the
+instruction's ids, and the velocities, latent and pixels as above; the image is drawn at
+the last input's resized size.
 The official transforms' sizes (VAE 1024/512/16, ViT 980/224/14) are capped by the tiny
 checkpoint's largest sides as the plugin caps them (:func:`edit_transforms`).
 
@@ -78,12 +79,15 @@ THINK_CASES = [
      dict(cfg_text_scale=4.0, cfg_img_scale=1.5, cfg_interval=[0.4, 1.0], timestep_shift=3.0,
           num_timesteps=5, cfg_renorm_min=0.0, cfg_renorm_type="global"), 8),
 ]
-#: (name, instruction, seed, input (W, H), knobs): editing with the official app's
-#: editing defaults (fewer steps)
+#: the official app's editing defaults (fewer steps)
+EDIT_KNOBS = dict(cfg_text_scale=4.0, cfg_img_scale=2.0, cfg_interval=[0.0, 1.0],
+                  timestep_shift=3.0, num_timesteps=5, cfg_renorm_min=0.0,
+                  cfg_renorm_type="text_channel")
+#: (name, instruction, seed, the input images' (W, H), knobs): editing
 EDIT_CASES = [
-    ("edit_text_channel", "Make the sky green.", 11, (100, 60),
-     dict(cfg_text_scale=4.0, cfg_img_scale=2.0, cfg_interval=[0.0, 1.0], timestep_shift=3.0,
-          num_timesteps=5, cfg_renorm_min=0.0, cfg_renorm_type="text_channel")),
+    ("edit_text_channel", "Make the sky green.", 11, [(100, 60)], EDIT_KNOBS),
+    ("edit_two_images", "Put the second one on the first.", 12, [(100, 60), (60, 100)],
+     EDIT_KNOBS),
 ]
 UNDERSTANDING_TOKENS = 8
 
@@ -295,7 +299,7 @@ def edit_input(seed: int, width: int, height: int) -> np.ndarray:
     return ((np.stack(waves, axis=-1) + 1) * 127.5).round().astype(np.uint8)
 
 
-def run_edit_case(model, vae, tokenizer, new_token_ids, served, prompt, seed, size, knobs):
+def run_edit_case(model, vae, tokenizer, new_token_ids, served, prompt, seed, sizes, knobs):
     """An editing case's record (see the module doc)."""
     from inferencer import InterleaveInferencer
     from PIL import Image
@@ -303,8 +307,9 @@ def run_edit_case(model, vae, tokenizer, new_token_ids, served, prompt, seed, si
     vae_transform, vit_transform = edit_transforms(served)
     inferencer = InterleaveInferencer(model, vae, tokenizer, vae_transform, vit_transform,
                                       new_token_ids)
-    pixels_in = edit_input(seed, *size)
-    record: dict[str, torch.Tensor] = {"input_image": torch.from_numpy(pixels_in)}
+    inputs = [edit_input(seed + i, *size) for i, size in enumerate(sizes)]
+    record: dict[str, torch.Tensor] = {f"input_image.{i}": torch.from_numpy(pixels)
+                                       for i, pixels in enumerate(inputs)}
     velocities, latents, texts, images, draws = [], [], [], [], []
     forward_flow, generate_image = model._forward_flow, model.generate_image
     update_text, update_image = inferencer.update_context_text, inferencer.update_context_image
@@ -348,14 +353,15 @@ def run_edit_case(model, vae, tokenizer, new_token_ids, served, prompt, seed, si
     try:
         torch.manual_seed(seed)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            result = inferencer.interleave_inference([Image.fromarray(pixels_in), prompt],
-                                                     **knobs)
+            result = inferencer.interleave_inference(
+                [*(Image.fromarray(pixels) for pixels in inputs), prompt], **knobs)
     finally:
         del model._forward_flow, model.generate_image, model.prepare_vae_latent
         torch.randn_like = randn_like
-    (record["posterior_eps"],) = (d[0].float() for d in draws)
-    # contexts: the image (text-unconditional), then the full one and the instruction's
-    _store_context(record, "cfg_text", images[0])
+    for i, draw in enumerate(draws):
+        record[f"posterior_eps.{i}"] = draw[0].float()
+    # contexts: the images (text-unconditional), then the full one and the instruction's
+    _store_context(record, "cfg_text", images[-1])
     _store_context(record, "context", texts[0])
     _store_context(record, "cfg_img", texts[1])
     for step, v in enumerate(velocities):
@@ -414,14 +420,14 @@ def main() -> int:
             meta["cases"][name].update(max_think_token_n=think_tokens, reasoning=reasoning)
         print(f"{name}: {len(record)} tensors, repeatable={repeatable}")
     served = json.loads((args.checkpoint / "config.json").read_text())
-    for name, prompt, seed, size, knobs in EDIT_CASES:
+    for name, prompt, seed, sizes, knobs in EDIT_CASES:
         record, again = (run_edit_case(model, vae, tokenizer, new_token_ids, served, prompt,
-                                       seed, size, knobs) for _ in range(2))
+                                       seed, sizes, knobs) for _ in range(2))
         save_file({k: v.contiguous() for k, v in record.items()},
                   str(args.out / f"{name}.safetensors"))
         height, width = record["pixels"].shape[:2]
         meta["cases"][name] = {
-            "prompt": prompt, "seed": seed, "input_width": size[0], "input_height": size[1],
+            "prompt": prompt, "seed": seed, "input_sizes": sizes,
             "height": height, "width": width, "knobs": knobs,
             "steps": knobs["num_timesteps"] - 1,
             "bitwise_repeatable": all(torch.equal(record[k], again[k]) for k in record)}

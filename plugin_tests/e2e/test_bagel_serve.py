@@ -169,7 +169,7 @@ def test_an_edit_through_the_sdk_is_the_official_codes(client, server):
     bytes."""
     meta, ref = _case("edit_text_channel")
     steps = meta["knobs"]["num_timesteps"]
-    png = _png(ref["input_image"].numpy())
+    png = _png(ref["input_image.0"].numpy())
     response = client.images.edit(model=server.model, image=("input.png", png, "image/png"),
                                   prompt=meta["prompt"],
                                   extra_body={"seed": meta["seed"],
@@ -189,19 +189,38 @@ def test_an_edit_through_the_sdk_is_the_official_codes(client, server):
     assert base64.b64decode(part["image_url"]["url"].split(",", 1)[1]) == edited
 
 
-def _edit(server, files: dict, data: dict):
-    """A multipart edit: ``files`` and the text fields ``data`` (and the model)."""
+def test_two_images_edited_together_are_the_official_codes(server):
+    """Two input images (``image[]``, as the SDK sends a list): both enter the context in
+    order, and the image is drawn at the last one's size with the official pixels."""
+    from PIL import Image
+
+    meta, ref = _case("edit_two_images")
+    files = [("image[]", (f"{i}.png", _png(ref[f"input_image.{i}"].numpy()), "image/png"))
+             for i in range(2)]
+    r = _edit(server, files, {"prompt": meta["prompt"], "seed": str(meta["seed"]),
+                              "num_inference_steps": str(meta["knobs"]["num_timesteps"])})
+    assert r.status_code == 200, r.text
+    assert r.json()["size"] == f"{meta['width']}x{meta['height']}"
+    pixels = np.asarray(Image.open(io.BytesIO(base64.b64decode(
+        r.json()["data"][0]["b64_json"])))).astype(int)
+    assert np.abs(pixels - ref["pixels"].numpy().astype(int)).mean() < PIXEL_MEAN_TOL
+
+
+def _edit(server, files, data: dict):
+    """A multipart edit: ``files`` (a dict or ``(name, file)`` pairs) and the text fields
+    ``data`` (and the model)."""
     import requests
 
     fields = [(k, (None, v)) for k, v in {"model": server.model, **data}.items()]
+    files = list(files.items()) if isinstance(files, dict) else list(files)
     return requests.post(f"{server.url}/v1/images/edits", timeout=60,
-                         files=[*files.items(), *fields], headers=server.headers)
+                         files=[*files, *fields], headers=server.headers)
 
 
 def test_bad_edits_are_400s_naming_the_field(server):
-    """A mask, no image, a file that is no image, an image over the pixel limit, an
-    unknown knob, thinking while editing, a body that is not multipart: 400s naming the
-    field; the server goes on editing."""
+    """A mask, no image, a file that is no image, an image over the pixel limit, images
+    too large together, an unknown knob, thinking while editing, a body that is not
+    multipart: 400s naming the field; the server goes on editing."""
     import requests
     from PIL import Image
 
@@ -213,6 +232,8 @@ def test_bad_edits_are_400s_naming_the_field(server):
         ({}, {"prompt": "x"}, "image"),
         ({"image": ("a.png", b"not an image")}, {"prompt": "x"}, "image"),
         ({"image": ("a.png", huge.getvalue())}, {"prompt": "x"}, "image"),
+        ([("image[]", ("a.png", png)), ("image[]", ("b.png", png))], {"prompt": "x"},
+         "image"),  # two 64 x 64 images: twice the ViT tokens of the largest image
         ({"image": ("a.png", png)}, {"prompt": "x", "sharpness": "3"}, "sharpness"),
         ({"image": ("a.png", png)}, {"prompt": "x", "think": "true"}, "think"),
         ({"image": ("a.png", png)}, {}, "prompt"),

@@ -32,11 +32,14 @@ def test_noise_of_a_seed_is_the_official_codes(tiny_bagel):
     for name, case in cases.items():
         record = load_file(str(Path(BAGEL_REFERENCE) / f"{name}.safetensors"))
         ref = record["noise"]
-        if "input_image" in record:  # editing: the autoencoder's posterior draw first
-            eps, noise = dit.edit_noise(case["seed"], case["height"], case["width"],
+        if "input_image.0" in record:  # editing: the autoencoder's posterior draws first
+            sizes = [(h, w) for i in range(len(case["input_sizes"]))
+                     for h, w in [record[f"posterior_eps.{i}"].shape[1:]]]
+            eps, noise = dit.edit_noise(case["seed"], [(8 * h, 8 * w) for h, w in sizes],
                                         case["height"], case["width"], config)
-            # (drawn there in the bf16 of the encoder's output under autocast)
-            assert eps.bfloat16().float().equal(record["posterior_eps"]), name
+            for i, draw in enumerate(eps):
+                # (drawn there in the bf16 of the encoder's output under autocast)
+                assert draw.bfloat16().float().equal(record[f"posterior_eps.{i}"]), name
         else:
             noise = dit.initial_noise(case["seed"], case["height"], case["width"], config)
         assert noise.equal(ref), name
@@ -357,28 +360,31 @@ def test_a_forward_holds_at_most_the_profiled_rows(tiny_dit, budget, forwards):
     assert calls == forwards and all(image.done for image in started)
 
 
-def test_an_editing_context_is_the_official_codes(tiny_dit, tiny_bagel):
-    """Editing: the input image resized as the official transforms resize it, then
-    through the autoencoder (the fixture's posterior draw), the ViT and the instruction:
-    the image context (text-unconditional) and the full one equal the official code's
-    keys and values, layer by layer (bf16 there, float32 here)."""
+@pytest.mark.parametrize("case", ["edit_text_channel", "edit_two_images"])
+def test_an_editing_context_is_the_official_codes(tiny_dit, tiny_bagel, case):
+    """Editing: the input images resized as the official transforms resize them, each
+    through the autoencoder (the fixture's posterior draw) and the ViT, then the
+    instruction: the images' context (text-unconditional) and the full one equal the
+    official code's keys and values, layer by layer (bf16 there, float32 here)."""
     from PIL import Image
     from safetensors.torch import load_file
 
     from vllm_omni_plugin.models.bagel.editing import edit_images
 
-    record = load_file(str(Path(BAGEL_REFERENCE) / "edit_text_channel.safetensors"))
-    vae, vit = edit_images(Image.fromarray(record["input_image"].numpy()),
-                           served_bagel_config(tiny_bagel))
-    assert vae.shape == record["pixels"].shape  # the image is drawn at the VAE's size
-    image, full = tiny_dit.edit_contexts(torch.from_numpy(vae.copy()),
-                                         torch.from_numpy(vit.copy()),
-                                         record["posterior_eps"], record["text_ids"])
-    layers = len(tiny_dit.layers)
+    record = load_file(str(Path(BAGEL_REFERENCE) / f"{case}.safetensors"))
+    count = sum(1 for k in record if k.startswith("input_image."))
+    resized = [edit_images(Image.fromarray(record[f"input_image.{i}"].numpy()),
+                           served_bagel_config(tiny_bagel)) for i in range(count)]
+    assert resized[-1][0].shape == record["pixels"].shape  # drawn at the last one's size
+    image, full = tiny_dit.edit_contexts([torch.from_numpy(vae.copy()) for vae, _ in resized],
+                                         [torch.from_numpy(vit.copy()) for _, vit in resized],
+                                         [record[f"posterior_eps.{i}"] for i in range(count)],
+                                         record["text_ids"])
     for (k, v, rope), name in ((image, "cfg_text"), (full, "context")):
         assert k.shape[1] == record[f"{name}.k.0"].shape[0]
-        assert rope == (2 if name == "cfg_text" else 2 + record["text_ids"].shape[0])
-        for layer in range(layers):
+        text = record["text_ids"].shape[0] if name == "context" else 0
+        assert rope == 2 * count + text
+        for layer in range(len(tiny_dit.layers)):
             for got, ref in ((k[layer], record[f"{name}.k.{layer}"]),
                              (v[layer], record[f"{name}.v.{layer}"])):
                 rel = float((got.float() - ref).abs().max() / ref.abs().max())

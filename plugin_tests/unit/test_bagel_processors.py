@@ -132,15 +132,18 @@ def test_an_edit_plans_the_input_at_the_official_sizes_and_defaults(config):
     plan = plan_image(config, ImageRequest("m", "make it red", images=(image,)))
     assert plan.prompt == "<|im_start|>make it red<|im_end|>" and plan.companions == {}
     assert (plan.width, plan.height) == (112, 64)
-    assert plan.options.edit.vae.shape == (64, 112, 3)
-    assert plan.options.edit.vit.shape == (28, 56, 3)
+    assert [a.shape for a in plan.options.edit.vae] == [(64, 112, 3)]
+    assert [a.shape for a in plan.options.edit.vit] == [(28, 56, 3)]
     assert plan.options.guidance == Guidance(cfg_img_scale=2.0, cfg_interval=(0.0, 1.0),
                                              cfg_renorm_type="text_channel")
     sized = plan_image(config, ImageRequest("m", "x", size=(32, 32), images=(image,),
                                             extra={"cfg_img_scale": 1.2}))
     assert (sized.width, sized.height) == (32, 32)
     assert sized.options.guidance.cfg_img_scale == 1.2
-    for request, field in ((ImageRequest("m", "x", images=(image, image)), "image"),
+    # two images share one largest image's tokens: these two fit, three do not
+    two = plan_image(config, ImageRequest("m", "x", images=(image, image.rotate(90, expand=True))))
+    assert (two.width, two.height) == (64, 112)  # the last image's size
+    for request, field in ((ImageRequest("m", "x", images=(image,) * 3), "image"),
                            (ImageRequest("m", "x", images=(image,), negative_prompt="n"),
                             "negative_prompt"),
                            (ImageRequest("m", "x", images=(image,), extra={"think": True}),
@@ -160,7 +163,7 @@ def test_an_edit_sends_the_image_and_the_instruction_to_the_dit(config):
     vae = torch.randint(0, 255, (64, 112, 3), dtype=torch.uint8).numpy()
     vit = torch.randint(0, 255, (28, 56, 3), dtype=torch.uint8).numpy()
     options = bp.BagelImageOptions(112, 64, 5, Guidance(num_timesteps=3),
-                                   bp.EditInput(vae, vit))
+                                   bp.EditInput((vae,), (vit,)))
     k, v = torch.randn(4, 2, 2, 32), torch.randn(4, 2, 2, 32)
     ar = UpstreamOutput(stage_id=0, prompt_token_ids=[1, 2, 3, 4], output_token_ids=[1],
                         payload={"k": k, "v": v})
@@ -170,9 +173,10 @@ def test_an_edit_sends_the_image_and_the_instruction_to_the_dit(config):
     assert "cond.k" not in p and "text_uncond.k" not in p
     assert p["img_uncond.k"].equal(k.transpose(0, 1)) and int(p["img_uncond.rope"]) == 4
     assert p["edit.text_ids"].tolist() == [1, 2, 3, 4]
-    assert p["edit.vae"].numpy().tolist() == vae.tolist()
-    eps, noise = edit_noise(5, 64, 112, 64, 112, config)
-    assert p["edit.eps"].equal(eps) and p["noise"].equal(noise)
+    assert p["edit.vae.0"].numpy().tolist() == vae.tolist()
+    assert p["edit.vit.0"].shape == (28, 56, 3) and "edit.vae.1" not in p
+    (eps,), noise = edit_noise(5, [(64, 112)], 64, 112, config)
+    assert p["edit.eps.0"].equal(eps) and p["noise"].equal(noise)
 
 
 def test_an_image_chat_answer_is_one_image_content_part():

@@ -1,4 +1,5 @@
-"""OpenAI's image generation, ``POST /v1/images/generations``, on the omni pipeline.
+"""OpenAI's image generation and editing, ``POST /v1/images/generations`` and ``POST
+/v1/images/edits``, on the omni pipeline.
 
 The API checks OpenAI's fields here; the served model's plugin (the
 ``omni_plan_image`` hook) checks the size and its own knobs and says what the entry
@@ -23,6 +24,13 @@ above and the model's knobs may stand in the chat body, and the answer is a
 ``chat.completion`` whose ``choices[0].message.content`` is one image content part,
 ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``
 (:func:`chat_image_response`), after a text part with the plan when the model planned.
+
+Editing (:func:`parse_edit_form`) takes OpenAI's multipart body: ``image`` (one file or
+several, ``image[]``), the fields above as text (numbers, booleans and lists read back
+from it) and the model's knobs; a ``mask`` is refused. The images, decoded within
+:data:`MAX_INPUT_IMAGE_BYTES` and :data:`MAX_INPUT_IMAGE_PIXELS`, reach the model's plan
+as :attr:`~vllm_omni_plugin.processors.hookspecs.ImageRequest.images`; so do the inline
+images (``data:`` URLs) of an image chat's last user message.
 """
 
 from __future__ import annotations
@@ -176,8 +184,8 @@ async def parse_edit_form(scope, raw: bytes) -> tuple[dict, list]:
         for key, value in form.multi_items():
             name = key[:-2] if key.endswith("[]") else key
             if name == "mask":
-                raise RequestError("mask", "is not used: BAGEL edits the whole image "
-                                   "from the instruction (leave it out)")
+                raise RequestError("mask", "is not served: the model edits the whole "
+                                   "image from the prompt (leave it out)")
             if name == "image":
                 if isinstance(value, str):
                     raise RequestError("image", "must be a file")

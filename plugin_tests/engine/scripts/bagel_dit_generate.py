@@ -77,15 +77,20 @@ def _payload(fixtures: Path, request: dict, config):
     height, width = meta["height"], meta["width"]
     seed = request.get("seed", meta["seed"])
     guidance = Guidance(**knobs)
-    if "input_image" in record:  # editing
+    if "input_image.0" in record:  # editing
         from PIL import Image
 
         from vllm_omni_plugin.models.bagel.editing import edit_images
 
-        vae, vit = edit_images(Image.fromarray(record["input_image"].numpy()), config)
-        eps, noise = edit_noise(seed, *vae.shape[:2], height, width, config)
-        edit = {"vae": torch.from_numpy(vae.copy()), "vit": torch.from_numpy(vit.copy()),
-                "eps": eps, "text_ids": record["text_ids"]}
+        count = sum(1 for k in record if k.startswith("input_image."))
+        resized = [edit_images(Image.fromarray(record[f"input_image.{i}"].numpy()), config)
+                   for i in range(count)]
+        eps, noise = edit_noise(seed, [vae.shape[:2] for vae, _ in resized], height, width,
+                                config)
+        edit = {"text_ids": record["text_ids"]}
+        for i, (vae, vit) in enumerate(resized):
+            edit.update({f"vae.{i}": torch.from_numpy(vae.copy()),
+                         f"vit.{i}": torch.from_numpy(vit.copy()), f"eps.{i}": eps[i]})
         return (generation_payload(noise, height, width, guidance,
                                    {"img_uncond": context("cfg_img")}, edit),
                 guidance.num_timesteps - 1)

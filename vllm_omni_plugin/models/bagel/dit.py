@@ -19,11 +19,11 @@ forwards (:meth:`BagelDiT.advance`).
   int64 (the context's next RoPE position) for the branches :data:`BRANCHES`. A branch
   whose scale is above 1 must be there: a missing one fails the request naming it.
   An editing request carries ``img_uncond`` (the instruction alone, from the AR stage)
-  and its input image instead of the other two: ``edit.vae`` ``[H, W, 3]`` and
-  ``edit.vit`` ``[h, w, 3]`` uint8 (the image at the autoencoder's and the ViT's sizes),
-  ``edit.eps`` ``[z, H / 8, W / 8]`` float32 (the posterior draw) and ``edit.text_ids``
-  ``[T]`` int64 (the instruction's tokens); its first step builds ``cond`` and
-  ``text_uncond`` from them (:meth:`BagelDiT.edit_contexts`).
+  and its input images instead of the other two: per image ``i`` ``edit.vae.{i}`` ``[H,
+  W, 3]`` and ``edit.vit.{i}`` ``[h, w, 3]`` uint8 (the image at the autoencoder's and
+  the ViT's sizes) and ``edit.eps.{i}`` ``[z, H / 8, W / 8]`` float32 (its posterior
+  draw), and ``edit.text_ids`` ``[T]`` int64 (the instruction's tokens); its first step
+  builds ``cond`` and ``text_uncond`` from them (:meth:`BagelDiT.edit_contexts`).
 * **Velocity** (the official ``Bagel._forward_flow``): the query is
   ``<|vision_start|>``, the ``h*w`` latent tokens, ``<|vision_end|>``, all at the
   context's next RoPE position, attending to the context and to each other without a
@@ -594,24 +594,24 @@ class BagelDiT(nn.Module):
                 int(positions[-1]) + 1)
 
     @torch.inference_mode()
-    def edit_contexts(self, vae_pixels: torch.Tensor, vit_pixels: torch.Tensor,
-                      eps: torch.Tensor, text_ids: torch.Tensor
+    def edit_contexts(self, vae_pixels: list[torch.Tensor], vit_pixels: list[torch.Tensor],
+                      eps: list[torch.Tensor], text_ids: torch.Tensor
                       ) -> tuple[tuple[torch.Tensor, torch.Tensor, int],
                                  tuple[torch.Tensor, torch.Tensor, int]]:
         """An editing request's image context and full context, as the official
-        ``update_context_image`` then ``update_context_text`` build them: the input image
-        through the autoencoder (``<|vision_start|>``, its latent tokens at timestep 0
-        through the generation expert, ``<|vision_end|>``; one RoPE position, all to all),
-        then through the ViT (the same markers around its ViT tokens, the understanding
-        expert; the next RoPE position), then the instruction's tokens (causal, the
-        understanding expert).
+        ``update_context_image`` (per image) then ``update_context_text`` build them:
+        each input image through the autoencoder (``<|vision_start|>``, its latent tokens
+        at timestep 0 through the generation expert, ``<|vision_end|>``; one RoPE
+        position, all to all), then through the ViT (the same markers around its ViT
+        tokens, the understanding expert; the next RoPE position); then the
+        instruction's tokens (causal, the understanding expert).
 
         Args:
-            vae_pixels: ``[H, W, 3]`` uint8, the image at the autoencoder's size
+            vae_pixels: per image ``[H, W, 3]`` uint8, at the autoencoder's size
                 (:func:`~vllm_omni_plugin.models.bagel.editing.edit_images`).
-            vit_pixels: ``[h, w, 3]`` uint8, the image at the ViT's size.
-            eps: ``[z_channels, H / 8, W / 8]`` standard normal, the posterior draw of the
-                autoencoder's latent (:meth:`FluxEncoder.latent`), any float dtype.
+            vit_pixels: per image ``[h, w, 3]`` uint8, at the ViT's size.
+            eps: per image ``[z_channels, H / 8, W / 8]`` standard normal, the posterior
+                draw of its latent (:meth:`FluxEncoder.latent`), any float dtype.
             text_ids: ``[T]`` int64, the instruction's token ids
                 (``<|im_start|> instruction <|im_end|>``).
 
@@ -625,14 +625,27 @@ class BagelDiT(nn.Module):
                 checkpoint's largest (field ``image``).
         """
         device, dtype = self.marker_embeds.device, self.marker_embeds.dtype
+        attn = self.layers[0].und.self_attn
+        empty = torch.zeros(len(self.layers), 0, attn.kv_size // attn.head_dim,
+                            attn.head_dim, dtype=dtype, device=device)
+        image = (empty, empty, 0)
+        for vae, vit, draw in zip(vae_pixels, vit_pixels, eps, strict=True):
+            image = self._image_blocks(vae, vit, draw, image)
+        full = self._extend(self.embed_tokens(text_ids.to(device)).to(dtype), None,
+                            image[2], image, causal=True)
+        return image, full
+
+    def _image_blocks(self, vae_pixels: torch.Tensor, vit_pixels: torch.Tensor,
+                      eps: torch.Tensor, context: tuple[torch.Tensor, torch.Tensor, int]
+                      ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """``context`` extended by one input image's autoencoder block and ViT block (see
+        :meth:`edit_contexts`)."""
+        device, dtype = self.marker_embeds.device, self.marker_embeds.dtype
         height, width = vae_pixels.shape[:2]
         try:
             check_image_size(self.config, width, height)
         except RequestError as exc:
             raise RequestError("image", exc.message) from None
-        attn = self.layers[0].und.self_attn
-        empty = torch.zeros(len(self.layers), 0, attn.kv_size // attn.head_dim,
-                            attn.head_dim, dtype=dtype, device=device)
         # the autoencoder's block: the latent (a posterior draw), patchified as decode
         # reads it, at timestep 0
         z = self.vae_encoder.latent(normalized(vae_pixels.to(device)).to(dtype),
@@ -645,15 +658,12 @@ class BagelDiT(nn.Module):
                   + self._embed_time(torch.zeros(1, device=device))
                   + self.latent_pos_embed(positions).to(device=device, dtype=dtype))
         block = torch.cat([self.marker_embeds[:1], tokens, self.marker_embeds[1:]])
-        context = self._extend(block, torch.arange(1, h * w + 1, device=device), 0,
-                               (empty, empty, 0), causal=False)
+        context = self._extend(block, torch.arange(1, h * w + 1, device=device),
+                               context[2], context, causal=False)
         # the ViT's block
         tokens = self.vit(normalized(vit_pixels.to(device))).to(dtype)
         block = torch.cat([self.marker_embeds[:1], tokens, self.marker_embeds[1:]])
-        image = self._extend(block, None, context[2], context, causal=False)
-        full = self._extend(self.embed_tokens(text_ids.to(device)).to(dtype), None,
-                            image[2], image, causal=True)
-        return image, full
+        return self._extend(block, None, context[2], context, causal=False)
 
     # -- sampling ------------------------------------------------------------------------
     def start(self, noise: torch.Tensor, height: int, width: int, guidance: Guidance,
@@ -803,9 +813,9 @@ class BagelDiT(nn.Module):
                     "at %dx%d with %d CFG branches", side, side, images, side, side,
                     len(BRANCHES))
         down = int(autoencoder_config(self.config.vae_config)["downsample"])
-        self.edit_contexts(torch.zeros(side, side, 3, dtype=torch.uint8),
-                           torch.zeros(vit_side, vit_side, 3, dtype=torch.uint8),
-                           torch.zeros(self.z_channels, side // down, side // down),
+        self.edit_contexts([torch.zeros(side, side, 3, dtype=torch.uint8)],
+                           [torch.zeros(vit_side, vit_side, 3, dtype=torch.uint8)],
+                           [torch.zeros(self.z_channels, side // down, side // down)],
                            torch.zeros(lengths[2], dtype=torch.int64))
         contexts = []  # each image's three, held until the step ran
         for _ in range(images):
@@ -933,17 +943,17 @@ def initial_noise(seed: int, height: int, width: int, config) -> torch.Tensor:
     return _latent_noise(torch.Generator().manual_seed(seed), height, width, config)
 
 
-def edit_noise(seed: int, image_height: int, image_width: int, height: int, width: int,
-               config) -> tuple[torch.Tensor, torch.Tensor]:
+def edit_noise(seed: int, image_sizes: list[tuple[int, int]], height: int, width: int,
+               config) -> tuple[list[torch.Tensor], torch.Tensor]:
     """An editing request's draws from ``seed``, in the official code's order: the
-    autoencoder's posterior draw for the input image (``image_height`` x ``image_width``
-    pixels at the autoencoder's size), ``[z, image_height / 8, image_width / 8]``, then the
-    initial latent of the ``height`` x ``width`` image, as :func:`initial_noise`; both
-    float32, on the CPU."""
+    autoencoder's posterior draw for each input image (``image_sizes``: ``(H, W)`` pixels
+    at the autoencoder's size), ``[z, H / 8, W / 8]`` each, then the initial latent of
+    the ``height`` x ``width`` image, as :func:`initial_noise`; all float32, on the
+    CPU."""
     generator = torch.Generator().manual_seed(seed)
     down = int(config.vae_config.get("downsample", 8))
     z = int(config.vae_config.get("z_channels", 16))
-    eps = torch.randn(z, image_height // down, image_width // down, generator=generator)
+    eps = [torch.randn(z, h // down, w // down, generator=generator) for h, w in image_sizes]
     return eps, _latent_noise(generator, height, width, config)
 
 
@@ -960,9 +970,9 @@ def generation_payload(noise: torch.Tensor, height: int, width: int, guidance: G
                        edit: Mapping[str, torch.Tensor] | None = None
                        ) -> dict[str, torch.Tensor]:
     """The DiT stage's input payload (see the module docstring); ``branches`` maps names
-    of :data:`BRANCHES` to ``(k, v, rope)``; ``edit`` an editing request's input,
-    ``vae`` and ``vit`` (the image, :meth:`BagelDiT.edit_contexts`'s ``vae_pixels`` and
-    ``vit_pixels``), ``eps`` and ``text_ids``, stored as ``edit.<name>``.
+    of :data:`BRANCHES` to ``(k, v, rope)``; ``edit`` an editing request's input
+    (``vae.{i}``, ``vit.{i}``, ``eps.{i}`` per image and ``text_ids``: see the module
+    docstring), stored as ``edit.<name>``.
 
     ``noise`` ``[h*w, p*p*z]`` and each ``k``, ``v`` ``[layers, tokens, kv_heads,
     head_dim]`` may be any float dtype: they are stored as float32 copies; ``size`` and
@@ -1142,10 +1152,11 @@ class BagelDiTStage(nn.Module):
                                  f"{tuple(v.shape)}, expected [{layers}, tokens, kv_heads, "
                                  "head_dim] each")
             branches[name] = (k.to(device), v.to(device), int(payload[f"{name}.rope"][0]))
-        if "edit.vae" in payload:  # editing: cond and text_uncond from the input image
+        images = next(i for i in itertools.count() if f"edit.vae.{i}" not in payload)
+        if images:  # editing: cond and text_uncond from the input images
             branches["text_uncond"], branches["cond"] = self.dit.edit_contexts(
-                payload["edit.vae"], payload["edit.vit"], payload["edit.eps"],
-                payload["edit.text_ids"])
+                *([payload[f"edit.{name}.{i}"] for i in range(images)]
+                  for name in ("vae", "vit", "eps")), payload["edit.text_ids"])
         return self.dit.start(payload["noise"].to(device), height, width, guidance, branches)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

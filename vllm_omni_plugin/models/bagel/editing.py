@@ -91,6 +91,34 @@ def edit_images(image, config) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(vae, dtype=np.uint8), np.asarray(vit, dtype=np.uint8)
 
 
+def check_edit_images(config, vae_sizes: list[tuple[int, int]],
+                      vit_sizes: list[tuple[int, int]]) -> None:
+    """Refuse input images whose context would outgrow what the DiT's memory profile
+    holds: one image of the largest size (``max_latent_size ** 2`` latent tokens and
+    ``vit_max_num_patch_per_side ** 2`` ViT tokens). Several smaller images share that.
+
+    Args:
+        config: vLLM's ``BagelConfig`` of the checkpoint.
+        vae_sizes: each image's ``(height, width)`` at the autoencoder's size.
+        vit_sizes: each image's ``(height, width)`` at the ViT's size.
+
+    Raises:
+        RequestError: naming ``image``, with the tokens the images make and the bound.
+    """
+    from vllm_omni_plugin.processors.hookspecs import RequestError
+
+    token = 8 * int(config.latent_patch_size)
+    patch = int(config.vit_config.patch_size)
+    latents = sum((h // token) * (w // token) for h, w in vae_sizes)
+    vit = sum((h // patch) * (w // patch) for h, w in vit_sizes)
+    most_latents = int(config.max_latent_size) ** 2
+    most_vit = int(config.vit_max_num_patch_per_side) ** 2
+    if latents > most_latents or vit > most_vit:
+        raise RequestError("image", f"{len(vae_sizes)} images make {latents} latent and "
+                           f"{vit} ViT tokens once resized; the images of one edit share "
+                           f"{most_latents} and {most_vit} (one image of the largest size)")
+
+
 def normalized(pixels: torch.Tensor) -> torch.Tensor:
     """``[H, W, 3]`` uint8 -> ``[1, 3, H, W]`` float32 in ``[-1, 1]``: ``(x / 255 - 0.5) /
     0.5``, the official transforms' ``ToTensor`` and ``Normalize(0.5, 0.5)``."""

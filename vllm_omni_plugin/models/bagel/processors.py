@@ -37,7 +37,7 @@ from vllm_omni_plugin.models.bagel.dit import (
     initial_noise,
     max_image_side,
 )
-from vllm_omni_plugin.models.bagel.editing import edit_images
+from vllm_omni_plugin.models.bagel.editing import check_edit_images, edit_images
 from vllm_omni_plugin.processors.hookspecs import (
     ImagePlan,
     ImageRequest,
@@ -88,17 +88,15 @@ def ar_prompt(text: str) -> str:
 #: differ from text to image's (:class:`Guidance`)
 EDIT_GUIDANCE = {"cfg_img_scale": 2.0, "cfg_interval": (0.0, 1.0),
                  "cfg_renorm_type": "text_channel"}
-#: input images an editing request may carry (see docs/serving/images.md)
-MAX_EDIT_IMAGES = 1
 
 
 @dataclass(frozen=True)
 class EditInput:
-    """An editing request's input image, resized for the autoencoder (``vae``, ``[H, W,
-    3]`` uint8) and for the ViT (``vit``, ``[h, w, 3]`` uint8)."""
+    """An editing request's input images in order, each resized for the autoencoder
+    (``vae``: ``[H, W, 3]`` uint8 arrays) and for the ViT (``vit``: ``[h, w, 3]``)."""
 
-    vae: Any
-    vit: Any
+    vae: tuple[Any, ...]
+    vit: tuple[Any, ...]
 
 
 @dataclass(frozen=True)
@@ -170,17 +168,18 @@ def _think_tokens(extra: dict[str, Any]) -> int | None:
 
 
 def _edit_input(hf_config, request: ImageRequest) -> EditInput | None:
-    """The request's input image at the autoencoder's and the ViT's sizes, or None.
+    """The request's input images at the autoencoder's and the ViT's sizes, or None.
 
     Raises:
-        RequestError: more than :data:`MAX_EDIT_IMAGES` images (field ``image``).
+        RequestError: images whose context outgrows one of the largest image's (field
+            ``image``: :func:`~vllm_omni_plugin.models.bagel.editing.check_edit_images`).
     """
     if not request.images:
         return None
-    if len(request.images) > MAX_EDIT_IMAGES:
-        raise RequestError("image", f"{len(request.images)} images; BAGEL edits "
-                           f"{MAX_EDIT_IMAGES} at a time here")
-    return EditInput(*edit_images(request.images[0], hf_config))
+    vae, vit = zip(*(edit_images(image, hf_config) for image in request.images),
+                   strict=True)
+    check_edit_images(hf_config, [a.shape[:2] for a in vae], [a.shape[:2] for a in vit])
+    return EditInput(vae, vit)
 
 
 def plan_bagel_image(hf_config, request: ImageRequest) -> ImagePlan:
@@ -193,8 +192,9 @@ def plan_bagel_image(hf_config, request: ImageRequest) -> ImagePlan:
             range, a blank negative prompt or one with ``think``.
     """
     edit = _edit_input(hf_config, request)
+    # an edit is drawn at its last input image's size, as the official code draws it
     default = (min(DEFAULT_SIDE, max_image_side(hf_config)),) * 2 if edit is None \
-        else (edit.vae.shape[1], edit.vae.shape[0])
+        else (edit.vae[-1].shape[1], edit.vae[-1].shape[0])
     width, height = request.size or default
     check_image_size(hf_config, width, height)
     think_tokens = _think_tokens(request.extra)
@@ -273,13 +273,15 @@ def bagel_ar2dit(upstream: list[UpstreamOutput], stage, request: StageRequest) -
     img_uncond = (k, v, length) if image_uncond is None else _context(image_uncond)
     hf_config = request.hf_config
     edit = options.edit
-    if edit is not None:  # the DiT builds cond and text_uncond from the image
-        eps, noise = edit_noise(options.seed, *edit.vae.shape[:2], options.height,
-                                options.width, hf_config)
+    if edit is not None:  # the DiT builds cond and text_uncond from the images
+        eps, noise = edit_noise(options.seed, [a.shape[:2] for a in edit.vae],
+                                options.height, options.width, hf_config)
         branches = {"img_uncond": (k, v, length)}
-        edit_payload = {"vae": torch.from_numpy(edit.vae.copy()),
-                        "vit": torch.from_numpy(edit.vit.copy()), "eps": eps,
-                        "text_ids": torch.tensor(ar.prompt_token_ids[:length])}
+        edit_payload = {"text_ids": torch.tensor(ar.prompt_token_ids[:length])}
+        for i, (vae, vit) in enumerate(zip(edit.vae, edit.vit, strict=True)):
+            edit_payload.update({f"vae.{i}": torch.from_numpy(vae.copy()),
+                                 f"vit.{i}": torch.from_numpy(vit.copy()),
+                                 f"eps.{i}": eps[i]})
     else:
         noise = initial_noise(options.seed, options.height, options.width, hf_config)
         branches = {"cond": (k, v, length), "text_uncond": text_uncond,
