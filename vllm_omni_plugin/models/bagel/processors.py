@@ -19,6 +19,16 @@ then drawn from the full context, that prompt with ``<|im_start|> planning <|im_
 after it; the text-unconditional context is the system prompt's (companion
 :data:`NEGATIVE`), the image-unconditional one the system prompt's and the prompt's
 (companion :data:`IMAGE_UNCOND`), as the official ``interleave_inference`` builds them.
+
+Editing (input images, the official app's "Image Edit") prompts the AR stage with the
+instruction alone, ``<|im_start|> instruction <|im_end|>``: that is the
+image-unconditional context. The images, resized as the official transforms
+(:mod:`~vllm_omni_plugin.models.bagel.editing`), go to the DiT, which builds the
+text-unconditional context (the images through the autoencoder and the ViT) and the full
+one (the images, then the instruction) itself (vLLM's AR stage attends causally; the
+official image blocks attend all to all at one RoPE position). The defaults are the
+official app's for editing (:data:`EDIT_GUIDANCE`); the image is drawn at the last input
+image's resized size.
 """
 
 from __future__ import annotations
@@ -183,13 +193,16 @@ def _edit_input(hf_config, request: ImageRequest) -> EditInput | None:
 
 
 def plan_bagel_image(hf_config, request: ImageRequest) -> ImagePlan:
-    """The AR prompt and the DiT's options of a text-to-image request; with ``think``
-    and no :attr:`~ImageRequest.reasoning` yet, the planning step (see the module doc).
+    """The AR prompt and the DiT's options of a text-to-image or editing request; with
+    ``think`` and no :attr:`~ImageRequest.reasoning` yet, the planning step (see the
+    module doc).
 
     Raises:
         RequestError: a size that is not a multiple of the latent token (16 px) or is
             above the checkpoint's largest, a bad knob, an unknown field, a seed out of
-            range, a blank negative prompt or one with ``think``.
+            range, a blank negative prompt or one with ``think`` or input images, input
+            images larger together than the largest one (``image``), ``think`` with input
+            images.
     """
     edit = _edit_input(hf_config, request)
     # an edit is drawn at its last input image's size, as the official code draws it
