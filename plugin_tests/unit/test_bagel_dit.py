@@ -17,6 +17,7 @@ from vllm_omni_plugin.models.bagel.autoencoder import (
     FluxDecoder,
     autoencoder_config,
 )
+from vllm_omni_plugin.models.bagel.geometry import grid_position_ids
 
 #: an editing context vs the official code's (bf16): max |difference| / max |reference|
 EDIT_KV_REL_TOL = 0.03
@@ -88,7 +89,7 @@ def test_guided_velocity():
 
 
 def test_latent_positions_are_row_major_in_the_max_grid():
-    ids = dit.latent_position_ids(32, 48, 16, 8)
+    ids = grid_position_ids(32, 48, 16, 8)
     assert ids.tolist() == [0, 1, 2, 8, 9, 10]
 
 

@@ -129,11 +129,15 @@ class _Downsample(nn.Module):
         return self.conv(F.pad(x, (0, 1, 0, 1)))
 
 
+def _residuals(cin: int, cout: int, blocks: int) -> nn.ModuleList:
+    """A level's ``blocks`` residual blocks, ``cin`` -> ``cout`` channels at the first."""
+    return nn.ModuleList(_Residual(cin if i == 0 else cout, cout) for i in range(blocks))
+
+
 class _Level(nn.Module):
     def __init__(self, cin: int, cout: int, blocks: int, upsample: bool):
         super().__init__()
-        self.block = nn.ModuleList(_Residual(cin if i == 0 else cout, cout)
-                                   for i in range(blocks))
+        self.block = _residuals(cin, cout, blocks)
         self.upsample = _Upsample(cout) if upsample else None
 
 
@@ -174,8 +178,7 @@ class FluxDecoder(nn.Module):
 class _DownLevel(nn.Module):
     def __init__(self, cin: int, cout: int, blocks: int, downsample: bool):
         super().__init__()
-        self.block = nn.ModuleList(_Residual(cin if i == 0 else cout, cout)
-                                   for i in range(blocks))
+        self.block = _residuals(cin, cout, blocks)
         self.downsample = _Downsample(cout) if downsample else None
 
 

@@ -84,6 +84,11 @@ from vllm_omni_plugin.models.bagel.autoencoder import (
     to_uint8_image,
 )
 from vllm_omni_plugin.models.bagel.editing import BagelViT, normalized
+from vllm_omni_plugin.models.bagel.geometry import (
+    grid_position_ids,
+    latent_token_pixels,
+    max_image_side,
+)
 from vllm_omni_plugin.models.weights import load_stacked
 from vllm_omni_plugin.processors.hookspecs import RequestError
 
@@ -256,15 +261,6 @@ def timestep_embedding(t: torch.Tensor, dim: int = TIMESTEP_FREQUENCIES) -> torc
                       * torch.arange(half, dtype=torch.float32) / half).to(t.device)
     args = t.float()[:, None] * freqs[None]
     return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
-
-
-def latent_position_ids(height: int, width: int, downsample: int, max_side: int
-                        ) -> torch.Tensor:
-    """``[h*w]`` int64 rows of the latent position table for an image of ``height`` x
-    ``width`` pixels (``downsample`` pixels a token; row-major, ``row * max_side + col``)."""
-    rows = torch.arange(height // downsample)
-    cols = torch.arange(width // downsample)
-    return (rows[:, None] * max_side + cols).reshape(-1)
 
 
 def attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -485,6 +481,19 @@ class BagelDiT(nn.Module):
         self._serials = itertools.count()
 
     # -- velocity ------------------------------------------------------------------------
+    def _latent_pos_embed(self, height: int, width: int, device) -> torch.Tensor:
+        """``[h*w, hidden]`` the latent tokens' rows of the position table for a ``height``
+        x ``width`` image, on ``device`` in the model's dtype (vLLM's
+        ``PositionEmbedding`` keeps its table where numpy made it, the CPU)."""
+        positions = grid_position_ids(height, width, self.downsample, self.max_latent_size)
+        return self.latent_pos_embed(positions).to(device=device,
+                                                   dtype=self.marker_embeds.dtype)
+
+    def _framed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden]`` tokens between ``<|vision_start|>`` and ``<|vision_end|>``:
+        ``[n + 2, hidden]``."""
+        return torch.cat([self.marker_embeds[:1], tokens, self.marker_embeds[1:]])
+
     def _embed_time(self, t: torch.Tensor) -> torch.Tensor:
         x = self.time_embedder["0"](timestep_embedding(t).to(self.marker_embeds.dtype))[0]
         return self.time_embedder["2"](F.silu(x))[0]
@@ -544,8 +553,7 @@ class BagelDiT(nn.Module):
         latents = self.vae2llm(torch.cat(xs).to(dtype))[0].split(hw)
         times = self._embed_time(torch.tensor(ts, device=xs[0].device))
         hidden = torch.cat([
-            torch.cat([self.marker_embeds[:1], latent + times[i] + pos_embeds[i],
-                       self.marker_embeds[1:]]).repeat(count, 1)
+            self._framed(latent + times[i] + pos_embeds[i]).repeat(count, 1)
             for i, (latent, count) in enumerate(zip(latents, counts, strict=True))])
         for i, layer in enumerate(self.layers):
             hidden, _, _ = layer(hidden, packed.experts, packed.positions, self.rotary,
@@ -653,17 +661,14 @@ class BagelDiT(nn.Module):
         h, w, p = height // self.downsample, width // self.downsample, self.patch
         latent = z[:, :h * p, :w * p].reshape(self.z_channels, h, p, w, p)
         latent = latent.permute(1, 3, 2, 4, 0).reshape(h * w, self.latent_dim)
-        positions = latent_position_ids(height, width, self.downsample, self.max_latent_size)
         tokens = (self.vae2llm(latent.to(dtype))[0]
                   + self._embed_time(torch.zeros(1, device=device))
-                  + self.latent_pos_embed(positions).to(device=device, dtype=dtype))
-        block = torch.cat([self.marker_embeds[:1], tokens, self.marker_embeds[1:]])
-        context = self._extend(block, torch.arange(1, h * w + 1, device=device),
+                  + self._latent_pos_embed(height, width, device))
+        context = self._extend(self._framed(tokens), torch.arange(1, h * w + 1, device=device),
                                context[2], context, causal=False)
         # the ViT's block
         tokens = self.vit(normalized(vit_pixels.to(device))).to(dtype)
-        block = torch.cat([self.marker_embeds[:1], tokens, self.marker_embeds[1:]])
-        return self._extend(block, None, context[2], context, causal=False)
+        return self._extend(self._framed(tokens), None, context[2], context, causal=False)
 
     # -- sampling ------------------------------------------------------------------------
     def start(self, noise: torch.Tensor, height: int, width: int, guidance: Guidance,
@@ -697,10 +702,7 @@ class BagelDiT(nn.Module):
         if missing:
             raise ValueError(f"the {', '.join(missing)} CFG branch is missing (guidance "
                              f"{guidance.cfg_text_scale}/{guidance.cfg_img_scale} needs it)")
-        positions = latent_position_ids(height, width, self.downsample, self.max_latent_size)
-        # vLLM's PositionEmbedding keeps its table where numpy made it (the CPU)
-        pos_embed = self.latent_pos_embed(positions).to(device=noise.device,
-                                                        dtype=self.marker_embeds.dtype)
+        pos_embed = self._latent_pos_embed(height, width, noise.device)
         cond = branches.get("cond")
         same = frozenset(name for name, (k, v, rope) in branches.items()
                          if name != "cond" and cond is not None and rope == cond[2]
@@ -825,8 +827,7 @@ class BagelDiT(nn.Module):
                 short = int(i == 1)
                 contexts.append((k[:, short:], v[:, short:], length - short))
         packed = self.pack(contexts, hw, device)
-        positions = latent_position_ids(side, side, self.downsample, self.max_latent_size)
-        pos_embed = self.latent_pos_embed(positions).to(device=device, dtype=dtype)
+        pos_embed = self._latent_pos_embed(side, side, device)
         x = torch.zeros(hw, self.latent_dim, device=device)
         self.velocities([x] * images, [1.0] * images, [pos_embed] * images,
                         [len(BRANCHES)] * images, packed)
@@ -912,17 +913,6 @@ def profile_contexts(config) -> tuple[int, int, int]:
     latents = int(config.max_latent_size) ** 2
     image = latents + 2 + int(config.vit_max_num_patch_per_side) ** 2 + 2
     return image + latents, image, latents
-
-
-def latent_token_pixels(config) -> int:
-    """Pixels a side of one latent token: the autoencoder's downsampling times
-    ``latent_patch_size`` (16 for BAGEL)."""
-    return int(config.vae_config.get("downsample", 8)) * int(config.latent_patch_size)
-
-
-def max_image_side(config) -> int:
-    """The largest image side in pixels: ``max_latent_size`` latent tokens."""
-    return latent_token_pixels(config) * int(config.max_latent_size)
 
 
 def check_image_size(config, width: int, height: int) -> None:

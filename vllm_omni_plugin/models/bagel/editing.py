@@ -26,6 +26,11 @@ from vllm.model_executor.models.bagel import BagelVisionMLP, PositionEmbedding
 from vllm.model_executor.models.siglip import SiglipVisionModel
 
 from vllm_omni_plugin.compat.internals import siglip_parts
+from vllm_omni_plugin.models.bagel.geometry import (
+    grid_position_ids,
+    latent_token_pixels,
+    max_image_side,
+)
 from vllm_omni_plugin.models.weights import load_stacked
 
 #: the official app's ``vae_transform = ImageTransform(1024, 512, 16)``: long side, short
@@ -48,10 +53,9 @@ class Sides(NamedTuple):
 def edit_sides(config) -> tuple[Sides, Sides]:
     """The autoencoder's and the ViT's :class:`Sides` for the checkpoint (vLLM's
     ``BagelConfig``): the official ones with the long side capped by the largest image
-    the checkpoint takes (``16 * max_latent_size`` pixels; the ViT's ``patch_size *
+    the checkpoint takes (:func:`~.geometry.max_image_side`; the ViT's ``patch_size *
     vit_max_num_patch_per_side``) and the short side by half of that."""
-    token = 8 * int(config.latent_patch_size)  # the autoencoder downsamples by 8
-    vae_max = min(VAE_SIDES[0], token * int(config.max_latent_size))
+    vae_max = min(VAE_SIDES[0], max_image_side(config))
     patch = int(config.vit_config.patch_size)
     vit_max = min(VIT_SIDES[0], patch * int(config.vit_max_num_patch_per_side))
     return (Sides(vae_max, min(VAE_SIDES[1], vae_max // 2), VAE_SIDES[2]),
@@ -107,7 +111,7 @@ def check_edit_images(config, vae_sizes: list[tuple[int, int]],
     """
     from vllm_omni_plugin.processors.hookspecs import RequestError
 
-    token = 8 * int(config.latent_patch_size)
+    token = latent_token_pixels(config)
     patch = int(config.vit_config.patch_size)
     latents = sum((h // token) * (w // token) for h, w in vae_sizes)
     vit = sum((h // patch) * (w // patch) for h, w in vit_sizes)
@@ -124,15 +128,6 @@ def normalized(pixels: torch.Tensor) -> torch.Tensor:
     0.5``, the official transforms' ``ToTensor`` and ``Normalize(0.5, 0.5)``."""
     x = pixels.permute(2, 0, 1).unsqueeze(0).float() / 255
     return (x - 0.5) / 0.5
-
-
-def grid_position_ids(height: int, width: int, patch: int, max_side: int) -> torch.Tensor:
-    """``[rows * cols]`` int64 rows of a ``max_side x max_side`` position table for an
-    image of ``height`` x ``width`` pixels in ``patch``-pixel tokens (row-major, ``row *
-    max_side + col``: the official ``get_flattened_position_ids_extrapolate``)."""
-    rows = torch.arange(height // patch)
-    cols = torch.arange(width // patch)
-    return (rows[:, None] * max_side + cols).reshape(-1)
 
 
 class BagelViT(nn.Module):
