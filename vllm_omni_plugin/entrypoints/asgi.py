@@ -136,6 +136,19 @@ async def answer_or_failure(app, scope, receive, send, request: OmniRequest) -> 
             await send_failure(send, request.result)
 
 
+async def sent_failure(send, answer: Capture, request: OmniRequest) -> bool:
+    """Answer with the failure the pipeline recorded for ``request``, or else with vLLM's
+    own answer when it is not a success (HTTP status other than 200), ``answer`` being
+    :func:`captured`'s; returns whether one was sent (False: carry on)."""
+    if request.result is not None and request.result.error:
+        await send_failure(send, request.result)
+        return True
+    if answer.status != 200:
+        await answer.replay(send, answer.body)  # vLLM's own error
+        return True
+    return False
+
+
 async def captured(app, scope, receive, body: bytes, request: OmniRequest) -> Capture:
     """vLLM's (``app``'s) whole answer to ``body`` at ``scope``, run in ``request``'s
     scope."""

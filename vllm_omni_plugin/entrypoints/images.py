@@ -48,8 +48,8 @@ from vllm_omni_plugin.entrypoints.asgi import (
     captured,
     error_body,
     hf_config,
-    send_failure,
     send_json,
+    sent_failure,
 )
 from vllm_omni_plugin.entrypoints.chat_audio import COMPLETIONS_PATH
 from vllm_omni_plugin.entrypoints.media_input import is_choice, required_text
@@ -394,10 +394,8 @@ async def serve_image(app, scope, receive, send, request, plan, fmt: str,
         answer = await captured(app, completions, receive,
                                 json.dumps(planning_body(request, plan.planning)).encode(),
                                 planning)
-        if planning.result is not None and planning.result.error:
-            return await send_failure(send, planning.result)
-        if answer.status != 200:
-            return await answer.replay(send, answer.body)  # vLLM's own error
+        if await sent_failure(send, answer, planning):
+            return
         answers.append(json.loads(answer.body))
         request = dataclasses.replace(request, reasoning=answers[0]["choices"][0]["text"])
         plan = plan_image(hf_config(scope), request)
@@ -406,11 +404,9 @@ async def serve_image(app, scope, receive, send, request, plan, fmt: str,
     answer = await captured(
         app, completions, receive,
         json.dumps(completion_body(request, plan.prompt)).encode(), omni)
+    if await sent_failure(send, answer, omni):
+        return
     result = omni.result
-    if result is not None and result.error:
-        return await send_failure(send, result)
-    if answer.status != 200:
-        return await answer.replay(send, answer.body)  # vLLM's own error
     if result is None or "image" not in result.payload:
         return await send_json(send, 500, error_body(
             "the pipeline's final stage produced no image", 500))

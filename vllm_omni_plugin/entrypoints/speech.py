@@ -25,7 +25,7 @@ import json
 from dataclasses import dataclass
 
 from vllm_omni_plugin.engine.omni_request import AUDIO, TEXT, OmniRequest
-from vllm_omni_plugin.entrypoints.asgi import captured, error_body, send_failure, sse
+from vllm_omni_plugin.entrypoints.asgi import captured, error_body, sent_failure, sse
 from vllm_omni_plugin.entrypoints.audio_encoding import (
     AUDIO_FORMATS,
     STREAM_FORMAT,
@@ -168,10 +168,10 @@ async def serve_speech(app, scope, receive, send, speech: SpeechRequest) -> None
             sse_delta(rest) + sse_done(json.loads(answer.body).get("usage")))
         return await send({"type": "http.response.body", "body": body,
                            "more_body": False})
-    if result is not None and result.error:
-        return await send_failure(send, result)
-    if answer.status != 200 or result is None:
-        return await answer.replay(send, answer.body)  # vLLM's own error
+    if await sent_failure(send, answer, request):
+        return
+    if result is None:
+        return await answer.replay(send, answer.body)
     encoded = encode_audio(result.payload["waveform"].numpy(), result.sample_rate,
                            speech.format)
     if speech.stream_format == "sse":
