@@ -110,9 +110,15 @@ def test_input_images_are_decoded_within_limits():
     from vllm_omni_plugin.entrypoints import images as api
 
     png = io.BytesIO()
-    Image.new("RGBA", (30, 20), (1, 2, 3, 4)).save(png, format="PNG")
+    rgba = Image.new("RGBA", (30, 20), (1, 2, 3, 255))
+    rgba.putpixel((0, 0), (1, 2, 3, 0))
+    rgba.save(png, format="PNG")
     image = api.decode_input_image(png.getvalue(), "image")
     assert (image.mode, image.size) == ("RGB", (30, 20))
+    # transparency over white, as the official pil_img2rgb (dropping alpha would keep
+    # the transparent pixel's colour)
+    assert image.getpixel((0, 0)) == (255, 255, 255)
+    assert image.getpixel((1, 0)) == (1, 2, 3)
     huge = io.BytesIO()
     Image.new("L", (4097, 4096)).save(huge, format="PNG")
     for data, words in ((b"GIF89a broken", "decodes"), (huge.getvalue(), "4097x4096"),

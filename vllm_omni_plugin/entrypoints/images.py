@@ -121,7 +121,8 @@ def parse_image_request(body: dict) -> tuple[ImageRequest, str, int | None]:
 
 
 def decode_input_image(data: bytes, field: str):
-    """An input image's bytes -> an RGB Pillow image.
+    """An input image's bytes -> an RGB Pillow image; transparency over white (vLLM's
+    ``convert_image_mode``, as the official BAGEL code's ``pil_img2rgb`` does).
 
     Raises:
         RequestError: naming ``field``: more than :data:`MAX_INPUT_IMAGE_BYTES` bytes or
@@ -129,6 +130,7 @@ def decode_input_image(data: bytes, field: str):
             decoding), or not an image Pillow decodes.
     """
     from PIL import Image
+    from vllm.multimodal.image import convert_image_mode
 
     if len(data) > MAX_INPUT_IMAGE_BYTES:
         raise RequestError(field, f"is {len(data)} bytes; at most {MAX_INPUT_IMAGE_BYTES}")
@@ -138,7 +140,7 @@ def decode_input_image(data: bytes, field: str):
         if width * height > MAX_INPUT_IMAGE_PIXELS:
             raise RequestError(field, f"is {width}x{height} pixels; at most "
                                f"{MAX_INPUT_IMAGE_PIXELS} pixels")
-        return image.convert("RGB")
+        return convert_image_mode(image, "RGB")
     except RequestError:
         raise
     except Exception as exc:  # Pillow's own error types
