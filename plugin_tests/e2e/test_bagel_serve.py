@@ -179,11 +179,9 @@ def test_an_edit_through_the_sdk_is_the_official_codes(client, server):
     pixels = np.asarray(image).astype(int)
     assert pixels.shape == tuple(ref["pixels"].shape)
     assert np.abs(pixels - ref["pixels"].numpy().astype(int)).mean() < PIXEL_MEAN_TOL
-    url = "data:image/png;base64," + base64.b64encode(png).decode()
     chat = client.chat.completions.create(
         model=server.model, modalities=["image"], messages=[{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": url}},
-            {"type": "text", "text": meta["prompt"]}]}],
+            _image_part(png), {"type": "text", "text": meta["prompt"]}]}],
         extra_body={"seed": meta["seed"], "num_inference_steps": steps})
     (part,) = chat.choices[0].message.content
     assert base64.b64decode(part["image_url"]["url"].split(",", 1)[1]) == edited
@@ -265,12 +263,9 @@ def test_other_output_formats_decode(client, server, fmt, magic):
     assert response.output_format == fmt
 
 
-def _image_part(color) -> dict:
-    from PIL import Image
-
-    out = io.BytesIO()
-    Image.new("RGB", (56, 56), color).save(out, format="PNG")
-    url = "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+def _image_part(png: bytes) -> dict:
+    """A chat content part with ``png`` inline (a base64 ``data:`` URL)."""
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
     return {"type": "image_url", "image_url": {"url": url}}
 
 
@@ -280,7 +275,8 @@ def test_image_understanding_through_the_same_server(client, server):
         response = client.chat.completions.create(
             model=server.model, max_tokens=3, temperature=0, logprobs=True,
             messages=[{"role": "user", "content": [
-                {"type": "text", "text": "What is in the picture?"}, _image_part(color)]}])
+                {"type": "text", "text": "What is in the picture?"},
+                _image_part(_png(np.full((56, 56, 3), color)))]}])
         assert response.choices[0].message.content
         return response.choices[0].logprobs.content[0].logprob
 
