@@ -68,6 +68,40 @@ def dealer(ctx: zmq.Context, addr: str) -> zmq.Socket:
 
 
 @contextlib.contextmanager
+def http_files(files: dict[str, bytes]) -> Iterator[str]:
+    """A real HTTP server on a port of the OS's choosing (a thread of this process) that
+    answers ``GET /<name>`` with ``files[name]`` (``image/png``) and any other path with
+    404; yields its base URL (``http://127.0.0.1:<port>``)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            data = files.get(self.path.lstrip("/"))
+            if data is None:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):  # not on the test's stderr
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+@contextlib.contextmanager
 def process_group(cmd: list[str], **popen) -> Iterator[subprocess.Popen]:
     """``subprocess.Popen(cmd, **popen)`` in a session of its own; on leaving the block,
     the whole process group is killed (SIGKILL) and the child reaped. vLLM's engine core

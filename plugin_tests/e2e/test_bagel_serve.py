@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from plugin_tests.conftest import BAGEL_REFERENCE
-from plugin_tests.helpers import installed_wheel
+from plugin_tests.helpers import http_files, installed_wheel
 from plugin_tests.serve_utils import check_stall_recovery, serving
 
 pytestmark = pytest.mark.e2e
@@ -165,8 +165,8 @@ def test_an_edit_through_the_sdk_is_the_official_codes(client, server):
     """``client.images.edit`` (multipart): the input image through the autoencoder and
     the ViT, the instruction, the official editing defaults but the steps; the edited
     image has the input's resized size and the official code's pixels (up to its bf16
-    rounding). The same edit as a chat (the image as a data: URL part) gives the same
-    bytes."""
+    rounding). The same edit as a chat gives the same bytes, the image sent as a data:
+    URL part or as an http: URL the server fetches (from a real HTTP server here)."""
     meta, ref = _case("edit_text_channel")
     steps = meta["knobs"]["num_timesteps"]
     png = _png(ref["input_image.0"].numpy())
@@ -179,12 +179,16 @@ def test_an_edit_through_the_sdk_is_the_official_codes(client, server):
     pixels = np.asarray(image).astype(int)
     assert pixels.shape == tuple(ref["pixels"].shape)
     assert np.abs(pixels - ref["pixels"].numpy().astype(int)).mean() < PIXEL_MEAN_TOL
-    chat = client.chat.completions.create(
-        model=server.model, modalities=["image"], messages=[{"role": "user", "content": [
-            _image_part(png), {"type": "text", "text": meta["prompt"]}]}],
-        extra_body={"seed": meta["seed"], "num_inference_steps": steps})
-    (part,) = chat.choices[0].message.content
-    assert base64.b64decode(part["image_url"]["url"].split(",", 1)[1]) == edited
+    with http_files({"input.png": png}) as base:
+        for image_part in (_image_part(png),
+                           {"type": "image_url", "image_url": {"url": f"{base}/input.png"}}):
+            chat = client.chat.completions.create(
+                model=server.model, modalities=["image"], messages=[{
+                    "role": "user", "content": [
+                        image_part, {"type": "text", "text": meta["prompt"]}]}],
+                extra_body={"seed": meta["seed"], "num_inference_steps": steps})
+            (part,) = chat.choices[0].message.content
+            assert base64.b64decode(part["image_url"]["url"].split(",", 1)[1]) == edited
 
 
 def test_two_images_edited_together_are_the_official_codes(server):
@@ -218,7 +222,8 @@ def _edit(server, files, data: dict):
 def test_bad_edits_are_400s_naming_the_field(server):
     """A mask, no image, a file that is no image, an image over the pixel limit, images
     too large together, an unknown knob, thinking while editing, a body that is not
-    multipart: 400s naming the field; the server goes on editing."""
+    multipart, a chat's image the server may not read: 400s naming the field; the
+    server goes on editing."""
     import requests
     from PIL import Image
 
@@ -247,6 +252,15 @@ def test_bad_edits_are_400s_naming_the_field(server):
     r = requests.post(f"{server.url}/v1/images/edits", timeout=60, headers=server.headers,
                       json={"model": server.model, "prompt": "x"})
     assert (r.status_code, r.json()["error"]["param"]) == (400, "body"), r.text
+    # an image chat's image by a file: URL, which this server (no
+    # --allowed-local-media-path) does not read, as vLLM's chat parser would not
+    r = requests.post(f"{server.url}/v1/chat/completions", timeout=60, headers=server.headers,
+                      json={"model": server.model, "modalities": ["image"], "messages": [{
+                          "role": "user", "content": [
+                              {"type": "text", "text": "x"},
+                              {"type": "image_url", "image_url": {"url": "file:///etc/hosts"}}]}]})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "messages[0].content[1]"), r.text
+    assert "--allowed-local-media-path" in r.json()["error"]["message"]
     ok = _edit(server, {"image": ("a.png", png)}, {"prompt": "Make it blue.", "seed": "1",
                                                   "num_inference_steps": "2"})
     assert ok.status_code == 200, ok.text

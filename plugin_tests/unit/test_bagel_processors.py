@@ -3,6 +3,7 @@ image request (no engine)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from pathlib import Path
@@ -77,11 +78,10 @@ def test_an_image_chat_becomes_an_image_request_of_its_last_user_message():
              "messages"),
             ({"modalities": ["image"], "messages": [{"role": "user", "content": [
                 {"type": "text", "text": "like this"},
-                {"type": "image_url", "image_url": {"url": "https://x/a.png"}}]}]},
+                {"type": "image_url", "image_url": {"url": 3}}]}]},
              "messages[0].content[1]"),
             ({"modalities": ["image"], "messages": [{"role": "user", "content": [
-                {"type": "text", "text": "like this"},
-                {"type": "image_url", "image_url": {"url": "data:image/png;base64,%%"}}]}]},
+                {"type": "text", "text": "like this"}, {"type": "image_url"}]}]},
              "messages[0].content[1]"),
             ({"modalities": ["image"], "messages": [{"role": "user", "content": [
                 {"type": "text", "text": "like this"}, {"type": "input_audio"}]}]},
@@ -92,14 +92,61 @@ def test_an_image_chat_becomes_an_image_request_of_its_last_user_message():
 
 
 def test_an_image_in_an_image_chat_is_an_image_to_edit():
-    import base64
-
-    url = "data:image/png;base64," + base64.b64encode(b"\x89PNG...").decode()
     body, images = chat_image_body({"model": "m", "modalities": ["image"], "messages": [
-        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                     {"type": "text", "text": "make it blue"}]}]})
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u1"}},
+                                     {"type": "text", "text": "make it blue"},
+                                     {"type": "image_url", "image_url": {"url": "u2"}}]}]})
     assert body["prompt"] == "make it blue"
-    assert images == [("messages[0].content[0]", b"\x89PNG...")]
+    assert images == [("messages[0].content[0]", "u1"), ("messages[0].content[2]", "u2")]
+
+
+def test_images_to_edit_are_read_as_vllm_reads_a_chats_media(tmp_path, monkeypatch):
+    """:func:`fetch_images` through vLLM's own media connector, with real URLs: a
+    ``data:`` URL, an ``http:`` URL of a real local server, a ``file:`` URL under
+    ``--allowed-local-media-path``; refused (400 naming the part, vLLM's reason): an
+    HTTP 404, a domain ``--allowed-media-domains`` leaves out, a file outside the
+    allowed path or without one, a body over the byte limit, base64 that does not
+    decode."""
+    import base64
+    from types import SimpleNamespace
+
+    from plugin_tests.helpers import http_files
+    from vllm_omni_plugin.entrypoints import images as api
+
+    png = b"\x89PNG" + bytes(range(256)) * 4
+    (tmp_path / "media").mkdir()
+    (tmp_path / "media" / "a.png").write_bytes(png)
+    (tmp_path / "elsewhere.png").write_bytes(png)
+
+    def config(**flags):
+        return SimpleNamespace(**{"allowed_local_media_path": str(tmp_path / "media"),
+                                  "allowed_media_domains": None, "media_io_kwargs": None,
+                                  **flags})
+
+    async def fetch(url, model_config=None):
+        return await api.fetch_images(model_config or config(), [("part", url)])
+
+    async def check(base):  # one event loop: vLLM's HTTP client keeps a session on it
+        assert await fetch("data:image/png;base64," + base64.b64encode(png).decode()) \
+            == [("part", png)]
+        assert await fetch(f"{base}/a.png") == [("part", png)]
+        assert await fetch((tmp_path / "media" / "a.png").as_uri()) == [("part", png)]
+        monkeypatch.setattr(api, "MAX_INPUT_IMAGE_BYTES", len(png) + 1)
+        for url, model_config, reason in (
+                (f"{base}/missing.png", None, "404"),
+                (f"{base}/a.png", config(allowed_media_domains=["example.com"]),
+                 "allowed domains"),
+                ((tmp_path / "elsewhere.png").as_uri(), None, "allowed-local-media-path"),
+                ((tmp_path / "media" / "a.png").as_uri(),
+                 config(allowed_local_media_path=""), "allowed-local-media-path"),
+                (f"{base}/big.png", None, "exceed"),
+                ("data:image/png;base64,%%", None, "base64")):
+            with pytest.raises(RequestError) as err:
+                await fetch(url, model_config)
+            assert err.value.field == "part" and reason in str(err.value), (url, err.value)
+
+    with http_files({"a.png": png, "big.png": png * 2}) as base:
+        asyncio.run(check(base))
 
 
 def test_input_images_are_decoded_within_limits():

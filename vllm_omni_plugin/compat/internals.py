@@ -197,6 +197,30 @@ def served_vllm_config(app) -> Any:
     return getattr(getattr(app, "state", None), "vllm_config", None)
 
 
+def media_connector(model_config) -> Any:
+    """vLLM's media connector as its chat parser builds one for ``model_config`` (a
+    ``ModelConfig``, or None: vLLM's defaults): the connector ``VLLM_MEDIA_CONNECTOR``
+    names in ``MEDIA_CONNECTOR_REGISTRY`` (``"http"``, vLLM's ``MediaConnector``, unless
+    a user registered another), with the served model's ``--media-io-kwargs``,
+    ``--allowed-local-media-path`` and ``--allowed-media-domains``.
+
+    The caller awaits ``load_from_url_async(url, media_io, fetch_timeout=seconds)``,
+    which loads a ``data:`` URL through ``media_io.load_base64(media_type, data)``, a
+    ``file:`` URL under the allowed path through ``media_io.load_file(path)`` and an
+    ``http(s):`` URL of an allowed domain through ``media_io.load_bytes(data)``, fetching
+    at most ``media_io.get_max_bytes()`` bytes (``vllm/multimodal/media/connector.py``,
+    the chat parser's ``_connector`` in ``chat_utils.py``, vLLM 0.30-0.33).
+    """
+    import vllm.envs as envs
+    from vllm.multimodal.media.connector import MEDIA_CONNECTOR_REGISTRY
+
+    return MEDIA_CONNECTOR_REGISTRY.load(
+        envs.VLLM_MEDIA_CONNECTOR,
+        media_io_kwargs=getattr(model_config, "media_io_kwargs", None),
+        allowed_local_media_path=getattr(model_config, "allowed_local_media_path", "") or "",
+        allowed_media_domains=getattr(model_config, "allowed_media_domains", None))
+
+
 def chat_serving(app) -> Any:
     """vLLM's chat completion serving (``OpenAIServingChat``) of its API server's ASGI
     ``app``: the handler behind ``/v1/chat/completions``, whose
@@ -578,6 +602,7 @@ _MC = f"{_MOONCAKE}:MooncakeConnectorWorker"
 _OMNI_MC = "vllm_omni_plugin.kv_transfer.mooncake:OmniMooncakeConnectorWorker"
 _QWEN2 = "vllm.model_executor.models.qwen2"
 _SIGLIP = "vllm.model_executor.models.siglip"
+_CONNECTOR = "vllm.multimodal.media.connector"
 _HERE = "vllm_omni_plugin.compat.internals"
 _OMNI_WORKER = ("vllm_omni_plugin.worker.omni_worker:"
                 "OmniWorkerMixin.compile_or_warm_up_model")
@@ -702,6 +727,20 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("vllm_omni_plugin.compat.streaming_max_tokens.apply",
              "vllm.v1.core.sched.scheduler:Scheduler._update_request_as_session", METHOD,
              ("self", "session", "update")),
+    # media_connector: the connector vLLM's chat parser fetches media with
+    Internal(f"{_HERE}.media_connector", f"{_CONNECTOR}:MEDIA_CONNECTOR_REGISTRY", FUNCTION),
+    Internal(f"{_HERE}.media_connector", f"{_CONNECTOR}:MediaConnector.__init__", SOURCE,
+             ("self.media_io_kwargs", "self.allowed_local_media_path",
+              "self.allowed_media_domains")),
+    Internal(f"{_HERE}.media_connector", f"{_CONNECTOR}:MediaConnector.load_from_url_async",
+             METHOD, ("self", "url", "media_io", "fetch_timeout")),
+    Internal(f"{_HERE}.media_connector", f"{_CONNECTOR}:MediaConnector.load_from_url_async",
+             SOURCE, ("media_io.get_max_bytes()", "media_io.load_bytes",
+                      "self._load_data_url", "self._load_file_url")),
+    Internal(f"{_HERE}.media_connector", f"{_CONNECTOR}:MediaConnector._load_data_url",
+             SOURCE, ("media_io.load_base64(media_type, data)",)),
+    Internal(f"{_HERE}.media_connector", f"{_CONNECTOR}:MediaConnector._load_file_url",
+             SOURCE, ("media_io.load_file(filepath)",)),
     # models
     Internal(f"{_HERE}.bagel_attention_layers",
              "vllm.model_executor.models.bagel:BagelForConditionalGeneration.language_model",

@@ -29,8 +29,9 @@ Editing (:func:`parse_edit_form`) takes OpenAI's multipart body: ``image`` (one 
 several, ``image[]``), the fields above as text (numbers, booleans and lists read back
 from it) and the model's knobs; a ``mask`` is refused. The images, decoded within
 :data:`MAX_INPUT_IMAGE_BYTES` and :data:`MAX_INPUT_IMAGE_PIXELS`, reach the model's plan
-as :attr:`~vllm_omni_plugin.processors.hookspecs.ImageRequest.images`; so do the inline
-images (``data:`` URLs) of an image chat's last user message.
+as :attr:`~vllm_omni_plugin.processors.hookspecs.ImageRequest.images`; so do the images
+of an image chat's last user message (:func:`fetch_images`: ``data:``, ``http(s):`` and
+``file:`` URLs, read as vLLM reads a chat's media).
 """
 
 from __future__ import annotations
@@ -244,18 +245,19 @@ def images_response(encoded: bytes, fmt: str, width: int, height: int,
             "size": f"{width}x{height}"}
 
 
-def chat_image_body(body: dict) -> tuple[dict, list[tuple[str, bytes]]]:
+def chat_image_body(body: dict) -> tuple[dict, list[tuple[str, str]]]:
     """The ``/v1/images/generations`` body of a chat completion asking for
     ``"modalities": ["image"]``: ``model``, the last user message's text as ``prompt``
     (text parts joined by newlines; earlier turns are not part of the image's context),
     and every other field but ``messages``, ``modalities`` and :data:`CHAT_IGNORED`;
-    and that message's images to edit (``image_url`` parts with a base64 ``data:`` URL),
-    as ``(field, bytes)``.
+    and that message's images to edit (``image_url`` parts), as ``(field, url)``, for
+    :func:`fetch_images`.
 
     Raises:
         RequestError: naming ``modalities`` (image with other modalities), ``stream``
             (true), ``messages`` (no user message, or no text in it, or too long) or
-            ``messages[i].content[j]`` (a part other than text or an inline image).
+            ``messages[i].content[j]`` (a part other than text or an image, or an
+            ``image_url`` without a URL string).
     """
     if body.get("modalities") != ["image"]:
         raise RequestError("modalities", "image output is answered on its own: use "
@@ -269,7 +271,7 @@ def chat_image_body(body: dict) -> tuple[dict, list[tuple[str, bytes]]]:
         raise RequestError("messages", "needs a user message saying what to draw")
     index = users[-1]
     content = messages[index].get("content")
-    images: list[tuple[str, bytes]] = []
+    images: list[tuple[str, str]] = []
     if isinstance(content, str):
         texts = [content]
     elif isinstance(content, list):
@@ -277,7 +279,12 @@ def chat_image_body(body: dict) -> tuple[dict, list[tuple[str, bytes]]]:
         for j, part in enumerate(content):
             where = f"messages[{index}].content[{j}]"
             if isinstance(part, dict) and part.get("type") == "image_url":
-                images.append((where, _data_url_bytes(part.get("image_url"), where)))
+                image_url = part.get("image_url")
+                url = image_url.get("url") if isinstance(image_url, dict) else None
+                if not isinstance(url, str):
+                    raise RequestError(where, "an image_url part needs image_url.url, a "
+                                       "URL string")
+                images.append((where, url))
                 continue
             if not isinstance(part, dict) or part.get("type") != "text" \
                     or not isinstance(part.get("text"), str):
@@ -298,21 +305,62 @@ def chat_image_body(body: dict) -> tuple[dict, list[tuple[str, bytes]]]:
     return {"model": body.get("model"), "prompt": prompt, **rest}, images
 
 
-def _data_url_bytes(image_url, where: str) -> bytes:
-    """The bytes of an ``image_url`` part's base64 ``data:`` URL.
+class _EncodedImage:
+    """The media IO an image to edit is read through by vLLM's media connector
+    (:func:`fetch_images`): the image file's bytes as they came, at most
+    :data:`MAX_INPUT_IMAGE_BYTES`, which :func:`decode_input_image` then decodes with
+    the pixel limit checked first."""
+
+    def get_max_bytes(self) -> int:
+        return MAX_INPUT_IMAGE_BYTES
+
+    def load_bytes(self, data: bytes) -> bytes:
+        return bytes(data)
+
+    def load_base64(self, media_type: str, data: str) -> bytes:
+        try:
+            return base64.b64decode(data, validate=True)
+        except ValueError:
+            raise ValueError("the data: URL's base64 does not decode") from None
+
+    def load_file(self, filepath) -> bytes:
+        size = filepath.stat().st_size
+        if size > MAX_INPUT_IMAGE_BYTES:
+            raise ValueError(f"the file is {size} bytes; at most {MAX_INPUT_IMAGE_BYTES}")
+        return filepath.read_bytes()
+
+
+async def fetch_images(model_config, parts: list[tuple[str, str]]) -> list[tuple[str, bytes]]:
+    """The bytes of an image chat's images to edit (:func:`chat_image_body`'s
+    ``(field, url)``), read as vLLM's chat parser reads media, with the served model's
+    flags (``model_config``, a ``ModelConfig`` or None; the connector of
+    :func:`~vllm_omni_plugin.compat.internals.media_connector`): a base64 ``data:``
+    URL; an ``http(s):`` URL of a domain ``--allowed-media-domains`` allows (any when
+    unset), fetched within ``VLLM_IMAGE_FETCH_TIMEOUT`` seconds; a ``file:`` URL under
+    ``--allowed-local-media-path``. Each at most :data:`MAX_INPUT_IMAGE_BYTES`.
 
     Raises:
-        RequestError: naming ``where``: not a base64 ``data:`` URL (an image to edit is
-            sent inline), or base64 that does not decode.
+        RequestError: naming the part whose image could not be read, with vLLM's reason
+            (a domain or path not allowed, an HTTP error, too many bytes, ...).
     """
-    url = image_url.get("url") if isinstance(image_url, dict) else None
-    head, sep, data = url.partition(",") if isinstance(url, str) else ("", "", "")
-    if not sep or not head.startswith("data:") or not head.endswith(";base64"):
-        raise RequestError(where, "an image to edit is sent inline, as a base64 data: URL")
-    try:
-        return base64.b64decode(data, validate=True)
-    except ValueError:
-        raise RequestError(where, "the data: URL's base64 does not decode") from None
+    import vllm.envs as envs
+
+    from vllm_omni_plugin.compat.internals import media_connector
+
+    if not parts:
+        return []
+    connector = media_connector(model_config)
+    images = []
+    for where, url in parts:
+        try:
+            data = await connector.load_from_url_async(
+                url, _EncodedImage(), fetch_timeout=envs.VLLM_IMAGE_FETCH_TIMEOUT)
+        except Exception as exc:  # vLLM's, aiohttp's and the IO's errors alike
+            reason = str(exc) or type(exc).__name__
+            raise RequestError(where, f"the image to edit could not be read: {reason}"
+                               ) from None
+        images.append((where, data))
+    return images
 
 
 def chat_image_response(encoded: bytes, fmt: str, model: str, usage: dict | None,

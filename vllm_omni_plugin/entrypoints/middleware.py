@@ -54,6 +54,7 @@ from vllm_omni_plugin.entrypoints.images import (
     EDITS_PATH,
     IMAGES_PATH,
     chat_image_body,
+    fetch_images,
     parse_edit_form,
     plan_image_request,
     serve_image,
@@ -188,7 +189,9 @@ class OmniApiMiddleware:
             try:
                 check_vllm_xargs(body)
                 if path == CHAT_PATH and _asks_image(body):
-                    image_body, images = chat_image_body(body)
+                    image_body, parts = chat_image_body(body)
+                    images = await fetch_images(
+                        getattr(vllm_config(scope), "model_config", None), parts)
                     image = await asyncio.to_thread(plan_image_request, scope, image_body,
                                                     "modalities", images)
                     chat_image = True
