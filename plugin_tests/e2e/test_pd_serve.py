@@ -82,6 +82,22 @@ def test_pd_chat_streamed_and_not_with_audio(server):
     assert "OmniMooncakeConnector" in log and "stage 3 (thinker_prefill) engine ready" in log
 
 
+def test_the_prefill_stages_row_cache_is_on_metrics(server):
+    """With PD the prefill stage computes the prompts (the decode stage, the head's own
+    engine, keeps no row cache): its row cache's counts are on ``/metrics`` under its
+    stage, and a spoken prompt asked again is handed its blocks' rows from there."""
+    story = " ".join(["tell me a story about the sea and the stars"] * 40)
+    body = server.audio_body(messages=[{"role": "user", "content": story}])
+    for _ in range(2):
+        answer = server.chat(body)
+        assert answer.status_code == 200, answer.text
+    server.wait_until(lambda: (server.metric("vllm_omni:row_cache_hit_blocks_total",
+                                             stage=PREFILL_STAGE) or 0) >= 2, timeout=60)
+    assert server.metric("vllm_omni:row_cache_blocks", stage=PREFILL_STAGE) >= 3
+    assert server.metric("vllm_omni:row_cache_bytes", stage=PREFILL_STAGE) > 0
+    assert server.metric("vllm_omni:row_cache_blocks", stage=0) is None
+
+
 def test_a_stalled_prefill_stage_is_restarted_and_its_request_answered(server):
     """SIGSTOP of the prefill stage's EngineCore with a chat's prompt in it (before any
     KV transfer): see :func:`check_stall_recovery`; the answer is a 503 naming the

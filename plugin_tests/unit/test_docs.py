@@ -173,8 +173,8 @@ def metric_problems(text: str) -> list[str]:
     from vllm_omni_plugin.engine.admission import AdmissionGate
     from vllm_omni_plugin.replicas.metrics import PoolCollector, RowCacheWatch
 
-    row_cache = RowCacheWatch(engine=None, stage_id=0)  # as after its first read
-    row_cache.stats = {"blocks": 0, "max_blocks": 0, "bytes": 0, "hit_blocks": 0}
+    row_cache = RowCacheWatch([(0, lambda: None)])  # as after its first read
+    row_cache.stats = [{"blocks": 0, "max_blocks": 0, "bytes": 0, "hit_blocks": 0}]
     actual = {}
     for family in PoolCollector({}, AdmissionGate({}, 1.0), row_cache=row_cache).collect():
         name = family.name + ("_total" if family.type == "counter" else "")

@@ -193,3 +193,47 @@ def test_row_cache_size_follows_the_settings_prefix_caching_and_the_kv_role():
     assert row_cache_blocks(config(omni=False), Model) == 0
     assert row_cache_blocks(config(row_cache_bytes=0), Model) == 0
     assert row_cache_blocks(config(), object) == 0  # a model that publishes no rows
+
+
+def test_the_metrics_sum_a_stages_row_caches_and_skip_engines_without_one(monkeypatch):
+    """:class:`RowCacheWatch` over scripted engines (a fake: the watch's bookkeeping is
+    under test; real engines' counts reach ``/metrics`` in ``e2e/test_e2e_serve.py`` and
+    ``e2e/test_pd_serve.py``): two engines of stage 3 with a row cache (on their second
+    worker, as a TP rank that publishes) summed into stage 3's samples, and an engine
+    without one, read once and then no more."""
+    import asyncio
+
+    from vllm_omni_plugin.replicas import metrics
+
+    class Engine:
+        def __init__(self, stats):
+            self.stats, self.calls = stats, 0
+
+        async def collective_rpc(self, method):
+            assert method == "omni_row_cache_stats"
+            self.calls += 1
+            return [None, self.stats]
+
+    first = Engine({"blocks": 2, "max_blocks": 8, "bytes": 10, "hit_blocks": 1})
+    second = Engine({"blocks": 3, "max_blocks": 8, "bytes": 20, "hit_blocks": 0})
+    without = Engine(None)
+    monkeypatch.setattr(metrics, "ROW_CACHE_POLL_S", 0.01)  # the reads' period and bound
+    watch = metrics.RowCacheWatch([(3, lambda: first), (0, lambda: without),
+                                   (3, lambda: second)])
+
+    async def three_rounds():
+        watch.start()
+        while second.calls < 3:
+            await asyncio.sleep(0.01)  # the poll's turn
+        watch.stop()
+
+    asyncio.run(asyncio.wait_for(three_rounds(), timeout=5))
+    assert without.calls == 1
+    assert watch.per_stage() == {3: {"blocks": 5, "max_blocks": 16, "bytes": 30,
+                                     "hit_blocks": 1}}
+    samples = {(family.name, sample.labels["stage"]): sample.value
+               for family in metrics.PoolCollector({}, row_cache=watch).collect()
+               for sample in family.samples if family.name.startswith("vllm_omni:row_cache")}
+    assert samples == {("vllm_omni:row_cache_blocks", "3"): 5,
+                       ("vllm_omni:row_cache_bytes", "3"): 30,
+                       ("vllm_omni:row_cache_hit_blocks", "3"): 1}

@@ -43,7 +43,7 @@ class Head:
     metrics: object  # the /metrics collector
     supervisors: list = field(default_factory=list)  # LocalReplicaSupervisor each
     entry_watch: object = None  # the entry engine's StallWatch, if probed
-    row_cache: object = None  # the entry engine's RowCacheWatch
+    row_cache: object = None  # the RowCacheWatch of the engines computing prompts
     _started: bool = False
 
     def start(self) -> None:
@@ -223,9 +223,13 @@ def build_head(entry_client, vllm_config, settings: OmniSettings, cluster) -> He
                                                reason),
         busy=entry_client.get_num_unfinished_requests) \
         if entry_timeout > 0 else None
-    row_cache = RowCacheWatch(entry_client, entry.stage_id) \
-        if vllm_config.cache_config.enable_prefix_caching and settings.row_cache_bytes \
-        else None
+    # the engines that compute prompts: the entry engine, and the prefill stage's (PD)
+    computing = [(entry.stage_id, lambda: entry_client)] \
+        if vllm_config.cache_config.enable_prefix_caching else []
+    if prefill is not None:
+        computing += [(r.stage_id, lambda r=r: r.engine) for r in replicas
+                      if r.stage_id == prefill.stage_id]
+    row_cache = RowCacheWatch(computing) if settings.row_cache_bytes and computing else None
     head = Head(settings=settings, pipeline=pipeline, store=store, cluster=cluster,
                 pools=pools, admission=admission, orchestrator=orchestrator,
                 metrics=register_collector(pools, admission, insecure=conf.insecure,

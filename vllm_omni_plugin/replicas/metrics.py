@@ -28,16 +28,19 @@ are read from the stage pools at scrape time:
 * ``vllm_omni:cluster_insecure`` (gauge): 1 when the head's omni master and coordinator
   listen on a network address without a cluster token (``--omni-cluster-insecure``).
 * ``vllm_omni:row_cache_blocks{stage}``, ``vllm_omni:row_cache_bytes{stage}`` (gauges) and
-  ``vllm_omni:row_cache_hit_blocks_total{stage}`` (counter): the head's entry engine's
-  row cache (:mod:`~vllm_omni_plugin.worker.row_cache`): KV blocks whose rows it holds,
-  their bytes, and the blocks handed to spoken requests that hit the prefix cache; read
-  every :data:`ROW_CACHE_POLL_S` by :class:`RowCacheWatch` (absent where the engine keeps
-  none).
+  ``vllm_omni:row_cache_hit_blocks_total{stage}`` (counter): the row caches
+  (:mod:`~vllm_omni_plugin.worker.row_cache`) of this head's engines that compute
+  prompts, summed per stage (the entry engine; with prefill/decode disaggregation the
+  prefill stage's local replicas): KV blocks whose rows they hold, their bytes, and the
+  blocks handed to spoken requests that hit the prefix cache; read every
+  :data:`ROW_CACHE_POLL_S` by :class:`RowCacheWatch` (absent for a stage whose engines
+  keep none).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -46,25 +49,25 @@ from vllm_omni_plugin.logger import init_logger
 logger = init_logger(__name__)
 
 STATUSES = ("up", "starting", "error", "down")
-#: Seconds between two reads of the entry engine's row cache counts
+#: Seconds between two reads of an engine's row cache counts
 ROW_CACHE_POLL_S = 10.0
 
 
 class RowCacheWatch:
-    """Reads the entry engine's row cache counts every :data:`ROW_CACHE_POLL_S` (through
+    """Reads the row cache counts of engines every :data:`ROW_CACHE_POLL_S` (through
     vLLM's ``collective_rpc`` of the worker's ``omni_row_cache_stats``), for the
-    collector to show; stops reading where no worker keeps a row cache.
+    collector to show per stage; stops reading an engine none of whose workers keeps a
+    row cache.
 
     Args:
-        engine: the head's entry engine (an ``AsyncLLM``).
-        stage_id: its stage.
+        engines: ``(stage_id, engine)`` per engine to read, ``engine`` a callable giving
+            its current ``AsyncLLM`` (a replica's engine is replaced when it restarts).
     """
 
-    def __init__(self, engine, stage_id: int) -> None:
-        self.engine = engine
-        self.stage_id = stage_id
-        #: the last counts read (:meth:`RowCache.stats`), None before the first
-        self.stats: dict[str, int] | None = None
+    def __init__(self, engines: list[tuple[int, Callable[[], object]]]) -> None:
+        self.engines = engines
+        #: per engine the last counts read (:meth:`RowCache.stats`), None before the first
+        self.stats: list[dict[str, int] | None] = [None] * len(engines)
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -77,18 +80,32 @@ class RowCacheWatch:
             self._task.cancel()
             self._task = None
 
+    def per_stage(self) -> dict[int, dict[str, int]]:
+        """Stage id -> its engines' last counts summed, for the stages with any read."""
+        totals: dict[int, dict[str, int]] = {}
+        for (stage_id, _), stats in zip(self.engines, self.stats, strict=True):
+            if stats is not None:
+                total = totals.setdefault(stage_id, dict.fromkeys(stats, 0))
+                for key, value in stats.items():
+                    total[key] += value
+        return totals
+
     async def _poll(self) -> None:
-        while True:
-            try:
-                answers = await asyncio.wait_for(
-                    self.engine.collective_rpc("omni_row_cache_stats"), ROW_CACHE_POLL_S)
-            except Exception as exc:  # the engine restarting or gone: try again later
-                logger.debug("row cache counts of stage %d not read: %s", self.stage_id, exc)
-            else:
+        reading = list(range(len(self.engines)))
+        while reading:
+            for i in list(reading):
+                stage_id, engine = self.engines[i]
+                try:
+                    answers = await asyncio.wait_for(
+                        engine().collective_rpc("omni_row_cache_stats"), ROW_CACHE_POLL_S)
+                except Exception as exc:  # the engine restarting or gone: try again later
+                    logger.debug("row cache counts of stage %d not read: %s", stage_id, exc)
+                    continue
                 kept = [a for a in answers if a]
-                if not kept:
-                    return  # no worker keeps a row cache
-                self.stats = kept[0]
+                if kept:
+                    self.stats[i] = kept[0]
+                else:  # no worker keeps a row cache
+                    reading.remove(i)
             await asyncio.sleep(ROW_CACHE_POLL_S)
 
 
@@ -170,28 +187,27 @@ class PoolCollector:
         yield from self._row_cache()
 
     def _row_cache(self):
-        watch = self.row_cache
-        stats = watch.stats if watch is not None else None
-        if stats is None:
+        stages = self.row_cache.per_stage() if self.row_cache is not None else {}
+        if not stages:
             return
-        stage = [str(watch.stage_id)]
         for name, kind, doc, key in (
                 ("row_cache_blocks", GaugeMetricFamily,
-                 "KV blocks whose rows the entry engine's row cache holds.", "blocks"),
+                 "KV blocks whose rows the stage's row caches hold.", "blocks"),
                 ("row_cache_bytes", GaugeMetricFamily,
-                 "Bytes of rows the entry engine's row cache holds.", "bytes"),
+                 "Bytes of rows the stage's row caches hold.", "bytes"),
                 ("row_cache_hit_blocks", CounterMetricFamily,
                  "KV blocks whose rows were handed to requests that hit the prefix cache.",
                  "hit_blocks")):
             family = kind(f"vllm_omni:{name}", doc, labels=["stage"])
-            family.add_metric(stage, stats[key])
+            for stage_id, stats in sorted(stages.items()):
+                family.add_metric([str(stage_id)], stats[key])
             yield family
 
 
 def register_collector(pools: dict, gate=None, insecure: bool = False,
                        row_cache: RowCacheWatch | None = None) -> PoolCollector:
     """Expose ``pools`` (stage id -> StagePool), the admission ``gate`` (an
-    ``AdmissionGate``), whether the control plane is ``insecure`` and the entry engine's
+    ``AdmissionGate``), whether the control plane is ``insecure`` and the engines'
     ``row_cache`` counts in ``prometheus_client``'s default registry, the one vLLM's
     ``/metrics`` serves; returns the collector for :func:`unregister_collector`."""
     from prometheus_client import REGISTRY
