@@ -36,8 +36,9 @@ from pathlib import Path
 from vllm_omni_plugin.config.placement import GIB
 
 #: the least share of its planned KV cache (tokens) a stage may get: the plan estimates
-#: activation peaks and overheads from the CPU build's scheduler limits (review 2, N6),
-#: so a GPU engine may get less; under this the plan is too optimistic to rely on
+#: activation peaks from vLLM's GPU scheduler defaults but leaves out the multimodal
+#: encoder's profile and CUDA graph pools beyond a flat overhead, so a GPU engine may get
+#: less; under this the plan is too optimistic to rely on
 KV_FLOOR = 0.8
 #: Seconds: bound on each child process (the released thinker loads 59 GiB of weights)
 TIMEOUT_S = 3600

@@ -146,6 +146,52 @@ def test_killed_engine_is_seen_and_replaced(tmp_path):
     assert supervisor.last_start_s is not None and replica.restart_eta is None
 
 
+def test_replicas_sharing_a_gpu_restart_one_after_another(tmp_path):
+    """Two replicas whose engines share a GPU (one start lock) both die: the second
+    restart starts its engine only after the first's start returned (vLLM's memory
+    profile of each would count the other's memory as taken), then both are up."""
+    async def scenario():
+        lock = threading.Lock()
+        release = threading.Event()
+        starts = []
+
+        class Blocking(Starter):
+            def __call__(self):
+                starts.append(self)
+                if len(starts) == 1:  # the first start takes until the test lets it go
+                    assert release.wait(LONG_WAIT)
+                return super().__call__()
+
+        supervised = []
+        for replica_id in (0, 1):
+            first = ProcessEngine()
+            replica = LocalReplica(1, replica_id, first, str(tmp_path))
+            up = asyncio.Event()
+            supervisor = LocalReplicaSupervisor(replica, Blocking(), up.set, 3, 0.01,
+                                                start_lock=lock)
+            supervisor.watch(asyncio.get_running_loop())
+            supervised.append((first, replica, supervisor, up))
+        for first, *_ in supervised:
+            first.kill()
+        try:
+            await until(lambda: len(starts) == 1 and all(
+                s.attempts == 1 for _, _, s, _ in supervised), LONG_WAIT,
+                what="both restarts under way, one engine starting")
+            with pytest.raises(AssertionError):  # the other waits for the GPU's lock
+                await until(lambda: len(starts) == 2, timeout=0.5)
+            release.set()
+            for *_, up in supervised:
+                await asyncio.wait_for(up.wait(), LONG_WAIT)
+            return len(starts), [s.restarts for _, _, s, _ in supervised]
+        finally:
+            release.set()
+            for _, replica, _, _ in supervised:
+                replica.close()
+                replica.release()
+
+    assert asyncio.run(scenario()) == (2, [1, 1])
+
+
 def test_failed_restarts_back_off_then_succeed(tmp_path):
     async def scenario():
         starter = Starter(failures=2)

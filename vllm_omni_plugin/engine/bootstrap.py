@@ -199,6 +199,11 @@ def build_head(entry_client, vllm_config, settings: OmniSettings, cluster) -> He
     except BaseException:
         store.close()
         raise
+    # a restart waits for the other engines of its lane (those sharing a GPU) to start
+    start_locks = {}
+    for lane in lanes:
+        lock = threading.Lock()
+        start_locks.update({(s.stage_id, replica_id): lock for s, replica_id in lane})
     supervisors = []
     for replica in replicas:
         stage = pipeline.stage(replica.stage_id)
@@ -206,7 +211,8 @@ def build_head(entry_client, vllm_config, settings: OmniSettings, cluster) -> He
         supervisors.append(LocalReplicaSupervisor(
             replica, lambda s=stage: start_stage_engine(s, bases[s.stage_id], settings).engine,
             pools[replica.stage_id].notify, stage.runtime.max_restarts,
-            stall_timeout=stall_timeout_of(stage, settings)))
+            stall_timeout=stall_timeout_of(stage, settings),
+            start_lock=start_locks[replica.stage_id, replica.replica_id]))
     admission = AdmissionGate(
         {s.stage_id: admission_bound(s, replicas, vllm_config) for s in downstream},
         conf.admission_timeout)

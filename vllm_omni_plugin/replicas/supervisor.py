@@ -26,6 +26,7 @@ after each restart, is given up rather than restarted forever.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -94,12 +95,18 @@ class LocalReplicaSupervisor:
             each further failed start in a row, at most :data:`MAX_BACKOFF_S`.
         stall_timeout: Seconds the engine may leave a liveness probe unanswered before
             it is killed as stalled (:class:`~.liveness.StallWatch`); 0: not probed.
+        start_lock: Held while a new engine starts: one lock shared by the replicas whose
+            engines share a GPU, so that two restarts there do not run vLLM's memory
+            profile side by side (each would count the other's memory as taken, as at
+            start-up, where such engines start one after another); None: not shared.
     """
 
     def __init__(self, replica: LocalReplica, start_engine: Callable[[], object],
                  on_up: Callable[[], None], max_restarts: int, backoff_s: float = 1.0,
-                 stall_timeout: float = 0.0) -> None:
+                 stall_timeout: float = 0.0, start_lock: threading.Lock | None = None
+                 ) -> None:
         self.replica = replica
+        self.start_lock = start_lock
         self.stall_timeout = stall_timeout
         replica.supervisor = self
         self.start_engine = start_engine
@@ -174,6 +181,11 @@ class LocalReplicaSupervisor:
             return 0.0
         return min(self.backoff_s * 2.0 ** (self.failed_in_row - 1), MAX_BACKOFF_S)
 
+    def _start(self):
+        """A new engine, started while holding :attr:`start_lock` (a worker thread)."""
+        with self.start_lock or contextlib.nullcontext():
+            return self.start_engine()
+
     async def _restart(self, dead_engine) -> None:
         replica = self.replica
         await asyncio.to_thread(_shutdown, dead_engine, replica.name)
@@ -200,7 +212,7 @@ class LocalReplicaSupervisor:
                         self.attempts, self.max_restarts)
             start = time.monotonic()
             try:
-                engine = await asyncio.to_thread(self.start_engine)
+                engine = await asyncio.to_thread(self._start)
             except Exception as exc:
                 self.failed_in_row += 1
                 logger.error("%s: restart failed: %s", replica.name, exc)
