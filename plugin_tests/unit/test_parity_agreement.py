@@ -15,6 +15,7 @@ from plugin_tests.engine.pipeline_reference import (
     TALKER_FRAMES,
     HFSpeech,
     agreement,
+    first_near_tie,
 )
 
 FRAMES, GROUPS = 3, 16
@@ -110,3 +111,20 @@ def test_hf_must_have_followed_the_served_answer():
         _compare(tokens[:2], codes, waveform, forced).problem
     assert "HF forced along codes" in \
         _compare(tokens, codes, waveform, forced._replace(codes=codes[:2])).problem
+
+
+def test_the_first_near_tie_is_the_first_frame_hf_chose_by_a_hairs_breadth():
+    """``first_near_tie``: the frame count when every choice is clear; else the first
+    frame where code 0 (after HF's mask: a tie among suppressed ids is no choice HF
+    could make) or a residual code was chosen by a gap under the float32 near tie."""
+    _, codes, _, forced = _answer()
+    logits = forced.code_logits
+    assert first_near_tie(logits, codes, MODEL) == FRAMES
+    logits[0][0][SUPPRESSED:SUPPRESSED + 2] = 9.0  # suppressed: not a choice HF had
+    assert first_near_tie(logits, codes, MODEL) == FRAMES
+    logits[5][2][int(logits[5][2].argmax()) + 1] = 1.0 - TOL.residual / 2
+    assert first_near_tie(logits, codes, MODEL) == 2
+    logits[0][1][int(codes[1, 0]) + 1] = 1.0 - TOL.code0 / 2
+    assert first_near_tie(logits, codes, MODEL) == 1
+    logits[0][1][int(codes[1, 0]) + 1] = 1.0 - TOL.code0 * 2  # a clear choice again
+    assert first_near_tie(logits, codes, MODEL) == 2
